@@ -1,0 +1,238 @@
+"""The adapter contract: one family's image processing behind one small interface (DESIGN §4).
+
+An adapter wraps the model's own HF image processor (never a re-implementation)
+and knows the family's tensor names, grid shape and placeholder arithmetic. The
+server plugin and the trainer library both resolve refs through
+:meth:`ImageAdapter.resolve_raw`, so the two sides compute pixels by one code path.
+
+Imports torch and transformers (unlike the rest of :mod:`protocol`).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from PIL import Image
+
+from protocol.errors import (
+    FingerprintMismatch,
+    GridMismatch,
+    ImageUnreadable,
+    InvalidRef,
+    UnsupportedFamily,
+)
+from protocol.fingerprint import layout_fingerprint
+from protocol.images import DEFAULT_MAX_IMAGE_PIXELS, load_image
+from protocol.refs import RawRefBody, format_mmraw
+from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore
+from protocol.structs import RawMMRef
+
+__all__ = ["ImageAdapter", "ProcessedImage"]
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    """One image's processed features, exactly as the model consumes them.
+
+    ``tensors`` maps the family's HF field names to tensors for this single image,
+    e.g. Qwen-VL ``pixel_values`` float32 ``[t*h*w, C*T*P*P]`` and ``image_grid_thw``
+    int64 ``[1, 3]``.
+    """
+
+    tensors: Mapping[str, torch.Tensor]
+    grid: tuple[int, ...]
+    num_placeholders: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class ImageAdapter(ABC):
+    """Base class of the per-family adapters.
+
+    Args:
+        image_processor: the model's HF image processor instance (the server passes the
+            one vLLM itself uses, the trainer loads it from the model folder).
+        family: the HF ``model_type`` this adapter serves, e.g. ``"qwen2_vl"``.
+        device: where the processor computes (torchvision backend only); part of the
+            fingerprint, since CPU and CUDA pixels differ by a few uint8 steps.
+    """
+
+    model_types: ClassVar[tuple[str, ...]]
+    """HF ``model_type`` values this adapter class serves (the registry's keys)."""
+    grid_field: ClassVar[str]
+    """Name of the grid tensor and of the grid key in the ref payload."""
+
+    def __init__(self, image_processor: Any, *, family: str, device: str = "cpu") -> None:
+        if family not in self.model_types:
+            raise UnsupportedFamily(f"{type(self).__name__} serves {list(self.model_types)}, not {family!r}")
+        self.image_processor = image_processor
+        self.family = family
+        self.device = device
+        self.fingerprint = layout_fingerprint(
+            family=family,
+            processor_class=type(image_processor).__name__,
+            backend=self.backend,
+            device=device,
+            fields=self.fingerprint_fields(),
+        )
+
+    @property
+    def backend(self) -> str:
+        """``"torchvision"`` or ``"pil"``: which transformers backend computes pixels."""
+        from transformers.image_processing_backends import TorchvisionBackend
+
+        return "torchvision" if isinstance(self.image_processor, TorchvisionBackend) else "pil"
+
+    # --- family specifics -------------------------------------------------------------
+
+    @abstractmethod
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """Every processor field that changes pixels or grids."""
+
+    @abstractmethod
+    def grid_for_size(self, width: int, height: int) -> tuple[int, ...]:
+        """The grid the processor will produce for an RGB image of this size (pixels)."""
+
+    @abstractmethod
+    def num_placeholders(self, grid: Sequence[int]) -> int:
+        """Placeholder tokens one image with this grid takes in the prompt."""
+
+    @abstractmethod
+    def process(self, image: Image.Image, *, device_normalize: bool = False) -> ProcessedImage:
+        """Run the HF image processor on one RGB image.
+
+        Args:
+            device_normalize: produce what vLLM's processor produces when
+                ``mm_device_do_normalize`` is on (no rescale/normalize; the model
+                normalizes on device). The trainer always uses False.
+        """
+
+    @abstractmethod
+    def synthesize_placeholder(self, grid: Sequence[int]) -> ProcessedImage:
+        """Zero features of the right shapes and dtypes for ``grid`` (missing-image policy)."""
+
+    @abstractmethod
+    def placeholder_token_id(self, hf_config: Any) -> int:
+        """The image placeholder token id (e.g. ``<|image_pad|>``) from the model's HF config."""
+
+    # --- shared behaviour -------------------------------------------------------------
+
+    def payload(self, grid: Sequence[int]) -> dict[str, list[int]]:
+        """The adapter-owned ref payload for ``grid``."""
+        return {self.grid_field: [int(g) for g in grid]}
+
+    def grid_from_payload(self, payload: Mapping[str, Any], *, ref: str | None = None) -> tuple[int, ...]:
+        """Read and validate the grid a ref payload claims.
+
+        Raises:
+            InvalidRef: missing/extra keys or a grid that is not positive ints of the right length.
+        """
+        grid = payload.get(self.grid_field) if set(payload) == {self.grid_field} else None
+        if (
+            not isinstance(grid, list)
+            or len(grid) != self.grid_len
+            or not all(type(g) is int and 0 < g < 1 << 20 for g in grid)
+        ):
+            raise InvalidRef(
+                f"{self.family} payload must be {{{self.grid_field!r}: [{self.grid_len} positive ints]}}, "
+                f"got {str(dict(payload))[:120]}",
+                ref=ref,
+            )
+        return tuple(grid)
+
+    grid_len: ClassVar[int] = 3
+    """Entries in one image's grid (Qwen ``[t, h, w]``: 3; Kimi-VL ``[h, w]``: 2)."""
+
+    def check_ref(self, body: RawRefBody, *, ref: str | None = None) -> tuple[int, ...]:
+        """Check a ref's family and fingerprint against this adapter; return its claimed grid.
+
+        Raises:
+            UnsupportedFamily: the ref is for another family.
+            FingerprintMismatch: the ref names a fingerprint other than this adapter's.
+            InvalidRef: the payload does not parse.
+        """
+        if body.family != self.family:
+            raise UnsupportedFamily(
+                f"ref family {body.family!r} is not the served family {self.family!r}", ref=ref
+            )
+        if body.fingerprint is not None and body.fingerprint != self.fingerprint:
+            raise FingerprintMismatch(
+                f"ref fingerprint {body.fingerprint} != {self.family} layout fingerprint "
+                f"{self.fingerprint} (processor, backend, device or library versions differ)",
+                ref=ref,
+            )
+        return self.grid_from_payload(body.payload, ref=ref)
+
+    def resolve_raw(
+        self,
+        body: RawRefBody,
+        store: AssetStore,
+        *,
+        ref: str | None = None,
+        device_normalize: bool = False,
+        max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ) -> ProcessedImage:
+        """Resolve an ``mmraw`` ref: confined read, hash check, vLLM-style decode, processor, grid check.
+
+        This is the one path both the server and the trainer take.
+
+        Raises:
+            UnsupportedFamily, FingerprintMismatch, InvalidRef: see :meth:`check_ref`.
+            AssetOutsideRoot, AssetNotFound, AssetTooLarge, HashMismatch: see
+                :meth:`protocol.store.AssetStore.read_verified`.
+            ImageUnreadable, AssetTooLarge: see :func:`protocol.images.load_image`.
+            GridMismatch: the processor's grid differs from the ref's payload.
+        """
+        claimed = self.check_ref(body, ref=ref)
+        data = store.read_verified(body.raw_image_uri, body.mm_hash, max_bytes=max_bytes, ref=ref)
+        image = load_image(data, max_pixels=max_pixels, ref=ref)
+        try:
+            processed = self.process(image, device_normalize=device_normalize)
+        except ValueError as e:  # e.g. smart_resize: aspect ratio > 200
+            raise ImageUnreadable(f"{self.family} processor refused the image: {e}", ref=ref) from e
+        if processed.grid != claimed:
+            raise GridMismatch(
+                f"ref claims {self.grid_field} {list(claimed)}, processor gives {list(processed.grid)}",
+                ref=ref,
+            )
+        return processed
+
+    def offload(self, image: bytes | os.PathLike[str] | str, store: AssetStore) -> RawMMRef:
+        """Store a raw image and return its ``mmraw`` :class:`RawMMRef` (grid from its decoded size).
+
+        Raises:
+            ImageUnreadable, AssetTooLarge: the image cannot be decoded or is too large.
+        """
+        stored = store.put_image(image)
+        decoded = load_image(stored.path.read_bytes())
+        grid = self.grid_for_size(decoded.width, decoded.height)
+        body = RawRefBody(
+            family=self.family,
+            modality="image",
+            mm_hash=stored.mm_hash,
+            payload=self.payload(grid),
+            raw_image_uri=stored.uri,
+            fingerprint=self.fingerprint,
+        )
+        return RawMMRef(
+            ref=format_mmraw(body),
+            sha256=stored.sha256,
+            media_type=stored.media_type,
+            grid=list(grid),
+            num_placeholders=self.num_placeholders(grid),
+        )
+
+    def collate(self, items: Sequence[ProcessedImage]) -> dict[str, torch.Tensor]:
+        """Concatenate per-image tensors along dim 0, in order (the model's batched input)."""
+        if not items:
+            raise ValueError("collate() needs at least one image")
+        return {k: torch.cat([it.tensors[k] for it in items]) for k in items[0].tensors}

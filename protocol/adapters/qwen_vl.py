@@ -1,0 +1,103 @@
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: one adapter, transformers' ``Qwen2VLImageProcessor``.
+
+All three families use transformers' ``Qwen2VLImageProcessor`` (torchvision backend)
+or ``Qwen2VLImageProcessorPil`` (PIL backend) with different configs (Qwen2/2.5: patch
+14, CLIP mean/std; Qwen3: patch 16, mean/std 0.5). Layout (transformers
+``image_processing_qwen2_vl.py``; vLLM ``qwen2_vl.py::_create_qwen2vl_field_factory``):
+
+- ``pixel_values``: float32 ``[t*h*w, C * temporal_patch_size * patch_size**2]``
+- ``image_grid_thw``: int64 ``[1, 3]`` = ``[t, h, w]`` in patches
+- placeholders: ``t*h*w // merge_size**2`` ``<|image_pad|>`` tokens per image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+from protocol.adapters.base import ImageAdapter, ProcessedImage
+
+__all__ = ["QwenVLAdapter"]
+
+_PIXEL_FIELDS = (
+    "do_resize",
+    "resample",
+    "size",
+    "do_rescale",
+    "rescale_factor",
+    "do_normalize",
+    "image_mean",
+    "image_std",
+    "do_convert_rgb",
+    "patch_size",
+    "temporal_patch_size",
+    "merge_size",
+)
+
+
+class QwenVLAdapter(ImageAdapter):
+    """Adapter for ``qwen2_vl``, ``qwen2_5_vl`` and ``qwen3_vl``."""
+
+    model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+    grid_field: ClassVar[str] = "image_grid_thw"
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        p = self.image_processor
+        fields = {name: getattr(p, name, None) for name in _PIXEL_FIELDS}
+        fields["size"] = dict(p.size) if p.size is not None else None
+        return fields
+
+    def grid_for_size(self, width: int, height: int) -> tuple[int, int, int]:
+        """``[1, h, w]`` from transformers' ``smart_resize`` (factor = patch * merge).
+
+        Raises:
+            ValueError: aspect ratio above 200 (from ``smart_resize``).
+        """
+        p = self.image_processor
+        rh, rw = smart_resize(
+            height,
+            width,
+            factor=p.patch_size * p.merge_size,
+            min_pixels=p.size["shortest_edge"],
+            max_pixels=p.size["longest_edge"],
+        )
+        return (1, rh // p.patch_size, rw // p.patch_size)
+
+    def num_placeholders(self, grid: Sequence[int]) -> int:
+        t, h, w = grid
+        return t * h * w // self.image_processor.merge_size**2
+
+    def process(self, image: Image.Image, *, device_normalize: bool = False) -> ProcessedImage:
+        kwargs: dict[str, Any] = {"return_tensors": "pt"}
+        if device_normalize:  # what vLLM's MultiModalConfig.merge_mm_processor_kwargs passes
+            kwargs.update(do_rescale=False, do_normalize=False)
+        if self.backend == "torchvision":
+            kwargs["device"] = self.device
+        out = self.image_processor(images=[image], **kwargs)
+        grid_thw = out["image_grid_thw"]
+        grid = tuple(int(g) for g in grid_thw[0])
+        return ProcessedImage(
+            tensors={"pixel_values": out["pixel_values"], "image_grid_thw": grid_thw},
+            grid=grid,
+            num_placeholders=self.num_placeholders(grid),
+        )
+
+    def synthesize_placeholder(self, grid: Sequence[int]) -> ProcessedImage:
+        p = self.image_processor
+        t, h, w = (int(g) for g in grid)
+        dim = 3 * p.temporal_patch_size * p.patch_size**2
+        return ProcessedImage(
+            tensors={
+                "pixel_values": torch.zeros((t * h * w, dim), dtype=torch.float32),
+                "image_grid_thw": torch.tensor([[t, h, w]], dtype=torch.int64),
+            },
+            grid=(t, h, w),
+            num_placeholders=self.num_placeholders(grid),
+        )
+
+    def placeholder_token_id(self, hf_config: Any) -> int:
+        return int(hf_config.image_token_id)

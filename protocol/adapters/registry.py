@@ -1,0 +1,70 @@
+"""One table from HF ``model_type`` to adapter class, and the loaders built on it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from protocol.adapters.base import ImageAdapter
+from protocol.adapters.qwen_vl import QwenVLAdapter
+from protocol.errors import UnsupportedFamily
+
+__all__ = ["ADAPTERS", "adapter_class", "load_adapter", "supported_families"]
+
+ADAPTERS: dict[str, type[ImageAdapter]] = {
+    "qwen2_vl": QwenVLAdapter,
+    "qwen2_5_vl": QwenVLAdapter,
+    "qwen3_vl": QwenVLAdapter,
+}
+
+
+def supported_families() -> list[str]:
+    """Sorted HF ``model_type`` values that have an adapter."""
+    return sorted(ADAPTERS)
+
+
+def adapter_class(model_type: str) -> type[ImageAdapter]:
+    """The adapter class for an HF ``model_type``.
+
+    Raises:
+        UnsupportedFamily: no adapter; the message lists the supported types.
+    """
+    try:
+        return ADAPTERS[model_type]
+    except KeyError:
+        raise UnsupportedFamily(
+            f"no adapter for model_type {model_type!r}; supported: {supported_families()}"
+        ) from None
+
+
+def load_adapter(
+    model: str | os.PathLike[str],
+    *,
+    backend: str | None = None,
+    device: str = "cpu",
+    image_processor: Any = None,
+) -> ImageAdapter:
+    """Build the adapter for a local HF model folder (its ``config.json`` ``model_type``).
+
+    Args:
+        model: local model folder (no hub access).
+        backend: ``"torchvision"`` | ``"pil"`` | None (transformers' default, torchvision when
+            installed, which is also what vLLM uses).
+        device: processor device (torchvision backend).
+        image_processor: use this processor instance instead of loading one (the server
+            passes vLLM's own).
+
+    Raises:
+        UnsupportedFamily: the model type has no adapter.
+        FileNotFoundError: no ``config.json`` in ``model``.
+    """
+    config = json.loads((Path(model) / "config.json").read_text())
+    model_type = config.get("model_type", "")
+    cls = adapter_class(model_type)
+    if image_processor is None:
+        from transformers import AutoImageProcessor
+
+        image_processor = AutoImageProcessor.from_pretrained(model, backend=backend, local_files_only=True)
+    return cls(image_processor, family=model_type, device=device)

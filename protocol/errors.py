@@ -1,0 +1,170 @@
+"""Typed errors shared by the server plugin and the trainer library.
+
+Every error carries a stable machine-readable ``code`` (the server returns it in
+``{"error": {"code", "message", "ref"}}``), the HTTP status the server maps it
+to, and the offending ``ref`` (or value). Each subclasses the builtin it
+resembles, so ``except FileNotFoundError`` keeps working for callers that do
+not know this module::
+
+    MMRefError(Exception)                                    -      -
+    ├── InvalidRequest(MMRefError, ValueError)               400    invalid_request
+    ├── InvalidRef(MMRefError, ValueError)                   400    invalid_ref
+    ├── UnsupportedFamily(MMRefError, ValueError)            400    unsupported_family
+    ├── AssetOutsideRoot(MMRefError, PermissionError)        403    outside_root
+    ├── AssetNotFound(MMRefError, FileNotFoundError)         404    asset_not_found
+    ├── NotCached(MMRefError, LookupError)                   404    not_cached
+    ├── HashMismatch(MMRefError, ValueError)                 409    hash_mismatch
+    ├── FingerprintMismatch(MMRefError, ValueError)          409    fingerprint_mismatch
+    ├── AssetTooLarge(MMRefError, ValueError)                413    asset_too_large
+    ├── ImageUnreadable(MMRefError, ValueError)              422    image_unreadable
+    ├── GridMismatch(MMRefError, ValueError)                 422    grid_mismatch
+    └── PlaceholderMismatch(MMRefError, ValueError)          422    placeholder_mismatch
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+__all__ = [
+    "AssetNotFound",
+    "AssetOutsideRoot",
+    "AssetTooLarge",
+    "FingerprintMismatch",
+    "GridMismatch",
+    "HashMismatch",
+    "ImageUnreadable",
+    "InvalidRef",
+    "InvalidRequest",
+    "MMRefError",
+    "NotCached",
+    "PlaceholderMismatch",
+    "UnsupportedFamily",
+    "all_error_types",
+]
+
+
+class MMRefError(Exception):
+    """Base class: a ref, an asset or a request that cannot be used as given.
+
+    Args:
+        message: human-readable explanation, naming the offending values.
+        ref: the ref string (or value) the error is about, if any. Long refs are
+            kept whole here; the HTTP layer truncates what it echoes.
+    """
+
+    code: ClassVar[str] = "mmref_error"
+    http_status: ClassVar[int] = 400
+
+    def __init__(self, message: str, *, ref: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.ref = ref
+
+    def __reduce__(self):  # keep ``ref`` across pickling (process pools, torch.distributed)
+        return (_rebuild, (type(self), self.message, self.ref))
+
+
+def _rebuild(cls: type[MMRefError], message: str, ref: str | None) -> MMRefError:
+    return cls(message, ref=ref)
+
+
+class InvalidRequest(MMRefError, ValueError):
+    """The request body is malformed (bad JSON/msgpack, wrong types, inconsistent fields)."""
+
+    code = "invalid_request"
+    http_status = 400
+
+
+class InvalidRef(MMRefError, ValueError):
+    """A ref string or one of its ids does not parse or fails the safe-id rules (DESIGN §2)."""
+
+    code = "invalid_ref"
+    http_status = 400
+
+
+class UnsupportedFamily(MMRefError, ValueError):
+    """The ref's family (or a model's ``model_type``) has no adapter here, or is not served."""
+
+    code = "unsupported_family"
+    http_status = 400
+
+
+class AssetOutsideRoot(MMRefError, PermissionError):
+    """The ref points outside the configured asset root (after resolving symlinks)."""
+
+    code = "outside_root"
+    http_status = 403
+
+
+class AssetNotFound(MMRefError, FileNotFoundError):
+    """The referenced image or feature file does not exist."""
+
+    code = "asset_not_found"
+    http_status = 404
+
+
+class NotCached(MMRefError, LookupError):
+    """A cache-only item (``kwargs_data`` slot ``null``) whose hash the server does not hold."""
+
+    code = "not_cached"
+    http_status = 404
+
+
+class HashMismatch(MMRefError, ValueError):
+    """The file's sha256 does not match the hash the ref claims."""
+
+    code = "hash_mismatch"
+    http_status = 409
+
+
+class FingerprintMismatch(MMRefError, ValueError):
+    """The ref was made for another processor layout (fingerprint) than the one in use."""
+
+    code = "fingerprint_mismatch"
+    http_status = 409
+
+
+class AssetTooLarge(MMRefError, ValueError):
+    """The file or the decoded image exceeds a configured size or pixel limit."""
+
+    code = "asset_too_large"
+    http_status = 413
+
+
+class ImageUnreadable(MMRefError, ValueError):
+    """The bytes are not a decodable image (truncated, corrupt, unknown format)."""
+
+    code = "image_unreadable"
+    http_status = 422
+
+
+class GridMismatch(MMRefError, ValueError):
+    """The grid the ref claims differs from the grid the processor produces."""
+
+    code = "grid_mismatch"
+    http_status = 422
+
+
+class PlaceholderMismatch(MMRefError, ValueError):
+    """The prompt's placeholder tokens do not match the refs' placeholder counts."""
+
+    code = "placeholder_mismatch"
+    http_status = 422
+
+
+def all_error_types() -> list[type[MMRefError]]:
+    """Every concrete error class, in declaration order (codes are unique; tested)."""
+    return [
+        InvalidRequest,
+        InvalidRef,
+        UnsupportedFamily,
+        AssetOutsideRoot,
+        AssetNotFound,
+        NotCached,
+        HashMismatch,
+        FingerprintMismatch,
+        AssetTooLarge,
+        ImageUnreadable,
+        GridMismatch,
+        PlaceholderMismatch,
+    ]

@@ -1,0 +1,162 @@
+"""The content-addressed asset store on shared disk (DESIGN §1).
+
+Layout under an absolute ``<asset_root>`` (``<output_root>/run_<RUN_ID>/assets``)::
+
+    images/<sha256(file bytes)[:16]><ext>     raw bytes as received; .jpg .png .webp .gif, else .img
+    mm_features/v1/vllm-mmitem/<fingerprint>/<modality>/<mm_hash[:2]>/<mm_hash>.msgpack
+
+Writers are idempotent (an existing file is kept and its mtime refreshed) and
+atomic (temp file in the same folder + ``os.replace``). Readers confine every
+path to the root after resolving symlinks and check the content hash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.errors import AssetNotFound, AssetOutsideRoot, AssetTooLarge, HashMismatch
+from protocol.images import sniff_media_type
+from protocol.refs import file_uri_to_path
+
+__all__ = ["DEFAULT_MAX_IMAGE_BYTES", "AssetStore", "StoredImage", "atomic_write"]
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+_FILE_MODE = 0o666 & ~_UMASK
+
+DEFAULT_MAX_IMAGE_BYTES = 64 * 1024 * 1024
+"""Largest image file read (bytes); larger files raise :class:`AssetTooLarge`."""
+
+
+@dataclass(frozen=True)
+class StoredImage:
+    """An image written to (or found in) the store."""
+
+    sha256: str
+    """Full lowercase hex sha256 of the file bytes."""
+    path: Path
+    """Absolute path of the file."""
+    media_type: str
+    """E.g. ``"image/jpeg"``, sniffed from the header."""
+    nbytes: int
+
+    @property
+    def uri(self) -> str:
+        """Absolute ``file://`` URI (``Path.resolve().as_uri()``)."""
+        return self.path.as_uri()
+
+    @property
+    def mm_hash(self) -> str:
+        """``sha256[:32]``, the hash an ``mmraw`` ref carries."""
+        return self.sha256[:32]
+
+
+def atomic_write(path: Path, data: bytes) -> bool:
+    """Write ``data`` to ``path`` atomically unless it exists; refresh mtime if it does.
+
+    Returns:
+        True when the file was written, False when it already existed.
+    """
+    if path.exists():
+        os.utime(path)
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, _FILE_MODE)  # mkstemp makes 0600; readers may be other users
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return True
+
+
+class AssetStore:
+    """One asset root: writes images, confines and verifies reads.
+
+    Args:
+        root: the asset root; made absolute with ``Path.resolve()`` (a relative
+            output dir never yields a relative ``file://`` URI).
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).resolve()
+
+    @property
+    def images_dir(self) -> Path:
+        return self.root / "images"
+
+    def put_image(self, image: bytes | os.PathLike[str] | str) -> StoredImage:
+        """Store raw image bytes (or a file's bytes) under ``images/``; idempotent and atomic.
+
+        Raises:
+            ImageUnreadable: the bytes are not an allowed image format.
+        """
+        data = image if isinstance(image, bytes) else Path(image).read_bytes()
+        media_type, ext = sniff_media_type(data)
+        digest = hashlib.sha256(data).hexdigest()
+        path = self.images_dir / f"{digest[:16]}{ext}"
+        atomic_write(path, data)
+        return StoredImage(sha256=digest, path=path, media_type=media_type, nbytes=len(data))
+
+    def confine(self, path: str | os.PathLike[str], *, ref: str | None = None) -> Path:
+        """Resolve ``path`` (symlinks included) and require it to stay inside the root.
+
+        Raises:
+            AssetOutsideRoot: the resolved path is outside the root.
+            AssetNotFound: the path does not exist.
+        """
+        resolved = Path(os.path.realpath(path))
+        if resolved != self.root and self.root not in resolved.parents:
+            raise AssetOutsideRoot(
+                f"{str(path)[:200]!r} resolves outside the asset root {str(self.root)!r}", ref=ref
+            )
+        if not resolved.is_file():
+            raise AssetNotFound(f"no file at {str(path)[:200]!r}", ref=ref)
+        return resolved
+
+    def read_verified(
+        self,
+        uri: str,
+        mm_hash: str,
+        *,
+        max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+        ref: str | None = None,
+    ) -> bytes:
+        """Read the file a ``file://`` URI names, confined to the root, and check its hash.
+
+        Args:
+            uri: absolute ``file://`` URI.
+            mm_hash: expected lowercase hex prefix of ``sha256(bytes)`` (16..64 chars).
+            max_bytes: refuse larger files before reading them.
+
+        Raises:
+            InvalidRef: not an absolute local ``file://`` URI.
+            AssetOutsideRoot, AssetNotFound: see :meth:`confine`.
+            AssetTooLarge: the file exceeds ``max_bytes``.
+            HashMismatch: the bytes do not hash to ``mm_hash``.
+        """
+        path = self.confine(file_uri_to_path(uri, ref=ref), ref=ref)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError as e:
+            raise AssetNotFound(f"no file at {str(path)!r}", ref=ref) from e
+        except OSError as e:  # a symlink swapped in after confine(): ELOOP
+            raise AssetOutsideRoot(f"{str(path)!r} changed while being opened: {e}", ref=ref) from e
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise AssetTooLarge(f"file is {size} bytes, limit {max_bytes}", ref=ref)
+            data = f.read(max_bytes + 1)
+        digest = hashlib.sha256(data).hexdigest()
+        if len(mm_hash) > len(digest) or not digest.startswith(mm_hash):
+            raise HashMismatch(f"file sha256 {digest[: len(mm_hash)]} != ref hash {mm_hash}", ref=ref)
+        return data

@@ -1,0 +1,191 @@
+"""Protocol structs (DESIGN §3): msgspec, strict decoding, msgpack on the wire, JSON on HTTP.
+
+Request/control structs are ``frozen, kw_only, forbid_unknown_fields``; bulk
+structs (:class:`TrainingSample`, :class:`MicroBatch`) are ``array_like`` with
+``gc=False``, and new fields may only be appended with defaults.
+Cross-field rules live in ``__post_init__`` (a ``ValueError`` there becomes
+``msgspec.ValidationError`` on decode).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+import numpy as np
+from msgspec import Meta
+
+from protocol.refs import FAMILY_RE, FINGERPRINT_RE, is_ref
+
+__all__ = [
+    "EncodedTensor",
+    "MMRefs",
+    "MicroBatch",
+    "RawMMItem",
+    "RawMMRef",
+    "TrainingSample",
+    "decode_microbatch",
+    "decode_sample",
+    "encode",
+]
+
+_SHA256_RE = re.compile(r"^[a-f0-9]{64}$")
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosInt = Annotated[int, Meta(ge=1)]
+
+
+class RawMMRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One image of a prompt, by reference.
+
+    Example (Qwen2-VL, a 1024x768 JPEG)::
+
+        RawMMRef(ref="mmraw:eyJm...", modality="image", sha256="3f1c...(64 hex)",
+                 media_type="image/jpeg", grid=[1, 54, 74], num_placeholders=999)
+    """
+
+    ref: str
+    """An ``mmraw:`` or ``mmfile:v1:`` ref string (:mod:`protocol.refs`)."""
+    modality: Literal["image"] = "image"
+    sha256: str
+    """Full lowercase hex sha256 of the raw image file."""
+    media_type: str
+    """E.g. ``"image/jpeg"``."""
+    grid: list[PosInt]
+    """Adapter grid: Qwen ``[t, h, w]`` in patches; Kimi-VL ``[h, w]``."""
+    num_placeholders: PosInt
+    """Placeholder tokens this image takes in the prompt (Qwen: ``t*h*w // merge**2``)."""
+
+    def __post_init__(self) -> None:
+        if not is_ref(self.ref):
+            raise ValueError(f"ref {self.ref[:40]!r} is not an mmraw:/mmfile:v1: ref")
+        if not _SHA256_RE.match(self.sha256):
+            raise ValueError("sha256 must be 64 lowercase hex characters")
+
+
+class RawMMItem(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind", tag="raw_mm_item"
+):
+    """Trainer-side envelope of one raw item: ``{"kind": "raw_mm_item", "version": 1, ...}``.
+
+    ``payload`` is adapter-owned and must not carry pixels: legacy eager payloads
+    (``pixel_values`` inline) are rejected.
+    """
+
+    version: Literal[1] = 1
+    family: str
+    fingerprint: str
+    payload: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        if not FAMILY_RE.match(self.family):
+            raise ValueError(f"family {self.family[:40]!r} does not match {FAMILY_RE.pattern}")
+        if not FINGERPRINT_RE.match(self.fingerprint):
+            raise ValueError("fingerprint must be 16-64 lowercase hex characters")
+        eager = {"pixel_values", "image_embeds"} & set(self.payload)
+        if eager:
+            raise ValueError(f"eager pixel payloads are not accepted (fields {sorted(eager)})")
+
+
+class MMRefs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The images of one sample, in prompt order."""
+
+    items: list[RawMMRef]
+    mm_token_type_ids: list[Annotated[int, Meta(ge=0, le=1)]] | None = None
+    """Per prompt token: 0 text, 1 image placeholder. Locates image runs without trusting
+    raw token ids (a text token equal to the placeholder id is not an image)."""
+
+
+class EncodedTensor(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """A tensor on the wire: dtype name, shape, little-endian C-order bytes. No torch needed."""
+
+    dtype: str
+    """numpy dtype name, e.g. ``"float32"``, ``"int64"``, ``"uint8"``."""
+    shape: list[NonNegInt]
+    data: bytes
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> EncodedTensor:
+        a = np.ascontiguousarray(array)
+        a = a.astype(a.dtype.newbyteorder("<"), copy=False)
+        return cls(dtype=a.dtype.name, shape=list(a.shape), data=a.tobytes())
+
+    def to_numpy(self) -> np.ndarray:
+        """Zero-copy read-only view of the bytes.
+
+        Raises:
+            ValueError: the byte count does not match dtype and shape.
+        """
+        dtype = np.dtype(self.dtype).newbyteorder("<")
+        expected = int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
+        if expected != len(self.data):
+            raise ValueError(f"{len(self.data)} bytes for {self.dtype}{self.shape} ({expected})")
+        return np.frombuffer(self.data, dtype=dtype).reshape(self.shape)
+
+
+class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, omit_defaults=True):
+    """One rollout sample as the trainer receives it. Per-token lists have one length."""
+
+    input_ids: list[NonNegInt]
+    loss_mask: list[bool]
+    advantages: list[float]
+    inference_logprobs: list[float]
+    mm_refs: MMRefs | None = None
+    run_id: str = ""
+    lora_id: str | None = None
+    is_padding: bool = False
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        for name in ("loss_mask", "advantages", "inference_logprobs"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, input_ids {n}")
+        if self.mm_refs is not None and self.mm_refs.mm_token_type_ids is not None:
+            if len(self.mm_refs.mm_token_type_ids) != n:
+                raise ValueError("mm_token_type_ids must have one entry per input id")
+
+
+class MicroBatch(msgspec.Struct, kw_only=True, array_like=True, gc=False, omit_defaults=True):
+    """Samples packed into one sequence; ``seq_lens`` marks the boundaries."""
+
+    input_ids: list[NonNegInt]
+    loss_mask: list[bool]
+    advantages: list[float]
+    inference_logprobs: list[float]
+    seq_lens: list[PosInt]
+    """One entry per packed sample; ``sum(seq_lens) == len(input_ids)``."""
+    sample_count: NonNegInt
+    mm_refs: list[RawMMRef] = msgspec.field(default_factory=list)
+    """Every sample's refs, concatenated in sample order."""
+    position_ids: list[list[int]] | None = None
+    """Optional ``[rows][L]`` positions (Qwen MRoPE: 4 rows)."""
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        for name in ("loss_mask", "advantages", "inference_logprobs"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries, input_ids {n}")
+        if sum(self.seq_lens) != n:
+            raise ValueError(f"seq_lens sum to {sum(self.seq_lens)}, input_ids has {n}")
+        if len(self.seq_lens) != self.sample_count:
+            raise ValueError(f"{len(self.seq_lens)} seq_lens for sample_count {self.sample_count}")
+
+
+_encoder = msgspec.msgpack.Encoder()
+_sample_decoder = msgspec.msgpack.Decoder(TrainingSample)
+_microbatch_decoder = msgspec.msgpack.Decoder(MicroBatch)
+
+
+def encode(obj: msgspec.Struct) -> bytes:
+    """msgpack-encode any protocol struct."""
+    return _encoder.encode(obj)
+
+
+def decode_sample(data: bytes) -> TrainingSample:
+    """Decode and validate a msgpack :class:`TrainingSample` (raises ``msgspec.ValidationError``)."""
+    return _sample_decoder.decode(data)
+
+
+def decode_microbatch(data: bytes) -> MicroBatch:
+    """Decode and validate a msgpack :class:`MicroBatch` (raises ``msgspec.ValidationError``)."""
+    return _microbatch_decoder.decode(data)

@@ -1,0 +1,157 @@
+"""Rematerialize image features from refs, exactly as the server computed them (DESIGN §6).
+
+Each distinct ref in a batch is read, hash-checked, decoded and processed once, by
+:meth:`protocol.adapters.ImageAdapter.resolve_raw` — the same function the server
+plugin runs — on a bounded thread pool; the result is placed into every slot that
+names it. A missing or unreadable image is either an error naming the ref
+(``policy="error"``) or replaced by zero features of the ref's grid with that
+sample's whole loss mask zeroed (``policy="placeholder_zero_loss"``): the sample still
+runs through the model (shapes and collectives stay aligned) but trains nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+import torch
+
+from protocol.adapters import ImageAdapter, ProcessedImage
+from protocol.errors import (
+    AssetNotFound,
+    AssetTooLarge,
+    HashMismatch,
+    ImageUnreadable,
+    InvalidRef,
+    MMRefError,
+)
+from protocol.refs import FileRef, RawRefBody, parse_ref
+from protocol.store import AssetStore
+from protocol.structs import TrainingSample
+
+__all__ = ["MaterializeStats", "MaterializedBatch", "MissingPolicy", "materialize"]
+
+MissingPolicy = Literal["placeholder_zero_loss", "error"]
+_REPLACEABLE = (AssetNotFound, ImageUnreadable, HashMismatch, AssetTooLarge)
+"""Errors a placeholder may stand in for. Others (outside root, invalid ref, wrong family or
+fingerprint, grid mismatch) mean the batch is wrong, not the image: they always raise."""
+
+
+@dataclass
+class MaterializeStats:
+    images: int = 0
+    """Image slots filled (one per ref occurrence)."""
+    unique_refs: int = 0
+    processed: int = 0
+    """Images actually read and run through the processor (== distinct resolvable refs)."""
+    placeholders: int = 0
+    """Slots filled with zero features because the image was missing or unreadable."""
+    zeroed_samples: int = 0
+
+
+@dataclass
+class MaterializedBatch:
+    """Features for a list of samples, in sample order then prompt order.
+
+    ``features`` holds the family's HF tensors collated along dim 0 (Qwen-VL:
+    ``pixel_values`` float32 ``[sum(t*h*w), C*T*P*P]``, ``image_grid_thw`` int64 ``[N, 3]``);
+    empty when no sample has images.
+    """
+
+    samples: list[TrainingSample]
+    """The input samples; those with a replaced image have ``loss_mask`` all False."""
+    features: dict[str, torch.Tensor]
+    images_per_sample: list[int]
+    placeholder_refs: list[str] = field(default_factory=list)
+    """Refs replaced by zero features (each once, in first-seen order)."""
+    stats: MaterializeStats = field(default_factory=MaterializeStats)
+
+
+def materialize(
+    samples: Sequence[TrainingSample],
+    adapter: ImageAdapter,
+    asset_root: str | os.PathLike[str],
+    *,
+    policy: MissingPolicy = "placeholder_zero_loss",
+    max_workers: int = 2,
+    device_normalize: bool = False,
+) -> MaterializedBatch:
+    """Resolve every sample's refs into model-ready features.
+
+    Args:
+        samples: training samples; ``mm_refs`` may be None (text-only).
+        adapter: the family's adapter (``protocol.adapters.load_adapter(model_dir)``); its
+            fingerprint must match the refs'.
+        asset_root: every image must resolve inside this folder.
+        policy: ``"placeholder_zero_loss"`` or ``"error"`` for missing/unreadable images.
+        max_workers: threads reading and processing distinct images (at least 1).
+        device_normalize: produce vLLM's raw (un-normalized) pixels instead of the
+            normalized pixels an HF model takes; for comparing with a server that runs
+            ``mm_device_do_normalize``.
+
+    Raises:
+        MMRefError subclasses: under ``"error"`` any ref that fails; under either policy a ref
+            that is invalid, outside the root, or for another family/fingerprint/grid. The error's
+            ``ref`` names the ref.
+        ValueError: an unknown policy or ``max_workers < 1``.
+    """
+    if policy not in ("placeholder_zero_loss", "error"):
+        raise ValueError(f"policy must be 'placeholder_zero_loss' or 'error', got {policy!r}")
+    if max_workers < 1:
+        raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+    store = AssetStore(asset_root)
+    per_sample = [[r.ref for r in s.mm_refs.items] if s.mm_refs else [] for s in samples]
+    unique = list(dict.fromkeys(ref for refs in per_sample for ref in refs))
+    bodies = {ref: _raw_body(ref) for ref in unique}
+
+    def work(ref: str) -> ProcessedImage | MMRefError:
+        try:
+            return adapter.resolve_raw(bodies[ref], store, ref=ref, device_normalize=device_normalize)
+        except _REPLACEABLE as e:
+            if policy == "error":
+                raise
+            return e
+
+    with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="mmref-mat") as pool:
+        results = dict(zip(unique, pool.map(work, unique), strict=True))
+
+    stats = MaterializeStats(unique_refs=len(unique))
+    stats.processed = sum(isinstance(r, ProcessedImage) for r in results.values())
+    placeholders: dict[str, ProcessedImage] = {}
+    items: list[ProcessedImage] = []
+    out_samples: list[TrainingSample] = []
+    for sample, refs in zip(samples, per_sample, strict=True):
+        zero = False
+        for ref in refs:
+            result = results[ref]
+            if isinstance(result, MMRefError):
+                if ref not in placeholders:
+                    grid = adapter.grid_from_payload(bodies[ref].payload, ref=ref)
+                    placeholders[ref] = adapter.synthesize_placeholder(grid)
+                result = placeholders[ref]
+                zero = True
+                stats.placeholders += 1
+            items.append(result)
+        if zero:
+            stats.zeroed_samples += 1
+            sample = msgspec.structs.replace(sample, loss_mask=[False] * len(sample.loss_mask))
+        out_samples.append(sample)
+    stats.images = len(items)
+    return MaterializedBatch(
+        samples=out_samples,
+        features=adapter.collate(items) if items else {},
+        images_per_sample=[len(refs) for refs in per_sample],
+        placeholder_refs=list(placeholders),
+        stats=stats,
+    )
+
+
+def _raw_body(ref: str) -> RawRefBody:
+    parsed = parse_ref(ref)
+    if isinstance(parsed, FileRef):
+        raise InvalidRef("mmfile:v1 refs are not materialized by this version yet", ref=ref)
+    return parsed

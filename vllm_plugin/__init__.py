@@ -1,0 +1,3 @@
+"""vLLM endpoint plugin: ``POST /inference/v1/generate`` with image refs (see ``plugin.py``)."""
+
+__all__: list[str] = []

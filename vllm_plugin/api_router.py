@@ -1,0 +1,126 @@
+"""HTTP routes of the plugin: ``POST /inference/v1/generate`` (replacing vLLM's) and
+``POST /inference/v1/resolve``; one function maps errors to responses."""
+
+from __future__ import annotations
+
+import json
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from protocol.errors import AssetTooLarge, InvalidRequest, MMRefError
+
+__all__ = ["attach_router", "error_response"]
+
+logger = logging.getLogger("vllm.mmref")  # a child of vLLM's configured logger
+router = APIRouter()
+
+
+def error_response(error: MMRefError) -> JSONResponse:
+    """vLLM's ``ErrorResponse`` shape plus our stable ``code`` and the offending ``ref``.
+
+    ``{"error": {"message", "type", "param", "code", "ref"}}`` with the error's HTTP status.
+    No traceback ever leaves the server.
+    """
+    status = HTTPStatus(error.http_status)
+    ref = error.ref[:512] if isinstance(error.ref, str) else None
+    return JSONResponse(
+        status_code=status.value,
+        content={
+            "error": {
+                "message": error.message,
+                "type": type(error).__name__,
+                "param": None,
+                "code": error.code,
+                "ref": ref,
+            }
+        },
+    )
+
+
+async def _read_json(request: Request, limit: int) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > limit:
+        raise AssetTooLarge(f"request body is {len(raw)} bytes, limit {limit}")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"body is not JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise InvalidRequest("body must be a JSON object")
+    return body
+
+
+def _resolver(request: Request):
+    resolver = getattr(request.app.state, "mmref_resolver", None)
+    if resolver is None:
+        raise InvalidRequest("this server has no engine: mmref routes need `vllm serve`")
+    return resolver
+
+
+@router.post("/inference/v1/generate")
+async def generate(raw_request: Request) -> Response:
+    """vLLM's token-in/token-out generate, with refs resolved first (see ``serving.py``)."""
+    from pydantic import ValidationError
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
+        GenerateRequest,
+        GenerateResponseBase,
+    )
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    try:
+        resolver = _resolver(raw_request)
+        body = await _read_json(raw_request, resolver.config.max_body_bytes)
+        body = await resolver.fill_features(body)
+        try:
+            request = GenerateRequest.model_validate(body)
+        except ValidationError as e:
+            raise InvalidRequest(_summarize(e)) from e
+    except MMRefError as e:
+        logger.info("mmref refused a generate request: %s %s", e.code, e.message)
+        return error_response(e)
+
+    handler = raw_request.app.state.serving_tokens
+    result = await handler.serve_tokens(request, raw_request)
+    if isinstance(result, ErrorResponse):
+        return JSONResponse(content=result.model_dump(), status_code=result.error.code)
+    if isinstance(result, GenerateResponseBase):
+        return JSONResponse(content=result.model_dump())
+    return StreamingResponse(content=result, media_type="text/event-stream")
+
+
+@router.post("/inference/v1/resolve")
+async def resolve(raw_request: Request) -> Response:
+    """Resolve ``{"token_ids", "mm_refs"}`` into the ``features`` the engine would get.
+
+    Returns ``{"features": {...}}`` in vLLM's wire format (``kwargs_data`` items are vLLM's
+    base64 msgpack encoding): the exact tensors ``/inference/v1/generate`` feeds the model.
+    """
+    try:
+        resolver = _resolver(raw_request)
+        body = await _read_json(raw_request, resolver.config.max_body_bytes)
+        body = await resolver.fill_features(body)
+    except MMRefError as e:
+        return error_response(e)
+    return JSONResponse(
+        content={
+            "features": body.get("features"),
+            "fingerprint": resolver.adapter.fingerprint,
+            "pixel_mode": resolver.pixel_mode,
+        }
+    )
+
+
+def _summarize(error: Any) -> str:
+    parts = []
+    for err in error.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg', '')}")
+    return "invalid generate request: " + "; ".join(parts)
+
+
+def attach_router(app: FastAPI) -> None:
+    app.include_router(router)

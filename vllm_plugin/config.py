@@ -1,0 +1,42 @@
+"""Plugin settings from the environment (``MMREF_*``), validated when the server starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
+from protocol.store import DEFAULT_MAX_IMAGE_BYTES
+
+__all__ = ["PluginConfig"]
+
+
+class PluginConfig(BaseSettings):
+    """Settings of the mmref endpoint plugin; each field reads ``MMREF_<NAME>``.
+
+    Raises:
+        pydantic.ValidationError: at start-up, naming the bad variable.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="MMREF_", extra="ignore", frozen=True)
+
+    asset_root: Path
+    """Folder every ref must resolve inside (after symlinks). Required; must exist."""
+    cache_budget_bytes: int = Field(default=2 << 30, ge=0)
+    """Bytes of encoded items the resolve cache keeps (LRU beyond)."""
+    max_workers: int = Field(default=2, ge=1, le=64)
+    """Threads that read and process images."""
+    max_image_bytes: int = Field(default=DEFAULT_MAX_IMAGE_BYTES, ge=1)
+    max_image_pixels: int = Field(default=DEFAULT_MAX_IMAGE_PIXELS, ge=1)
+    max_body_bytes: int = Field(default=32 << 20, ge=1024)
+    """Largest request body accepted (413 beyond)."""
+
+    @field_validator("asset_root")
+    @classmethod
+    def _absolute_existing_dir(cls, value: Path) -> Path:
+        resolved = value.resolve()
+        if not resolved.is_dir():
+            raise ValueError(f"MMREF_ASSET_ROOT {str(value)!r} is not an existing folder")
+        return resolved

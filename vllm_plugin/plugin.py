@@ -1,0 +1,70 @@
+"""The ``vllm.endpoint_plugins`` entry point (``mmref = vllm_plugin.plugin:MMRefEndpointPlugin``).
+
+Loaded by the stock vLLM API server when ``VLLM_PLUGINS`` names ``mmref``. vLLM logs and
+swallows plugin load failures, so start-up problems here are raised loudly from
+``init_state`` (the server then refuses to start) instead of leaving the route missing.
+"""
+
+from __future__ import annotations
+
+import logging
+from argparse import Namespace
+from typing import Any
+
+from fastapi import FastAPI
+
+from vllm_plugin import api_router
+
+__all__ = ["MMRefEndpointPlugin"]
+
+logger = logging.getLogger("vllm.mmref")  # a child of vLLM's configured logger
+
+
+class MMRefEndpointPlugin:
+    """Adds ref resolution to ``POST /inference/v1/generate`` and ``POST /inference/v1/resolve``."""
+
+    name = "mmref"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app: FastAPI) -> None:
+        api_router.attach_router(app)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        """Build the resolver from the served model: its adapter wraps vLLM's own image processor.
+
+        Raises:
+            pydantic.ValidationError: bad ``MMREF_*`` settings (e.g. no ``MMREF_ASSET_ROOT``).
+            UnsupportedFamily: the served model has no adapter.
+        """
+        if engine_client is None:  # vLLM's CPU-only render server: no engine, no route
+            state.mmref_resolver = None
+            return
+        from protocol.adapters import adapter_class
+        from vllm_plugin.config import PluginConfig
+        from vllm_plugin.serving import MMRefResolver
+
+        config = PluginConfig()
+        model_config = engine_client.vllm_config.model_config
+        hf_config = model_config.hf_config
+        renderer = engine_client.renderer
+        mm_processor = renderer.get_mm_processor()
+        image_processor = mm_processor.info.get_hf_processor().image_processor
+        adapter_cls = adapter_class(hf_config.model_type)
+        adapter = adapter_cls(image_processor, family=hf_config.model_type)
+        device_normalize = bool(model_config.multimodal_config.mm_device_do_normalize)
+        state.mmref_resolver = MMRefResolver(
+            adapter,
+            config,
+            fields_config=lambda hf_inputs: mm_processor._get_mm_fields_config(hf_inputs, {}),
+            device_normalize=device_normalize,
+            placeholder_token_id=adapter.placeholder_token_id(hf_config),
+            processor_cache=renderer.mm_processor_cache,
+        )
+        logger.info(
+            "mmref: serving refs for %s (fingerprint %s, %s pixels, backend %s) from %s",
+            adapter.family,
+            adapter.fingerprint,
+            "raw" if device_normalize else "normalized",
+            adapter.backend,
+            config.asset_root,
+        )

@@ -1,0 +1,319 @@
+"""Resolve refs in a generate request into the ``features`` vLLM's own handler expects.
+
+Differences from upstream ``vllm/entrypoints/scale_out/token_in_token_out/serving.py``
+(vLLM 0.32), and nothing else:
+
+- ``features.kwargs_data[modality][i]`` may hold an ``mmraw:`` ref string instead of
+  vLLM's base64 item; the request may instead carry top-level ``mm_refs``
+  (``RawMMRef`` objects or ref strings, prompt order) and no ``features``.
+- Each ref is read from the confined asset root, hash-checked, decoded like vLLM,
+  processed by the model's own HF image processor (the instance vLLM itself uses),
+  grid-checked, and encoded with vLLM's ``encode_mm_kwargs_item``; the item's hash
+  for vLLM's caches is ``sha256("mmref:v1:" + mm_hash + ":" + fingerprint + ":" + pixel mode)``
+  (content-bound, never a client uuid).
+- Placeholder ranges are located (``mm_refs``) or checked (``features``) against the
+  prompt: expanded ``<|image_pad|>`` runs of exactly ``num_placeholders`` each.
+- A ``null`` slot whose hash vLLM's processor cache does not hold is a 404, not a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from protocol.adapters import ImageAdapter
+from protocol.errors import InvalidRef, InvalidRequest, NotCached, PlaceholderMismatch
+from protocol.refs import FileRef, RawRefBody, is_ref, parse_ref
+from protocol.store import AssetStore
+from protocol.structs import RawMMRef
+from vllm_plugin.cache import ByteBudgetLRU
+from vllm_plugin.config import PluginConfig
+
+__all__ = ["MMRefResolver", "ResolvedItem", "locate_placeholders"]
+
+_raw_ref_decoder = msgspec.json.Decoder(RawMMRef)
+
+
+@dataclass(frozen=True)
+class ResolvedItem:
+    """One ref, resolved: what goes into a ``features`` slot."""
+
+    engine_hash: str
+    """Hash given to vLLM (``mm_hashes``), 64 hex."""
+    encoded: str
+    """vLLM's base64 msgpack ``MultiModalKwargsItem``."""
+    grid: tuple[int, ...]
+    num_placeholders: int
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.encoded)
+
+
+class MMRefResolver:
+    """Turns refs into processed vLLM items, cached by ref, single-flight.
+
+    Args:
+        adapter: the served family's adapter (wrapping vLLM's own HF image processor).
+        config: plugin settings (asset root, limits, cache budget).
+        fields_config: ``BatchFeature -> {field: MultiModalFieldConfig}``, the served model's
+            own layout declaration (vLLM ``BaseMultiModalProcessor._get_mm_fields_config``).
+        device_normalize: the engine's resolved ``mm_device_do_normalize``.
+        placeholder_token_id: the model's image placeholder token id.
+        processor_cache: vLLM's sender-side processor cache (for ``null`` slots), or None.
+    """
+
+    def __init__(
+        self,
+        adapter: ImageAdapter,
+        config: PluginConfig,
+        *,
+        fields_config: Any,
+        device_normalize: bool,
+        placeholder_token_id: int,
+        processor_cache: Any = None,
+    ) -> None:
+        self.adapter = adapter
+        self.config = config
+        self.store = AssetStore(config.asset_root)
+        self.fields_config = fields_config
+        self.device_normalize = device_normalize
+        self.placeholder_token_id = placeholder_token_id
+        self.processor_cache = processor_cache
+        self.cache: ByteBudgetLRU[ResolvedItem] = ByteBudgetLRU(
+            config.cache_budget_bytes, lambda item: item.nbytes
+        )
+        self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="mmref-resolve")
+        self.pixel_mode = "raw" if device_normalize else "normalized"
+
+    # --- one ref ---------------------------------------------------------------------
+
+    async def resolve(self, ref: str) -> ResolvedItem:
+        """Resolve one ref string (cached by the whole ref string).
+
+        Raises:
+            MMRefError subclasses: see :meth:`protocol.adapters.ImageAdapter.resolve_raw`.
+        """
+        key = hashlib.sha256(ref.encode("utf-8", "surrogatepass")).hexdigest()
+        cached = self.cache.get(key)
+        if cached is not None:
+            self.cache.stats.hits += 1
+            return cached
+        parsed = parse_ref(ref)
+        if isinstance(parsed, FileRef):
+            raise InvalidRef("mmfile:v1 refs are not served by this version yet", ref=ref)
+        self.adapter.check_ref(parsed, ref=ref)  # cheap checks before queueing work
+        loop = asyncio.get_running_loop()
+        return await self.cache.get_or_compute(
+            key, lambda: loop.run_in_executor(self._pool, self._resolve_sync, parsed, ref)
+        )
+
+    def _resolve_sync(self, body: RawRefBody, ref: str) -> ResolvedItem:
+        from transformers import BatchFeature
+        from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import encode_mm_kwargs_item
+        from vllm.multimodal.inputs import MultiModalKwargsItems
+
+        processed = self.adapter.resolve_raw(
+            body,
+            self.store,
+            ref=ref,
+            device_normalize=self.device_normalize,
+            max_bytes=self.config.max_image_bytes,
+            max_pixels=self.config.max_image_pixels,
+        )
+        hf_inputs = BatchFeature(dict(processed.tensors))
+        items = MultiModalKwargsItems.from_hf_inputs(hf_inputs, self.fields_config(hf_inputs))
+        (item,) = items["image"]
+        engine_hash = hashlib.sha256(
+            f"mmref:v1:{body.mm_hash}:{self.adapter.fingerprint}:{self.pixel_mode}".encode()
+        ).hexdigest()
+        return ResolvedItem(
+            engine_hash=engine_hash,
+            encoded=encode_mm_kwargs_item(item),
+            grid=processed.grid,
+            num_placeholders=processed.num_placeholders,
+        )
+
+    # --- one request -----------------------------------------------------------------
+
+    async def fill_features(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Return a copy of a generate request body with every ref resolved into ``features``.
+
+        Raises:
+            InvalidRequest: malformed ``mm_refs``/``features``/``token_ids``.
+            MMRefError subclasses: a ref that cannot be used (see :meth:`resolve`).
+            PlaceholderMismatch: the prompt's placeholder tokens do not fit the refs.
+        """
+        body = dict(body)
+        mm_refs = body.pop("mm_refs", None)
+        token_ids = body.get("token_ids")
+        if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
+            raise InvalidRequest("token_ids must be a list of integers")
+        features = body.get("features")
+        if mm_refs is not None:
+            if features is not None:
+                raise InvalidRequest("give either mm_refs or features, not both")
+            body["features"] = await self._features_from_refs(mm_refs, token_ids)
+        elif isinstance(features, dict):
+            body["features"] = await self._fill_ref_slots(features, token_ids)
+        return body
+
+    async def _features_from_refs(self, mm_refs: Any, token_ids: list[int]) -> dict[str, Any]:
+        if not isinstance(mm_refs, list) or not mm_refs:
+            raise InvalidRequest("mm_refs must be a non-empty list of refs")
+        refs = [self._ref_string(r) for r in mm_refs]
+        resolved = await asyncio.gather(*(self.resolve(r) for r in refs))
+        for raw, item in zip(mm_refs, resolved, strict=True):
+            if isinstance(raw, dict):
+                self._check_declared(raw, item)
+        counts = [item.num_placeholders for item in resolved]
+        ranges = locate_placeholders(token_ids, self.placeholder_token_id, counts)
+        return {
+            "mm_hashes": {"image": [item.engine_hash for item in resolved]},
+            "mm_placeholders": {"image": [{"offset": o, "length": n} for o, n in ranges]},
+            "kwargs_data": {"image": [item.encoded for item in resolved]},
+        }
+
+    def _ref_string(self, raw: Any) -> str:
+        if isinstance(raw, str):
+            return raw
+        if isinstance(raw, dict):
+            try:
+                return _raw_ref_decoder.decode(msgspec.json.encode(raw)).ref
+            except msgspec.ValidationError as e:
+                raise InvalidRef(f"mm_refs entry is not a RawMMRef: {e}") from e
+        raise InvalidRequest(
+            f"mm_refs entries must be ref strings or RawMMRef objects, got {type(raw).__name__}"
+        )
+
+    def _check_declared(self, raw: dict[str, Any], item: ResolvedItem) -> None:
+        ref = raw["ref"]
+        if list(item.grid) != list(raw["grid"]) or item.num_placeholders != raw["num_placeholders"]:
+            raise PlaceholderMismatch(
+                f"RawMMRef declares grid {raw['grid']} / {raw['num_placeholders']} placeholders, "
+                f"the image gives {list(item.grid)} / {item.num_placeholders}",
+                ref=ref,
+            )
+        body = parse_ref(ref)
+        if isinstance(body, RawRefBody) and not raw["sha256"].startswith(body.mm_hash):
+            raise InvalidRef("RawMMRef sha256 and the ref's mm_hash disagree", ref=ref)
+
+    async def _fill_ref_slots(self, features: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
+        try:
+            hashes = {m: list(v) for m, v in features["mm_hashes"].items()}
+            placeholders = {m: [dict(p) for p in v] for m, v in features["mm_placeholders"].items()}
+            kwargs_data = features.get("kwargs_data")
+            slots = {m: list(v) for m, v in kwargs_data.items()} if kwargs_data else None
+        except (KeyError, TypeError, AttributeError) as e:
+            raise InvalidRequest(f"features must carry mm_hashes and mm_placeholders: {e}") from e
+        if slots is None:
+            slots = {m: [None] * len(v) for m, v in hashes.items()}
+        for modality, modality_slots in slots.items():
+            if len(modality_slots) != len(hashes.get(modality, ())) or len(
+                placeholders.get(modality, ())
+            ) != len(modality_slots):
+                raise InvalidRequest(
+                    f"features.{modality}: kwargs_data, mm_hashes and mm_placeholders differ in length"
+                )
+            jobs = {i: s for i, s in enumerate(modality_slots) if is_ref(s)}
+            resolved = await asyncio.gather(*(self.resolve(s) for s in jobs.values()))
+            for (i, ref), item in zip(jobs.items(), resolved, strict=True):
+                check_range(
+                    token_ids,
+                    placeholders[modality][i],
+                    self.placeholder_token_id,
+                    item.num_placeholders,
+                    ref,
+                )
+                modality_slots[i] = item.encoded
+                hashes[modality][i] = item.engine_hash
+            for i, slot in enumerate(modality_slots):
+                if slot is None:
+                    self._require_cached(hashes[modality][i])
+        if "image" in placeholders:
+            total = sum(int(p.get("length", 0)) for p in placeholders["image"])
+            found = sum(1 for t in token_ids if t == self.placeholder_token_id)
+            if found != total:
+                raise PlaceholderMismatch(
+                    f"prompt has {found} image placeholder tokens (id {self.placeholder_token_id}), "
+                    f"mm_placeholders cover {total}"
+                )
+        return {**features, "mm_hashes": hashes, "mm_placeholders": placeholders, "kwargs_data": slots}
+
+    def _require_cached(self, mm_hash: str) -> None:
+        cache = self.processor_cache
+        if cache is None or not cache.is_cached_item(mm_hash):
+            raise NotCached(
+                f"cache-only item {mm_hash[:64]!r} is not in this server's processor cache; "
+                "send the item or a ref"
+            )
+
+
+def check_range(
+    token_ids: Sequence[int], placeholder: dict[str, Any], token_id: int, expected: int, ref: str
+) -> None:
+    """Check one ``{offset, length}`` range: in bounds, all placeholder tokens, ``expected`` long.
+
+    Raises:
+        PlaceholderMismatch: naming the offset, both lengths and the token id.
+    """
+    try:
+        offset, length = int(placeholder["offset"]), int(placeholder["length"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise InvalidRequest(f"mm_placeholders entries need integer offset and length: {e}") from e
+    if length != expected:
+        raise PlaceholderMismatch(
+            f"placeholder range at {offset} has length {length}, the image needs {expected}", ref=ref
+        )
+    window = token_ids[offset : offset + length] if offset >= 0 else []
+    if len(window) != length or any(t != token_id for t in window):
+        raise PlaceholderMismatch(
+            f"tokens {offset}..{offset + length} are not all placeholder id {token_id}", ref=ref
+        )
+
+
+def locate_placeholders(
+    token_ids: Sequence[int], token_id: int, counts: Sequence[int]
+) -> list[tuple[int, int]]:
+    """Find each image's ``(offset, length)`` in a prompt of expanded placeholder runs.
+
+    Runs of ``token_id`` are consumed in order; a run may hold several adjacent images
+    (split by ``counts``), but an image never spans two runs.
+
+    Raises:
+        PlaceholderMismatch: the runs do not split exactly into ``counts`` (too few, too many,
+            or an image without placeholders), naming the token id and both counts.
+    """
+    runs: list[list[int]] = []  # [start, length]
+    for pos, tok in enumerate(token_ids):
+        if tok == token_id:
+            if runs and runs[-1][0] + runs[-1][1] == pos:
+                runs[-1][1] += 1
+            else:
+                runs.append([pos, 1])
+    total = sum(length for _, length in runs)
+    if total != sum(counts):
+        raise PlaceholderMismatch(
+            f"prompt has {total} placeholder tokens (id {token_id}) in {len(runs)} run(s); "
+            f"{len(counts)} image(s) need {sum(counts)} ({list(counts)}); "
+            "send expanded placeholders, one run of num_placeholders per image"
+        )
+    out: list[tuple[int, int]] = []
+    run_iter = iter(runs)
+    start, left = 0, 0
+    for n in counts:
+        if left == 0:
+            start, left = next(run_iter)
+        if n > left:
+            raise PlaceholderMismatch(
+                f"image {len(out)} needs {n} placeholder tokens but its run at {start} has {left}"
+            )
+        out.append((start, n))
+        start, left = start + n, left - n
+    return out
