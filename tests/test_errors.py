@@ -1,0 +1,218 @@
+"""protocol.errors: the docstring table is the contract; codes are unique; errors pickle; ``__all__`` is exact.
+
+The ``__all__`` checks cover every module of ``protocol/`` (not ``protocol/adapters``), in the spirit of
+httpx ``tests/test_exported_members.py``: sorted the way ruff RUF022 sorts, and complete (every public
+name the module binds at top level is exported, every exported name exists).
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import importlib
+import inspect
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+
+import protocol
+from protocol import errors
+from protocol.errors import MMRefError, all_error_types
+
+PROTOCOL_DIR = Path(protocol.__file__).resolve().parent
+PROTOCOL_MODULES = sorted(
+    "protocol" if p.name == "__init__.py" else f"protocol.{p.stem}" for p in PROTOCOL_DIR.glob("*.py")
+)
+
+# "├── AssetNotFound(MMRefError, FileNotFoundError)         404    asset_not_found"
+_ROW = re.compile(r"^\s*[├└]── (\w+)\((\w+), (\w+)\)\s+(\d{3})\s+([a-z_]+)\s*$")
+
+
+def _docstring_table() -> dict[str, tuple[str, str, int, str]]:
+    """Rows of the hierarchy drawn in the module docstring: name -> (base, builtin, status, code)."""
+    rows = {}
+    for line in errors.__doc__.splitlines():
+        if "──" not in line:
+            continue
+        m = _ROW.match(line)
+        assert m, f"unparseable row in protocol.errors docstring: {line!r}"
+        name, base, builtin, status, code = m.groups()
+        assert name not in rows, f"{name} drawn twice"
+        rows[name] = (base, builtin, int(status), code)
+    return rows
+
+
+def test_docstring_table_parses_and_lists_every_error_type():
+    table = _docstring_table()
+    assert len(table) >= 12
+    assert list(table) == [cls.__name__ for cls in all_error_types()]
+
+
+@pytest.mark.parametrize("cls", all_error_types(), ids=lambda c: c.__name__)
+def test_error_matches_docstring_row(cls):
+    base, builtin_name, status, code = _docstring_table()[cls.__name__]
+    assert base == "MMRefError"
+    builtin = getattr(builtins, builtin_name)
+    assert isinstance(builtin, type) and issubclass(builtin, BaseException)
+    assert cls.__bases__ == (MMRefError, builtin)
+    assert issubclass(cls, builtin)
+    assert cls.http_status == status
+    assert cls.code == code
+    # The class declares its own code and status (not inherited from MMRefError by accident).
+    assert "code" in vars(cls) and "http_status" in vars(cls)
+    assert cls.__doc__ and cls.__doc__.strip()
+
+
+def test_codes_are_unique_and_distinct_from_the_base():
+    codes = [cls.code for cls in all_error_types()]
+    assert len(codes) == len(set(codes)), codes
+    assert MMRefError.code not in codes
+    assert all(re.fullmatch(r"[a-z][a-z_]*", c) for c in codes)
+
+
+def test_all_error_types_has_no_duplicates_and_only_concrete_subclasses():
+    types = all_error_types()
+    assert len(types) == len(set(types))
+    assert MMRefError not in types
+    assert all(issubclass(t, MMRefError) for t in types)
+
+
+def test_every_exported_error_class_is_listed():
+    exported = {
+        getattr(errors, name)
+        for name in errors.__all__
+        if inspect.isclass(getattr(errors, name)) and issubclass(getattr(errors, name), MMRefError)
+    }
+    assert exported - {MMRefError} == set(all_error_types())
+
+
+def test_every_error_class_defined_in_the_module_is_listed():
+    defined = {
+        obj
+        for obj in vars(errors).values()
+        if inspect.isclass(obj) and issubclass(obj, MMRefError) and obj.__module__ == errors.__name__
+    }
+    assert defined - {MMRefError} == set(all_error_types())
+
+
+@pytest.mark.parametrize("cls", all_error_types(), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("ref", ["mmraw:eyJmYW1pbHkiOiJxd2VuMl92bCJ9", None])
+def test_pickle_round_trip_keeps_ref_and_message(cls, ref):
+    err = cls("the file at /x is 3 bytes, limit 2", ref=ref)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is cls
+    assert back.ref == ref
+    assert back.message == "the file at /x is 3 bytes, limit 2"
+    assert str(back) == str(err) == "the file at /x is 3 bytes, limit 2"
+    assert back.args == err.args
+    assert back.code == cls.code and back.http_status == cls.http_status
+
+
+def test_errors_are_caught_by_their_builtin():
+    with pytest.raises(FileNotFoundError):
+        raise errors.AssetNotFound("missing", ref="mmfile:v1:r:" + "a" * 16 + ":image:" + "b" * 32)
+    with pytest.raises(PermissionError):
+        raise errors.AssetOutsideRoot("outside")
+    with pytest.raises(LookupError):
+        raise errors.NotCached("not cached")
+    with pytest.raises(ValueError) as info:
+        raise errors.InvalidRef("bad", ref="mmraw:!!")
+    assert info.value.ref == "mmraw:!!"
+
+
+def test_ref_defaults_to_none():
+    assert errors.HashMismatch("x").ref is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# __all__: sorted (ruff RUF022, "isort-style") and complete, for every module in protocol/
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _isort_style_key(name: str) -> tuple[int, list[object]]:
+    """ruff RUF022 order: SCREAMING_SNAKE_CASE, then CamelCase, then the rest; natural sort within each."""
+    if len(name) > 1 and name.upper() == name and name.lower() != name:
+        category = 0
+    elif name[:1].isupper():
+        category = 1
+    else:
+        category = 2
+    natural = [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name) if part]
+    return category, natural
+
+
+def _public_top_level_names(module_name: str) -> set[str]:
+    """Public names a module binds at top level: defs, classes, assignments; imports only in ``__init__``.
+
+    Read from the source so imported helpers (``re``, ``Path``...) do not count, but constants do.
+    """
+    module = importlib.import_module(module_name)
+    path = Path(module.__file__)
+    is_package = path.name == "__init__.py"
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.ImportFrom) and is_package and node.module != "__future__":
+            names.update((a.asname or a.name) for a in node.names)
+    return {n for n in names if not n.startswith("_")}
+
+
+def test_protocol_module_list_is_the_expected_one():
+    assert {
+        "protocol",
+        "protocol.errors",
+        "protocol.refs",
+        "protocol.structs",
+        "protocol.store",
+        "protocol.images",
+    } <= set(PROTOCOL_MODULES)
+    assert not any(m.startswith("protocol.adapters") for m in PROTOCOL_MODULES)
+
+
+@pytest.mark.parametrize("module_name", PROTOCOL_MODULES)
+def test_dunder_all_is_sorted(module_name):
+    exported = importlib.import_module(module_name).__all__
+    assert isinstance(exported, list)
+    assert len(exported) == len(set(exported)), "duplicates in __all__"
+    assert exported == sorted(exported, key=_isort_style_key)
+
+
+@pytest.mark.parametrize("module_name", PROTOCOL_MODULES)
+def test_dunder_all_names_exist(module_name):
+    module = importlib.import_module(module_name)
+    missing = [name for name in module.__all__ if not hasattr(module, name)]
+    assert missing == []
+
+
+@pytest.mark.parametrize("module_name", PROTOCOL_MODULES)
+def test_dunder_all_is_complete(module_name):
+    module = importlib.import_module(module_name)
+    unexported = sorted(_public_top_level_names(module_name) - set(module.__all__) - {"__all__"})
+    assert unexported == [], (
+        f"{module_name} binds public names {unexported} missing from __all__ (export them or rename with '_')"
+    )
+
+
+def test_isort_style_key_matches_ruff_examples():
+    names = ["b", "AssetStore", "MAX_2", "MAX_10", "A", "a10", "a2", "MMRefs", "MicroBatch", "FAMILY_RE", "X1"]
+    assert sorted(names, key=_isort_style_key) == [
+        "FAMILY_RE",
+        "MAX_2",
+        "MAX_10",
+        "X1",
+        "A",
+        "AssetStore",
+        "MMRefs",
+        "MicroBatch",
+        "a2",
+        "a10",
+        "b",
+    ]
