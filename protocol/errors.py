@@ -17,6 +17,7 @@ not know this module::
     ├── FingerprintMismatch(MMRefError, ValueError)          409    fingerprint_mismatch
     ├── AssetTooLarge(MMRefError, ValueError)                413    asset_too_large
     ├── ImageUnreadable(MMRefError, ValueError)              422    image_unreadable
+    ├── CorruptFeature(MMRefError, ValueError)               422    corrupt_feature
     ├── GridMismatch(MMRefError, ValueError)                 422    grid_mismatch
     └── PlaceholderMismatch(MMRefError, ValueError)          422    placeholder_mismatch
 """
@@ -29,6 +30,7 @@ __all__ = [
     "AssetNotFound",
     "AssetOutsideRoot",
     "AssetTooLarge",
+    "CorruptFeature",
     "FingerprintMismatch",
     "GridMismatch",
     "HashMismatch",
@@ -138,6 +140,14 @@ class ImageUnreadable(MMRefError, ValueError):
     http_status = 422
 
 
+class CorruptFeature(MMRefError, ValueError):
+    """A feature file (``mmfile`` ref) is truncated, not a v1 envelope, disagrees with its ref,
+    or its payload does not decode to an item of the served family."""
+
+    code = "corrupt_feature"
+    http_status = 422
+
+
 class GridMismatch(MMRefError, ValueError):
     """The grid the ref claims differs from the grid the processor produces."""
 
@@ -165,6 +175,7 @@ def all_error_types() -> list[type[MMRefError]]:
         FingerprintMismatch,
         AssetTooLarge,
         ImageUnreadable,
+        CorruptFeature,
         GridMismatch,
         PlaceholderMismatch,
     ]

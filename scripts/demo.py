@@ -31,14 +31,13 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from make_tiny_models import ensure_tiny_model  # noqa: E402
-from vllm_server import start_server  # noqa: E402
-
-from protocol.adapters import load_adapter, offload_image  # noqa: E402
-from protocol.prompt import expand_image_placeholders  # noqa: E402
-from protocol.refs import file_uri_to_path, parse_ref  # noqa: E402
-from protocol.structs import MMRefs, RawMMRef, TrainingSample  # noqa: E402
-from trainer_lib import materialize  # noqa: E402
+from make_tiny_models import ensure_tiny_model
+from protocol.adapters import load_adapter, offload_image
+from protocol.prompt import expand_image_placeholders
+from protocol.refs import file_uri_to_path, parse_ref
+from protocol.structs import MMRefs, RawMMRef, TrainingSample
+from trainer_lib import materialize
+from vllm_server import start_server
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 GROUP = 8
@@ -177,23 +176,25 @@ def main() -> None:
 
     ref_bytes = sum(a for a, _ in request_bytes)
     url_bytes = sum(b for _, b in request_bytes)
-    print()
-    print("=== mmref demo report ===")
-    print(f"rollouts sampled through refs        : {len(samples)} samples, {len(prompts)} prompts x {GROUP}")
-    print(f"greedy refs vs data URLs             : same tokens for {len(prompts)}/{len(prompts)} prompts")
-    print(
-        f"request bytes, refs vs data URLs     : {ref_bytes} vs {url_bytes} ({url_bytes / ref_bytes:.0f}x smaller)"
-    )
-    print(
-        f"trainer materialize                  : {raw.stats.images} image slots, "
-        f"{raw.stats.processed} images processed ({t_mat * 1000:.0f} ms)"
-    )
-    print(f"pixels vs what the server fed vLLM   : max |diff| = {diff} ({resolved['pixel_mode']} pixels)")
-    print(
-        f"trainer batch                        : pixel_values {tuple(batch.features['pixel_values'].shape)} "
-        f"{batch.features['pixel_values'].dtype}, image_grid_thw {tuple(batch.features['image_grid_thw'].shape)}"
-    )
-    print(f"total time                           : {time.monotonic() - t0:.0f} s; output root {output_root}")
+    pixels, grids = batch.features["pixel_values"], batch.features["image_grid_thw"]
+    rows = [
+        ("rollouts sampled through refs", f"{len(samples)} samples, {len(prompts)} prompts x {GROUP}"),
+        ("greedy refs vs data URLs", f"same tokens for {len(prompts)}/{len(prompts)} prompts"),
+        ("request bytes, refs vs data URLs", f"{ref_bytes} vs {url_bytes} ({url_bytes / ref_bytes:.0f}x)"),
+        (
+            "trainer materialize",
+            f"{raw.stats.images} image slots, {raw.stats.processed} images processed ({t_mat * 1000:.0f} ms)",
+        ),
+        ("pixels vs what the server fed vLLM", f"max |diff| = {diff} ({resolved['pixel_mode']} pixels)"),
+        (
+            "trainer batch",
+            f"pixel_values {tuple(pixels.shape)} {pixels.dtype}, image_grid_thw {tuple(grids.shape)}",
+        ),
+        ("total time", f"{time.monotonic() - t0:.0f} s; output root {output_root}"),
+    ]
+    print("\n=== mmref demo report ===")
+    for label, value in rows:
+        print(f"{label:<36} : {value}")
     if diff != 0:
         raise SystemExit("trainer pixels differ from the server's")
 

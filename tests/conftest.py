@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from helpers import VLLMServer, ensure_tiny_model, photo_bytes, start_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-from helpers import photo_bytes
 
+from helpers import photo_bytes
 from protocol.adapters import offload_image
 from protocol.errors import AssetNotFound, AssetOutsideRoot
 from protocol.images import load_image
@@ -84,7 +84,7 @@ def test_missing_image_placeholder_zero_loss_zeroes_only_that_sample(store, qwen
 
 
 def test_refs_outside_the_root_always_raise(store, qwen2_vl_adapter, tmp_path):
-    root, refs = store
+    _, refs = store
     other_root = tmp_path / "elsewhere"
     other_root.mkdir()
     with pytest.raises(AssetOutsideRoot):

@@ -227,3 +227,78 @@ def test_bad_refs_get_structured_errors_and_the_server_keeps_serving(
         assert c.get("/health").status_code == 200
         tokens, _ = tokens_and_logprobs(generate(c, ids, [good]))
         assert len(tokens) == 8
+
+
+# --- mmfile:v1 processed-item refs ---------------------------------------------------------------
+
+
+def test_mmfile_refs_match_mmraw_and_tampered_files_are_refused(
+    server, tokenizer, photo_refs, qwen2_vl_adapter, output_root
+):
+    import hashlib
+
+    import pybase64
+
+    from protocol.features import feature_path, run_asset_root, write_feature_item
+    from protocol.refs import FileRef
+
+    good = photo_refs["rocket"]
+    ids = prompt_ids(tokenizer, [good])
+    with server.client() as c:
+        resolved = c.post("/inference/v1/resolve", json={"token_ids": ids, "mm_refs": as_json([good])}).json()
+        payload = pybase64.b64decode(resolved["features"]["kwargs_data"]["image"][0])
+
+        def write(mm_hash: str, data: bytes = payload, placeholder_length: int = good.num_placeholders):
+            ref = FileRef(
+                run_id="1", fingerprint=qwen2_vl_adapter.fingerprint, modality="image", mm_hash=mm_hash
+            )
+            return write_feature_item(
+                run_asset_root(output_root, "1"), ref, data, placeholder_length=placeholder_length
+            ), feature_path(run_asset_root(output_root, "1"), ref)
+
+        mmfile, _ = write(hashlib.sha256(payload).hexdigest())
+        body = {"token_ids": ids, "sampling_params": GREEDY}
+        via_file = tokens_and_logprobs(c.post("/inference/v1/generate", json={**body, "mm_refs": [mmfile]}))
+        via_raw = tokens_and_logprobs(c.post("/inference/v1/generate", json={**body, "mm_refs": [good.ref]}))
+        assert via_file[0] == via_raw[0]
+        assert max(abs(a - b) for a, b in zip(via_file[1], via_raw[1], strict=True)) <= 1e-6
+
+        def code_for(ref: str):
+            return error_of(c.post("/inference/v1/generate", json={**body, "mm_refs": [ref]}))
+
+        # wrong payload hash in the envelope
+        bad_hash, path = write("a1" * 32)
+        raw = msgspec.msgpack.decode(path.read_bytes())
+        raw["envelope"]["payload_sha256"] = "0" * 64
+        path.write_bytes(msgspec.msgpack.encode(raw))
+        assert code_for(bad_hash) == (409, "hash_mismatch")
+        # a ref for another layout fingerprint
+        assert code_for(mmfile.replace(qwen2_vl_adapter.fingerprint, "f" * 32)) == (
+            409,
+            "fingerprint_mismatch",
+        )
+        # wrong modality in the ref, and in the file
+        assert code_for(mmfile.replace(":image:", ":video:")) == (400, "invalid_ref")
+        bad_modality, path = write("a2" * 32)
+        raw = msgspec.msgpack.decode(path.read_bytes())
+        raw["envelope"]["modality"] = "video"
+        path.write_bytes(msgspec.msgpack.encode(raw))
+        assert code_for(bad_modality) == (422, "corrupt_feature")
+        # truncated file, and a payload that is not a vLLM item
+        truncated, path = write("a3" * 32)
+        path.write_bytes(path.read_bytes()[:-100])
+        assert code_for(truncated) == (422, "corrupt_feature")
+        not_an_item, _ = write("a4" * 32, data=b"\x93\x01\x02\x03")
+        assert code_for(not_an_item) == (422, "corrupt_feature")
+        # an envelope whose placeholder length lies about the grid
+        lying, _ = write("a5" * 32, placeholder_length=good.num_placeholders + 1)
+        assert code_for(lying) == (422, "grid_mismatch")
+        # missing file
+        assert code_for(mmfile.replace(hashlib.sha256(payload).hexdigest(), "b6" * 32)) == (
+            404,
+            "asset_not_found",
+        )
+        assert (
+            len(tokens_and_logprobs(c.post("/inference/v1/generate", json={**body, "mm_refs": [mmfile]}))[0])
+            == 8
+        )

@@ -30,6 +30,8 @@ class PluginConfig(BaseSettings):
     """Threads that read and process images."""
     max_image_bytes: int = Field(default=DEFAULT_MAX_IMAGE_BYTES, ge=1)
     max_image_pixels: int = Field(default=DEFAULT_MAX_IMAGE_PIXELS, ge=1)
+    max_feature_bytes: int = Field(default=512 << 20, ge=1)
+    """Largest ``mmfile`` feature file read."""
     max_body_bytes: int = Field(default=32 << 20, ge=1024)
     """Largest request body accepted (413 beyond)."""
 

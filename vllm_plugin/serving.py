@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +29,16 @@ from typing import Any
 import msgspec
 
 from protocol.adapters import ImageAdapter
-from protocol.errors import InvalidRef, InvalidRequest, NotCached, PlaceholderMismatch
+from protocol.errors import (
+    CorruptFeature,
+    FingerprintMismatch,
+    GridMismatch,
+    InvalidRef,
+    InvalidRequest,
+    NotCached,
+    PlaceholderMismatch,
+)
+from protocol.features import read_feature_item
 from protocol.refs import FileRef, RawRefBody, is_ref, parse_ref
 from protocol.store import AssetStore
 from protocol.structs import RawMMRef
@@ -38,6 +48,8 @@ from vllm_plugin.config import PluginConfig
 __all__ = ["MMRefResolver", "ResolvedItem", "locate_placeholders"]
 
 _raw_ref_decoder = msgspec.json.Decoder(RawMMRef)
+_encode_lock = threading.Lock()
+"""vLLM's module-level ``MsgpackEncoder`` is not thread-safe for tensors (its docstring)."""
 
 
 @dataclass(frozen=True)
@@ -106,15 +118,17 @@ class MMRefResolver:
             self.cache.stats.hits += 1
             return cached
         parsed = parse_ref(ref)
-        if isinstance(parsed, FileRef):
-            raise InvalidRef("mmfile:v1 refs are not served by this version yet", ref=ref)
-        self.adapter.check_ref(parsed, ref=ref)  # cheap checks before queueing work
+        if isinstance(parsed, RawRefBody):
+            self.adapter.check_ref(parsed, ref=ref)  # cheap checks before queueing work
+            work = self._resolve_raw_sync
+        else:
+            work = self._resolve_file_sync
         loop = asyncio.get_running_loop()
         return await self.cache.get_or_compute(
-            key, lambda: loop.run_in_executor(self._pool, self._resolve_sync, parsed, ref)
+            key, lambda: loop.run_in_executor(self._pool, work, parsed, ref)
         )
 
-    def _resolve_sync(self, body: RawRefBody, ref: str) -> ResolvedItem:
+    def _resolve_raw_sync(self, body: RawRefBody, ref: str) -> ResolvedItem:
         from transformers import BatchFeature
         from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import encode_mm_kwargs_item
         from vllm.multimodal.inputs import MultiModalKwargsItems
@@ -133,11 +147,59 @@ class MMRefResolver:
         engine_hash = hashlib.sha256(
             f"mmref:v1:{body.mm_hash}:{self.adapter.fingerprint}:{self.pixel_mode}".encode()
         ).hexdigest()
+        with _encode_lock:
+            encoded = encode_mm_kwargs_item(item)
         return ResolvedItem(
             engine_hash=engine_hash,
-            encoded=encode_mm_kwargs_item(item),
+            encoded=encoded,
             grid=processed.grid,
             num_placeholders=processed.num_placeholders,
+        )
+
+    def _resolve_file_sync(self, ref_ids: FileRef, ref: str) -> ResolvedItem:
+        """An ``mmfile:v1`` item: envelope, payload sha256 and fingerprint checked, payload decoded
+        with vLLM and its grid, placeholder length and pixel mode checked before use."""
+        import pybase64
+        from vllm.multimodal.inputs import MultiModalKwargsItem
+        from vllm.v1.serial_utils import MsgpackDecoder
+
+        item_file = read_feature_item(
+            self.config.asset_root,
+            ref_ids,
+            fingerprint=self.adapter.fingerprint,
+            ref_string=ref,
+            max_bytes=self.config.max_feature_bytes,
+        )
+        try:
+            with _encode_lock:
+                item = MsgpackDecoder(t=MultiModalKwargsItem).decode(item_file.payload)
+            pixels = item["pixel_values"].data
+            grid = tuple(int(g) for g in item[self.adapter.grid_field].data.reshape(-1).tolist())
+        except Exception as e:  # any decode failure of untrusted bytes is the file's fault
+            raise CorruptFeature(
+                f"feature payload is not a valid {self.adapter.family} item: {e}", ref=ref
+            ) from e
+        want_dtype = "torch.uint8" if self.device_normalize else "torch.float32"
+        if str(pixels.dtype) != want_dtype:
+            raise FingerprintMismatch(
+                f"feature pixels are {pixels.dtype}; this server ({self.pixel_mode}) feeds {want_dtype}",
+                ref=ref,
+            )
+        expected = self.adapter.num_placeholders(grid)
+        if expected != item_file.envelope.placeholder_length:
+            raise GridMismatch(
+                f"envelope placeholder_length {item_file.envelope.placeholder_length} != {expected} "
+                f"from the item's grid {list(grid)}",
+                ref=ref,
+            )
+        engine_hash = hashlib.sha256(
+            f"mmref:v1:file:{item_file.envelope.payload_sha256}:{self.adapter.fingerprint}".encode()
+        ).hexdigest()
+        return ResolvedItem(
+            engine_hash=engine_hash,
+            encoded=pybase64.b64encode(item_file.payload).decode("ascii"),
+            grid=grid,
+            num_placeholders=expected,
         )
 
     # --- one request -----------------------------------------------------------------

@@ -1,0 +1,105 @@
+"""TTL sweep of the feature store: removes expired ``mm_features`` files, never images.
+
+Feature files are regenerable; images are the source of truth and are never touched. Removal is
+``os.unlink`` of whole files, so a reader that already opened a file keeps reading it; a reader
+that arrives later gets ``AssetNotFound`` (404 ``asset_not_found`` on the server) and the client
+re-sends the item or an ``mmraw`` ref. Folders are kept: a writer may be about to use them.
+Writers refresh the mtime of an existing file (idempotent writes), so a file in use stays fresh.
+
+CLI: ``python -m protocol.sweep OUTPUT_OR_ASSET_ROOT [--ttl 1800] [--dry-run]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from protocol.features import FEATURES_SUBDIR
+
+__all__ = ["DEFAULT_TTL_S", "SweepReport", "sweep_features"]
+
+DEFAULT_TTL_S = 1800.0
+
+
+@dataclass
+class SweepReport:
+    scanned: int = 0
+    removed: int = 0
+    removed_bytes: int = 0
+    kept: int = 0
+    removed_paths: list[Path] = field(default_factory=list)
+
+
+def _feature_roots(root: Path) -> list[Path]:
+    """Every ``<assets>/mm_features/v1/vllm-mmitem`` under ``root`` (an asset root or an output root)."""
+    direct = root / FEATURES_SUBDIR
+    if direct.is_dir():
+        return [direct]
+    return sorted(p / FEATURES_SUBDIR for p in root.glob("run_*/assets") if (p / FEATURES_SUBDIR).is_dir())
+
+
+def sweep_features(
+    root: str | os.PathLike[str],
+    *,
+    ttl_s: float = DEFAULT_TTL_S,
+    now: float | None = None,
+    dry_run: bool = False,
+) -> SweepReport:
+    """Remove feature files (and abandoned temp files) whose mtime is older than ``ttl_s``.
+
+    Args:
+        root: an asset root (``run_X/assets``) or an output root holding ``run_*/assets``.
+        ttl_s: seconds since last write/refresh after which a file expires.
+        now: the current time (``time.time()``), for tests.
+        dry_run: report what would be removed without removing it.
+
+    Never follows symlinks and never looks outside ``mm_features/v1/vllm-mmitem``.
+    """
+    if ttl_s < 0:
+        raise ValueError(f"ttl_s must be >= 0, got {ttl_s}")
+    now = time.time() if now is None else now
+    report = SweepReport()
+    for base in _feature_roots(Path(root)):
+        for dirpath, _dirnames, filenames in os.walk(base, followlinks=False):
+            for name in filenames:
+                path = Path(dirpath) / name
+                if not (name.endswith(".msgpack") or name.startswith(".tmp-")):
+                    continue
+                try:
+                    st = path.lstat()
+                except FileNotFoundError:
+                    continue
+                report.scanned += 1
+                if now - st.st_mtime <= ttl_s or not path.is_file() or path.is_symlink():
+                    report.kept += 1
+                    continue
+                if not dry_run:
+                    try:
+                        path.unlink()
+                    except FileNotFoundError:
+                        continue
+                report.removed += 1
+                report.removed_bytes += st.st_size
+                report.removed_paths.append(path)
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Remove expired mm_features files (never images).")
+    parser.add_argument("root", type=Path, help="an asset root or an output root holding run_*/assets")
+    parser.add_argument("--ttl", type=float, default=DEFAULT_TTL_S, help="seconds (default 1800)")
+    parser.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    report = sweep_features(args.root, ttl_s=args.ttl, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    print(
+        f"scanned {report.scanned} feature files; {verb} {report.removed} "
+        f"({report.removed_bytes} bytes); kept {report.kept}"
+    )
+
+
+if __name__ == "__main__":
+    main()
