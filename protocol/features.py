@@ -35,6 +35,7 @@ from protocol.refs import FileRef, format_mmfile
 from protocol.store import AssetStore, atomic_write
 
 __all__ = [
+    "DEFAULT_MAX_FEATURE_BYTES",
     "FEATURES_SUBDIR",
     "FeatureEnvelope",
     "FeatureFile",

@@ -45,9 +45,13 @@ def sniff_media_type(data: bytes) -> tuple[str, str]:
         ImageUnreadable: the header is not one of :data:`ALLOWED_FORMATS`.
     """
     try:
-        with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as im:
-            fmt = im.format or ""
-    except (OSError, Image.UnidentifiedImageError, Image.DecompressionBombError) as e:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as im:
+                fmt = im.format or ""
+    except Image.DecompressionBombError as e:
+        raise AssetTooLarge(f"decompression bomb refused: {e}") from e
+    except (OSError, Image.UnidentifiedImageError) as e:
         raise ImageUnreadable(f"not a readable image ({len(data)} bytes): {e}") from e
     return _MEDIA_TYPES.get(fmt, ("application/octet-stream", ".img"))
 
@@ -71,8 +75,8 @@ def load_image(
         ImageUnreadable: unknown format, truncated or corrupt data.
     """
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with warnings.catch_warnings():  # the max_pixels check below decides, as in vLLM
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
             w, h = image.size
             if max_pixels > 0 and w * h > max_pixels:
@@ -80,7 +84,7 @@ def load_image(
             with contextlib.suppress(Exception):  # vLLM ignores broken EXIF the same way
                 image = ImageOps.exif_transpose(image)
             image.load()
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+    except Image.DecompressionBombError as e:  # PIL's hard limit, 2x its warning threshold
         raise AssetTooLarge(f"decompression bomb refused: {e}", ref=ref) from e
     except (OSError, Image.UnidentifiedImageError, SyntaxError, ValueError) as e:
         if isinstance(e, AssetTooLarge):

@@ -39,6 +39,8 @@ __all__ = [
     "FAMILY_RE",
     "FINGERPRINT_RE",
     "MAX_REF_CHARS",
+    "MMFILE_PREFIX",
+    "MMRAW_PREFIX",
     "MM_HASH_RE",
     "RUN_ID_RE",
     "FileRef",
@@ -54,7 +56,7 @@ RUN_ID_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 FINGERPRINT_RE = re.compile(r"^[a-f0-9]{16,64}$")
 MM_HASH_RE = re.compile(r"^[a-f0-9]{16,128}$")
 FAMILY_RE = re.compile(r"^[a-z0-9_]{1,32}$")
-MODALITIES = ("image",)
+_MODALITIES = ("image",)
 MAX_REF_CHARS = 8192
 """Longest ref string accepted (a real mmraw ref is ~300 characters)."""
 
@@ -94,7 +96,7 @@ class FileRef(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _check(pattern: re.Pattern[str], value: str, name: str) -> None:
-    if not pattern.match(value):
+    if not pattern.fullmatch(value):  # fullmatch: "$" would accept a trailing newline
         raise ValueError(f"{name} {value[:80]!r} does not match {pattern.pattern}")
 
 
@@ -156,8 +158,8 @@ def _parse_mmfile(ref: str) -> FileRef:
             raise ValueError(f"run_id {run_id!r} is not a name")
         _check(FINGERPRINT_RE, fingerprint, "fingerprint")
         _check(MM_HASH_RE, mm_hash, "mm_hash")
-        if modality not in MODALITIES:
-            raise ValueError(f"modality {modality[:40]!r} is not one of {MODALITIES}")
+        if modality not in _MODALITIES:
+            raise ValueError(f"modality {modality[:40]!r} is not one of {_MODALITIES}")
     except ValueError as e:
         raise InvalidRef(f"mmfile ref: {e}", ref=ref) from e
     return FileRef(run_id=run_id, fingerprint=fingerprint, modality="image", mm_hash=mm_hash)

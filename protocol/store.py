@@ -15,19 +15,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import tempfile
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.errors import AssetNotFound, AssetOutsideRoot, AssetTooLarge, HashMismatch
+from protocol.errors import AssetNotFound, AssetOutsideRoot, AssetTooLarge, HashMismatch, InvalidRef
 from protocol.images import sniff_media_type
-from protocol.refs import file_uri_to_path
+from protocol.refs import MM_HASH_RE, file_uri_to_path
 
 __all__ = ["DEFAULT_MAX_IMAGE_BYTES", "AssetStore", "StoredImage", "atomic_write"]
-
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-_FILE_MODE = 0o666 & ~_UMASK
 
 DEFAULT_MAX_IMAGE_BYTES = 64 * 1024 * 1024
 """Largest image file read (bytes); larger files raise :class:`AssetTooLarge`."""
@@ -66,11 +62,12 @@ def atomic_write(path: Path, data: bytes) -> bool:
         os.utime(path)
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    tmp = str(path.parent / f".tmp-{secrets.token_hex(8)}{path.suffix}")
+    # 0o666 & ~umask (not mkstemp's 0600): the server may run as another user.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, _FILE_MODE)  # mkstemp makes 0600; readers may be other users
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -144,6 +141,8 @@ class AssetStore:
             AssetTooLarge: the file exceeds ``max_bytes``.
             HashMismatch: the bytes do not hash to ``mm_hash``.
         """
+        if not MM_HASH_RE.fullmatch(mm_hash):
+            raise InvalidRef(f"mm_hash {mm_hash[:80]!r} does not match {MM_HASH_RE.pattern}", ref=ref)
         path = self.confine(file_uri_to_path(uri, ref=ref), ref=ref)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)

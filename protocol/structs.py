@@ -31,8 +31,8 @@ __all__ = [
 ]
 
 _SHA256_RE = re.compile(r"^[a-f0-9]{64}$")
-NonNegInt = Annotated[int, Meta(ge=0)]
-PosInt = Annotated[int, Meta(ge=1)]
+_NonNegInt = Annotated[int, Meta(ge=0)]
+_PosInt = Annotated[int, Meta(ge=1)]
 
 
 class RawMMRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -51,15 +51,15 @@ class RawMMRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """Full lowercase hex sha256 of the raw image file."""
     media_type: str
     """E.g. ``"image/jpeg"``."""
-    grid: list[PosInt]
+    grid: list[_PosInt]
     """Adapter grid: Qwen ``[t, h, w]`` in patches; Kimi-VL ``[h, w]``."""
-    num_placeholders: PosInt
+    num_placeholders: _PosInt
     """Placeholder tokens this image takes in the prompt (Qwen: ``t*h*w // merge**2``)."""
 
     def __post_init__(self) -> None:
         if not is_ref(self.ref):
             raise ValueError(f"ref {self.ref[:40]!r} is not an mmraw:/mmfile:v1: ref")
-        if not _SHA256_RE.match(self.sha256):
+        if not _SHA256_RE.fullmatch(self.sha256):
             raise ValueError("sha256 must be 64 lowercase hex characters")
 
 
@@ -78,9 +78,9 @@ class RawMMItem(
     payload: dict[str, Any]
 
     def __post_init__(self) -> None:
-        if not FAMILY_RE.match(self.family):
+        if not FAMILY_RE.fullmatch(self.family):
             raise ValueError(f"family {self.family[:40]!r} does not match {FAMILY_RE.pattern}")
-        if not FINGERPRINT_RE.match(self.fingerprint):
+        if not FINGERPRINT_RE.fullmatch(self.fingerprint):
             raise ValueError("fingerprint must be 16-64 lowercase hex characters")
         eager = {"pixel_values", "image_embeds"} & set(self.payload)
         if eager:
@@ -101,12 +101,12 @@ class EncodedTensor(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
     dtype: str
     """numpy dtype name, e.g. ``"float32"``, ``"int64"``, ``"uint8"``."""
-    shape: list[NonNegInt]
+    shape: list[_NonNegInt]
     data: bytes
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> EncodedTensor:
-        a = np.ascontiguousarray(array)
+        a = np.asarray(array, order="C")  # not ascontiguousarray: it turns scalars into shape [1]
         a = a.astype(a.dtype.newbyteorder("<"), copy=False)
         return cls(dtype=a.dtype.name, shape=list(a.shape), data=a.tobytes())
 
@@ -126,7 +126,7 @@ class EncodedTensor(msgspec.Struct, frozen=True, array_like=True, gc=False):
 class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, omit_defaults=True):
     """One rollout sample as the trainer receives it. Per-token lists have one length."""
 
-    input_ids: list[NonNegInt]
+    input_ids: list[_NonNegInt]
     loss_mask: list[bool]
     advantages: list[float]
     inference_logprobs: list[float]
@@ -148,13 +148,13 @@ class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, om
 class MicroBatch(msgspec.Struct, kw_only=True, array_like=True, gc=False, omit_defaults=True):
     """Samples packed into one sequence; ``seq_lens`` marks the boundaries."""
 
-    input_ids: list[NonNegInt]
+    input_ids: list[_NonNegInt]
     loss_mask: list[bool]
     advantages: list[float]
     inference_logprobs: list[float]
-    seq_lens: list[PosInt]
+    seq_lens: list[_PosInt]
     """One entry per packed sample; ``sum(seq_lens) == len(input_ids)``."""
-    sample_count: NonNegInt
+    sample_count: _NonNegInt
     mm_refs: list[RawMMRef] = msgspec.field(default_factory=list)
     """Every sample's refs, concatenated in sample order."""
     position_ids: list[list[int]] | None = None

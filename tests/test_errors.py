@@ -1,4 +1,4 @@
-"""protocol.errors: the docstring table is the contract; codes are unique; errors pickle; ``__all__`` is exact.
+"""protocol.errors: the docstring table is the contract, codes are unique, errors pickle, ``__all__`` exact.
 
 The ``__all__`` checks cover every module of ``protocol/`` (not ``protocol/adapters``), in the spirit of
 httpx ``tests/test_exported_members.py``: sorted the way ruff RUF022 sorts, and complete (every public
@@ -162,6 +162,7 @@ def _public_top_level_names(module_name: str) -> set[str]:
             names.add(node.target.id)
         elif isinstance(node, ast.ImportFrom) and is_package and node.module != "__future__":
             names.update((a.asname or a.name) for a in node.names)
+    names.discard("main")  # a module's CLI entry point (``python -m protocol.sweep``) is not API
     return {n for n in names if not n.startswith("_")}
 
 
@@ -202,7 +203,19 @@ def test_dunder_all_is_complete(module_name):
 
 
 def test_isort_style_key_matches_ruff_examples():
-    names = ["b", "AssetStore", "MAX_2", "MAX_10", "A", "a10", "a2", "MMRefs", "MicroBatch", "FAMILY_RE", "X1"]
+    names = [
+        "b",
+        "AssetStore",
+        "MAX_2",
+        "MAX_10",
+        "A",
+        "a10",
+        "a2",
+        "MMRefs",
+        "MicroBatch",
+        "FAMILY_RE",
+        "X1",
+    ]
     assert sorted(names, key=_isort_style_key) == [
         "FAMILY_RE",
         "MAX_2",

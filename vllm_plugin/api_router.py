@@ -3,15 +3,16 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from http import HTTPStatus
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from protocol.errors import AssetTooLarge, InvalidRequest, MMRefError
+from vllm_plugin import metrics
 
 __all__ = ["attach_router", "error_response"]
 
@@ -25,6 +26,7 @@ def error_response(error: MMRefError) -> JSONResponse:
     ``{"error": {"message", "type", "param", "code", "ref"}}`` with the error's HTTP status.
     No traceback ever leaves the server.
     """
+    metrics.REF_ERRORS.labels(error.code).inc()
     status = HTTPStatus(error.http_status)
     ref = error.ref[:512] if isinstance(error.ref, str) else None
     return JSONResponse(
@@ -41,16 +43,35 @@ def error_response(error: MMRefError) -> JSONResponse:
     )
 
 
-async def _read_json(request: Request, limit: int) -> dict[str, Any]:
-    raw = await request.body()
-    if len(raw) > limit:
-        raise AssetTooLarge(f"request body is {len(raw)} bytes, limit {limit}")
+_MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+
+
+async def _read_body(request: Request, limit: int) -> dict[str, Any]:
+    """The request body as a dict: JSON, or msgpack when the content type says so.
+
+    Raises:
+        AssetTooLarge: the body exceeds ``limit`` bytes (checked on Content-Length first).
+        InvalidRequest: undecodable, or not an object/map.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise AssetTooLarge(f"request body is {declared} bytes, limit {limit}")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise AssetTooLarge(f"request body exceeds {limit} bytes")
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidRequest(f"body is not JSON: {e}") from e
+        if content_type in _MSGPACK_TYPES:
+            body = msgspec.msgpack.decode(bytes(raw))
+        else:
+            body = msgspec.json.decode(bytes(raw))
+    except msgspec.DecodeError as e:
+        kind = "msgpack" if content_type in _MSGPACK_TYPES else "JSON"
+        raise InvalidRequest(f"body is not valid {kind}: {e}") from e
     if not isinstance(body, dict):
-        raise InvalidRequest("body must be a JSON object")
+        raise InvalidRequest("body must be a JSON object (or a msgpack map)")
     return body
 
 
@@ -73,7 +94,7 @@ async def generate(raw_request: Request) -> Response:
 
     try:
         resolver = _resolver(raw_request)
-        body = await _read_json(raw_request, resolver.config.max_body_bytes)
+        body = await _read_body(raw_request, resolver.config.max_body_bytes)
         body = await resolver.fill_features(body)
         try:
             request = GenerateRequest.model_validate(body)
@@ -101,7 +122,7 @@ async def resolve(raw_request: Request) -> Response:
     """
     try:
         resolver = _resolver(raw_request)
-        body = await _read_json(raw_request, resolver.config.max_body_bytes)
+        body = await _read_body(raw_request, resolver.config.max_body_bytes)
         body = await resolver.fill_features(body)
     except MMRefError as e:
         return error_response(e)

@@ -25,7 +25,11 @@ V = TypeVar("V")
 @dataclass
 class CacheStats:
     hits: int = 0
+    """Lookups answered from the cache."""
+    joined: int = 0
+    """Lookups that awaited a computation already in flight for the same key."""
     misses: int = 0
+    """Computations started."""
     evictions: int = 0
     bytes: int = 0
     entries: int = 0
@@ -68,7 +72,9 @@ class ByteBudgetLRU(Generic[V]):
             self.stats.hits += 1
             return value
         task = self._inflight.get(key)
-        if task is None:
+        if task is not None:
+            self.stats.joined += 1
+        else:
             self.stats.misses += 1
             task = asyncio.ensure_future(compute())
             self._inflight[key] = task

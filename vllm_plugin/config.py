@@ -34,6 +34,10 @@ class PluginConfig(BaseSettings):
     """Largest ``mmfile`` feature file read."""
     max_body_bytes: int = Field(default=32 << 20, ge=1024)
     """Largest request body accepted (413 beyond)."""
+    max_refs_per_request: int = Field(default=64, ge=1)
+    """Most refs one request may carry (each costs a file read and a processor run)."""
+    allowed_families: list[str] | None = None
+    """If set (a JSON list, e.g. ``'["qwen2_vl"]'``), the served model's family must be among them."""
 
     @field_validator("asset_root")
     @classmethod

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from protocol.features import read_feature_item
 from protocol.refs import FileRef, RawRefBody, is_ref, parse_ref
 from protocol.store import AssetStore
 from protocol.structs import RawMMRef
+from vllm_plugin import metrics
 from vllm_plugin.cache import ByteBudgetLRU
 from vllm_plugin.config import PluginConfig
 
@@ -101,6 +103,7 @@ class MMRefResolver:
         self.cache: ByteBudgetLRU[ResolvedItem] = ByteBudgetLRU(
             config.cache_budget_bytes, lambda item: item.nbytes
         )
+        metrics.register_cache(self.cache)
         self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="mmref-resolve")
         self.pixel_mode = "raw" if device_normalize else "normalized"
 
@@ -120,13 +123,20 @@ class MMRefResolver:
         parsed = parse_ref(ref)
         if isinstance(parsed, RawRefBody):
             self.adapter.check_ref(parsed, ref=ref)  # cheap checks before queueing work
-            work = self._resolve_raw_sync
+            work, kind = self._resolve_raw_sync, "mmraw"
         else:
-            work = self._resolve_file_sync
+            work, kind = self._resolve_file_sync, "mmfile"
+
+        def timed() -> ResolvedItem:
+            start = time.perf_counter()
+            item = work(parsed, ref)
+            metrics.RESOLVE_SECONDS.labels(kind).observe(time.perf_counter() - start)
+            if kind == "mmraw":
+                metrics.IMAGES_MATERIALIZED.inc()
+            return item
+
         loop = asyncio.get_running_loop()
-        return await self.cache.get_or_compute(
-            key, lambda: loop.run_in_executor(self._pool, work, parsed, ref)
-        )
+        return await self.cache.get_or_compute(key, lambda: loop.run_in_executor(self._pool, timed))
 
     def _resolve_raw_sync(self, body: RawRefBody, ref: str) -> ResolvedItem:
         from transformers import BatchFeature
@@ -229,6 +239,7 @@ class MMRefResolver:
     async def _features_from_refs(self, mm_refs: Any, token_ids: list[int]) -> dict[str, Any]:
         if not isinstance(mm_refs, list) or not mm_refs:
             raise InvalidRequest("mm_refs must be a non-empty list of refs")
+        self._check_ref_count(len(mm_refs))
         refs = [self._ref_string(r) for r in mm_refs]
         resolved = await asyncio.gather(*(self.resolve(r) for r in refs))
         for raw, item in zip(mm_refs, resolved, strict=True):
@@ -284,6 +295,7 @@ class MMRefResolver:
                     f"features.{modality}: kwargs_data, mm_hashes and mm_placeholders differ in length"
                 )
             jobs = {i: s for i, s in enumerate(modality_slots) if is_ref(s)}
+            self._check_ref_count(len(jobs))
             resolved = await asyncio.gather(*(self.resolve(s) for s in jobs.values()))
             for (i, ref), item in zip(jobs.items(), resolved, strict=True):
                 check_range(
@@ -307,6 +319,12 @@ class MMRefResolver:
                     f"mm_placeholders cover {total}"
                 )
         return {**features, "mm_hashes": hashes, "mm_placeholders": placeholders, "kwargs_data": slots}
+
+    def _check_ref_count(self, n: int) -> None:
+        if n > self.config.max_refs_per_request:
+            raise InvalidRequest(
+                f"{n} refs in one request; MMREF_MAX_REFS_PER_REQUEST is {self.config.max_refs_per_request}"
+            )
 
     def _require_cached(self, mm_hash: str) -> None:
         cache = self.processor_cache
@@ -370,6 +388,8 @@ def locate_placeholders(
     run_iter = iter(runs)
     start, left = 0, 0
     for n in counts:
+        if n <= 0:
+            raise PlaceholderMismatch(f"image {len(out)} has a placeholder count of {n}; counts must be >= 1")
         if left == 0:
             start, left = next(run_iter)
         if n > left:

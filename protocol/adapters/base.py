@@ -14,6 +14,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -212,9 +213,15 @@ class ImageAdapter(ABC):
         Raises:
             ImageUnreadable, AssetTooLarge: the image cannot be decoded or is too large.
         """
-        stored = store.put_image(image)
-        decoded = load_image(stored.path.read_bytes())
-        grid = self.grid_for_size(decoded.width, decoded.height)
+        data = image if isinstance(image, bytes) else Path(image).read_bytes()
+        decoded = load_image(data)
+        try:
+            grid = self.grid_for_size(decoded.width, decoded.height)
+        except ValueError as e:  # e.g. smart_resize: aspect ratio > 200; nothing is stored then
+            raise ImageUnreadable(
+                f"{self.family} processor refuses a {decoded.width}x{decoded.height} image: {e}"
+            ) from e
+        stored = store.put_image(data)
         body = RawRefBody(
             family=self.family,
             modality="image",

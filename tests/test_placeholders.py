@@ -1,0 +1,210 @@
+"""Placeholder arithmetic: ``vllm_plugin.serving.locate_placeholders`` / ``check_range`` and
+``protocol.prompt.expand_image_placeholders``."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.errors import InvalidRequest, PlaceholderMismatch
+from protocol.prompt import expand_image_placeholders
+from protocol.structs import RawMMRef
+from vllm_plugin.serving import check_range, locate_placeholders
+
+P = 261  # <|image_pad|> of the tiny Qwen models
+T = 7  # some text token
+
+
+def ref(n: int) -> RawMMRef:
+    return RawMMRef(
+        ref="mmraw:" + "A" * 40,
+        sha256="ab" * 32,
+        media_type="image/png",
+        grid=[1, 2, 2 * n],
+        num_placeholders=n,
+    )
+
+
+# --- locate_placeholders ----------------------------------------------------------------------
+
+
+def test_adjacent_images_in_one_run_are_split_by_counts():
+    ids = [T, P, P, P, P, P, T]
+    assert locate_placeholders(ids, P, [2, 3]) == [(1, 2), (3, 3)]
+    assert locate_placeholders(ids, P, [3, 2]) == [(1, 3), (4, 2)]
+    assert locate_placeholders(ids, P, [1, 1, 1, 1, 1]) == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
+
+
+def test_images_in_separate_runs():
+    ids = [P, P, T, T, P, P, P, T, P]
+    assert locate_placeholders(ids, P, [2, 3, 1]) == [(0, 2), (4, 3), (8, 1)]
+
+
+def test_mixed_runs():
+    ids = [T, P, P, P, T, P, P]
+    assert locate_placeholders(ids, P, [1, 2, 2]) == [(1, 1), (2, 2), (5, 2)]
+
+
+def test_no_images_no_placeholders():
+    assert locate_placeholders([T, T, T], P, []) == []
+    assert locate_placeholders([], P, []) == []
+
+
+@pytest.mark.parametrize(
+    ("ids", "counts", "found"),
+    [
+        ([T, P, P, P, T], [2, 2], 3),  # too few
+        ([T, P, P, P, P, P, T], [2, 2], 5),  # too many
+        ([T, T, T], [4], 0),  # none
+        ([T, P, P], [], 2),  # placeholders without images
+    ],
+)
+def test_count_mismatch_names_token_and_counts(ids, counts, found):
+    with pytest.raises(PlaceholderMismatch) as info:
+        locate_placeholders(ids, P, counts)
+    message = str(info.value)
+    assert f"id {P}" in message
+    assert f"{found} placeholder" in message
+    assert str(sum(counts)) in message
+    assert info.value.code == "placeholder_mismatch"
+    assert info.value.http_status == 422
+
+
+@pytest.mark.parametrize(
+    ("ids", "counts"),
+    [
+        ([P, P, T, P, P], [1, 3]),  # image 1 would take the last of run 0 and two of run 1
+        ([P, P, T, P, P], [3, 1]),  # image 0 is longer than its run
+        ([P, P, P, T, P], [2, 2]),
+        ([P, T, P, T, P], [3]),
+    ],
+)
+def test_image_spanning_two_runs_is_refused(ids, counts):
+    assert sum(1 for t in ids if t == P) == sum(counts)  # totals agree; only the split is wrong
+    with pytest.raises(PlaceholderMismatch, match="placeholder tokens"):
+        locate_placeholders(ids, P, counts)
+
+
+# --- check_range ------------------------------------------------------------------------------
+
+
+IDS = [T, T, P, P, P, T, P]
+
+
+def test_check_range_accepts_exact_range():
+    check_range(IDS, {"offset": 2, "length": 3}, P, 3, "r")
+    check_range(IDS, {"offset": 6, "length": 1}, P, 1, "r")
+
+
+@pytest.mark.parametrize(
+    "placeholder",
+    [
+        {"offset": 7, "length": 1},  # starts past the end
+        {"offset": 100, "length": 1},
+        {"offset": 6, "length": 2},  # runs past the end
+        {"offset": -1, "length": 1},  # negative offset (would wrap in Python slicing)
+        {"offset": -5, "length": 3},
+    ],
+)
+def test_check_range_out_of_bounds(placeholder):
+    expected = placeholder["length"]
+    with pytest.raises(PlaceholderMismatch) as info:
+        check_range(IDS, placeholder, P, expected, "r-oob")
+    assert info.value.ref == "r-oob"
+    assert str(P) in str(info.value)
+
+
+@pytest.mark.parametrize(("length", "expected"), [(2, 3), (4, 3), (0, 3)])
+def test_check_range_wrong_length(length, expected):
+    with pytest.raises(PlaceholderMismatch) as info:
+        check_range(IDS, {"offset": 2, "length": length}, P, expected, "r-len")
+    assert f"length {length}" in str(info.value)
+    assert f"needs {expected}" in str(info.value)
+    assert info.value.ref == "r-len"
+
+
+@pytest.mark.parametrize(
+    "placeholder",
+    [
+        {"offset": 1, "length": 3},  # starts on a text token
+        {"offset": 3, "length": 3},  # ends on a text token
+        {"offset": 0, "length": 2},  # text only
+        {"offset": 4, "length": 3},  # spans the gap between two runs
+    ],
+)
+def test_check_range_non_placeholder_tokens(placeholder):
+    with pytest.raises(PlaceholderMismatch) as info:
+        check_range(IDS, placeholder, P, placeholder["length"], "r-tok")
+    assert f"placeholder id {P}" in str(info.value)
+
+
+@pytest.mark.parametrize("placeholder", [{}, {"offset": 2}, {"length": 3}, {"offset": None, "length": 3}])
+def test_check_range_malformed_entry(placeholder):
+    with pytest.raises(InvalidRequest):
+        check_range(IDS, placeholder, P, 3, "r")
+
+
+# --- expand_image_placeholders ----------------------------------------------------------------
+
+
+def test_expand_repeats_each_placeholder_by_its_count():
+    ids = [T, P, 8, P, 9]
+    assert expand_image_placeholders(ids, [ref(2), ref(3)], P) == [T, P, P, 8, P, P, P, 9]
+
+
+def test_expand_adjacent_placeholders():
+    assert expand_image_placeholders([P, P], [ref(1), ref(4)], P) == [P] * 5
+
+
+def test_expand_without_images_returns_a_copy():
+    ids = [T, 8, 9]
+    out = expand_image_placeholders(ids, [], P)
+    assert out == ids
+    assert out is not ids
+
+
+@pytest.mark.parametrize(("ids", "n_refs", "found"), [([T, P, P], 1, 2), ([T, P], 2, 1), ([T], 1, 0)])
+def test_expand_count_mismatch(ids, n_refs, found):
+    with pytest.raises(PlaceholderMismatch) as info:
+        expand_image_placeholders(ids, [ref(2)] * n_refs, P)
+    message = str(info.value)
+    assert f"{found} placeholder tokens (id {P})" in message
+    assert f"{n_refs} image" in message
+
+
+# --- property: expand then locate round-trips -------------------------------------------------
+
+text_token = st.integers(0, 511).filter(lambda t: t != P)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    counts=st.lists(st.integers(1, 40), min_size=0, max_size=6),
+    texts=st.lists(st.lists(text_token, max_size=5), min_size=7, max_size=7),
+)
+def test_expand_then_locate_round_trips(counts, texts):
+    prompt: list[int] = list(texts[0])
+    where: list[int] = []  # where each image's run will start in the expanded prompt
+    expanded_len = len(prompt)
+    for i, n in enumerate(counts):
+        prompt.append(P)
+        where.append(expanded_len)
+        expanded_len += n
+        prompt.extend(texts[i + 1])  # may be empty: adjacent images merge into one run
+        expanded_len += len(texts[i + 1])
+
+    expanded = expand_image_placeholders(prompt, [ref(n) for n in counts], P)
+    assert len(expanded) == expanded_len
+    ranges = locate_placeholders(expanded, P, counts)
+
+    assert ranges == list(zip(where, counts, strict=True))
+    assert [n for _, n in ranges] == list(counts)
+    assert all(o1 + n1 <= o2 for (o1, n1), (o2, _) in itertools.pairwise(ranges))
+    covered = {o + k for o, n in ranges for k in range(n)}
+    assert covered == {i for i, t in enumerate(expanded) if t == P}
+    for (offset, n), count in zip(ranges, counts, strict=True):
+        assert expanded[offset : offset + n] == [P] * n
+        check_range(expanded, {"offset": offset, "length": n}, P, count, "r")

@@ -1,0 +1,327 @@
+"""protocol.store: the content-addressed asset store on a real disk (DESIGN §1)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import stat
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from helpers import photo_bytes
+from protocol.errors import (
+    AssetNotFound,
+    AssetOutsideRoot,
+    AssetTooLarge,
+    HashMismatch,
+    ImageUnreadable,
+    InvalidRef,
+)
+from protocol.refs import file_uri_to_path
+from protocol.store import AssetStore, StoredImage, atomic_write
+
+SMALL = (64, 48)
+
+
+@pytest.fixture(scope="module")
+def jpeg() -> bytes:
+    return photo_bytes("astronaut", "JPEG", SMALL)
+
+
+@pytest.fixture
+def store(tmp_path) -> AssetStore:
+    return AssetStore(tmp_path / "run_1" / "assets")
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _names(directory: Path) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# put_image
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_put_image_layout(store, jpeg):
+    stored = store.put_image(jpeg)
+    digest = hashlib.sha256(jpeg).hexdigest()
+    assert stored == StoredImage(
+        sha256=digest,
+        path=store.root / "images" / f"{digest[:16]}.jpg",
+        media_type="image/jpeg",
+        nbytes=len(jpeg),
+    )
+    assert stored.mm_hash == digest[:32]
+    assert stored.path.read_bytes() == jpeg
+    assert _names(store.images_dir) == [f"{digest[:16]}.jpg"]
+
+
+@pytest.mark.parametrize(
+    "fmt,media_type,ext",
+    [
+        ("JPEG", "image/jpeg", ".jpg"),
+        ("PNG", "image/png", ".png"),
+        ("WEBP", "image/webp", ".webp"),
+        ("GIF", "image/gif", ".gif"),
+        ("BMP", "image/bmp", ".img"),
+        ("TIFF", "image/tiff", ".img"),
+    ],
+)
+def test_put_image_extension_per_media_type(store, fmt, media_type, ext):
+    data = photo_bytes("coffee", fmt, SMALL)
+    stored = store.put_image(data)
+    assert stored.media_type == media_type
+    assert stored.path.name == hashlib.sha256(data).hexdigest()[:16] + ext
+    assert stored.path.read_bytes() == data
+
+
+def test_put_image_is_idempotent_and_refreshes_mtime(store, jpeg):
+    first = store.put_image(jpeg)
+    old = time.time() - 7200
+    os.utime(first.path, (old, old))
+    inode = first.path.stat().st_ino
+    second = store.put_image(jpeg)
+    assert second == first
+    assert first.path.stat().st_mtime > old + 3600  # refreshed: the TTL sweeper must not take it
+    assert first.path.stat().st_ino == inode  # kept, not rewritten
+    assert _names(store.images_dir) == [first.path.name]
+
+
+def test_put_image_from_a_path(store, tmp_path, jpeg):
+    src = tmp_path / "upload.bin"
+    src.write_bytes(jpeg)
+    assert store.put_image(src) == store.put_image(str(src)) == store.put_image(jpeg)
+
+
+def test_different_images_get_different_files(store):
+    a = store.put_image(photo_bytes("astronaut", "PNG", SMALL))
+    b = store.put_image(photo_bytes("chelsea", "PNG", SMALL))
+    assert a.path != b.path and a.sha256 != b.sha256
+    assert _names(store.images_dir) == sorted([a.path.name, b.path.name])
+
+
+@pytest.mark.parametrize(
+    "data", [b"", b"not an image at all", b"%PDF-1.7\n", random.Random(0).randbytes(256)], ids=repr
+)
+def test_put_image_rejects_non_images_and_writes_nothing(store, data):
+    with pytest.raises(ImageUnreadable):
+        store.put_image(data)
+    assert not store.images_dir.exists() or _names(store.images_dir) == []
+
+
+def test_file_mode_honours_the_umask(store, jpeg):
+    mode = stat.S_IMODE(store.put_image(jpeg).path.stat().st_mode)
+    assert mode == 0o666 & ~_current_umask()
+    assert mode != 0o600  # mkstemp's private mode must not leak: other users (the server) read these
+
+
+@pytest.mark.parametrize("mask", [0o077, 0o002])
+def test_file_mode_follows_a_umask_set_after_import(store, jpeg, mask):
+    old = os.umask(mask)
+    try:
+        path = store.put_image(jpeg).path
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask
+
+
+def test_relative_root_gives_absolute_file_uris(tmp_path, monkeypatch, jpeg):
+    monkeypatch.chdir(tmp_path)
+    store = AssetStore(Path("outputs") / "run_7" / "assets")
+    assert store.root.is_absolute()
+    stored = store.put_image(jpeg)
+    assert stored.path.is_absolute()
+    assert stored.uri.startswith("file:///")
+    assert not stored.uri.startswith("file://outputs")
+    expected = tmp_path.resolve() / "outputs" / "run_7" / "assets" / "images" / stored.path.name
+    assert file_uri_to_path(stored.uri) == str(expected)
+    monkeypatch.chdir("/")  # the URI keeps working from anywhere
+    assert store.read_verified(stored.uri, stored.mm_hash) == jpeg
+
+
+def test_uri_round_trips_odd_characters(tmp_path, jpeg):
+    store = AssetStore(tmp_path / "out dir #1" / "run_ü" / "assets")
+    stored = store.put_image(jpeg)
+    assert "%20" in stored.uri and "%23" in stored.uri
+    assert store.read_verified(stored.uri, stored.mm_hash) == jpeg
+
+
+def test_atomic_write_leaves_no_temp_files(store):
+    for name in ("astronaut", "coffee", "chelsea", "rocket"):
+        store.put_image(photo_bytes(name, "PNG", SMALL))
+        store.put_image(photo_bytes(name, "PNG", SMALL))
+    names = _names(store.images_dir)
+    assert len(names) == 4
+    assert all(not n.startswith(".") and "tmp" not in n for n in names)
+
+
+def test_atomic_write_cleans_up_after_a_failed_write(tmp_path):
+    target = tmp_path / "d" / "x.bin"
+    with pytest.raises(TypeError):
+        atomic_write(target, "str is not bytes")  # fails inside the write, after mkstemp
+    assert not target.exists()
+    assert _names(target.parent) == []
+
+
+def test_atomic_write_reports_whether_it_wrote(tmp_path):
+    target = tmp_path / "x.bin"
+    assert atomic_write(target, b"one") is True
+    assert atomic_write(target, b"two") is False  # content-addressed: an existing file is kept
+    assert target.read_bytes() == b"one"
+
+
+def test_concurrent_puts_of_one_image(store, jpeg):
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: store.put_image(jpeg), range(32)))
+    assert len(set(results)) == 1
+    assert _names(store.images_dir) == [results[0].path.name]
+    assert results[0].path.read_bytes() == jpeg
+
+
+# ---------------------------------------------------------------------------------------------------------
+# read_verified
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_read_verified_good(store, jpeg):
+    stored = store.put_image(jpeg)
+    assert store.read_verified(stored.uri, stored.mm_hash) == jpeg
+    assert store.read_verified(stored.uri, stored.sha256) == jpeg
+    assert store.read_verified(stored.uri, stored.sha256[:16]) == jpeg
+    localhost = stored.uri.replace("file://", "file://localhost", 1)
+    assert store.read_verified(localhost, stored.mm_hash) == jpeg
+
+
+def test_read_verified_hash_mismatch(store, jpeg):
+    stored = store.put_image(jpeg)
+    other = hashlib.sha256(jpeg + b"x").hexdigest()
+    with pytest.raises(HashMismatch) as info:
+        store.read_verified(stored.uri, other[:32], ref="mmraw:x")
+    assert info.value.ref == "mmraw:x"
+    with pytest.raises(HashMismatch):
+        store.read_verified(stored.uri, stored.sha256 + "00")  # longer than any sha256
+
+
+def test_read_verified_detects_a_changed_file(store, jpeg):
+    stored = store.put_image(jpeg)
+    stored.path.write_bytes(jpeg[:-1] + bytes([jpeg[-1] ^ 1]))
+    with pytest.raises(HashMismatch):
+        store.read_verified(stored.uri, stored.mm_hash)
+
+
+def test_read_verified_missing(store, jpeg):
+    stored = store.put_image(jpeg)
+    missing = (store.images_dir / ("0" * 16 + ".jpg")).as_uri()
+    with pytest.raises(AssetNotFound) as info:
+        store.read_verified(missing, "0" * 32, ref="mmraw:y")
+    assert info.value.ref == "mmraw:y"
+    with pytest.raises(AssetNotFound):  # a directory inside the root is not an asset
+        store.read_verified(store.images_dir.as_uri(), stored.mm_hash)
+    stored.path.unlink()
+    with pytest.raises(FileNotFoundError):  # the builtin still catches it
+        store.read_verified(stored.uri, stored.mm_hash)
+
+
+def test_read_verified_rejects_dotdot_traversal(store, tmp_path, jpeg):
+    outside = tmp_path / "secret.jpg"
+    outside.write_bytes(jpeg)
+    store.put_image(jpeg)
+    sha = hashlib.sha256(jpeg).hexdigest()
+    uri = (store.images_dir / ".." / ".." / ".." / "secret.jpg").as_uri()
+    assert "/../" in uri
+    with pytest.raises(AssetOutsideRoot):
+        store.read_verified(uri, sha[:32])
+    # A missing file outside the root is also "outside": no existence oracle beyond the root.
+    with pytest.raises(AssetOutsideRoot):
+        store.read_verified((store.images_dir / ".." / ".." / ".." / "nope.jpg").as_uri(), sha[:32])
+    with pytest.raises(AssetOutsideRoot):
+        store.read_verified(f"file://{store.root}/images/%2e%2e/%2e%2e/%2e%2e/secret.jpg", sha[:32])
+
+
+def test_read_verified_rejects_absolute_paths_outside(store, tmp_path, jpeg):
+    outside = tmp_path / "elsewhere.jpg"
+    outside.write_bytes(jpeg)
+    with pytest.raises(AssetOutsideRoot):
+        store.read_verified(outside.as_uri(), hashlib.sha256(jpeg).hexdigest()[:32])
+
+
+def test_read_verified_rejects_a_sibling_with_the_same_prefix(store, jpeg):
+    sibling = store.root.parent / (store.root.name + "2") / "images" / "x.jpg"
+    sibling.parent.mkdir(parents=True)
+    sibling.write_bytes(jpeg)
+    with pytest.raises(AssetOutsideRoot):
+        store.read_verified(sibling.as_uri(), hashlib.sha256(jpeg).hexdigest()[:32])
+
+
+def test_read_verified_rejects_a_symlink_pointing_outside(store, tmp_path, jpeg):
+    outside = tmp_path / "secret.jpg"
+    outside.write_bytes(jpeg)
+    store.images_dir.mkdir(parents=True)
+    link = store.images_dir / "aaaaaaaaaaaaaaaa.jpg"
+    link.symlink_to(outside)
+    sha = hashlib.sha256(jpeg).hexdigest()
+    with pytest.raises(AssetOutsideRoot):
+        store.read_verified(link.as_uri(), sha[:32])
+    # A symlinked directory inside the root that leads outside is refused as well.
+    (store.root / "escape").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(AssetOutsideRoot):
+        store.read_verified((store.root / "escape" / "secret.jpg").as_uri(), sha[:32])
+
+
+def test_read_verified_allows_a_symlink_inside_the_root(store, jpeg):
+    stored = store.put_image(jpeg)
+    link = store.root / "alias.jpg"
+    link.symlink_to(stored.path)
+    assert store.read_verified(link.as_uri(), stored.mm_hash) == jpeg
+    relative = store.images_dir / "relative_alias.jpg"
+    relative.symlink_to(stored.path.name)
+    assert store.read_verified(relative.as_uri(), stored.mm_hash) == jpeg
+
+
+def test_store_opened_through_a_symlinked_root(tmp_path, jpeg):
+    real = tmp_path / "real_assets"
+    real.mkdir()
+    (tmp_path / "link_assets").symlink_to(real, target_is_directory=True)
+    store = AssetStore(tmp_path / "link_assets")
+    assert store.root == real.resolve()
+    stored = store.put_image(jpeg)
+    via_link = (tmp_path / "link_assets" / "images" / stored.path.name).as_uri()
+    assert store.read_verified(via_link, stored.mm_hash) == jpeg
+    assert store.read_verified(stored.uri, stored.mm_hash) == jpeg
+
+
+def test_read_verified_size_limit(store, jpeg):
+    stored = store.put_image(jpeg)
+    assert store.read_verified(stored.uri, stored.mm_hash, max_bytes=len(jpeg)) == jpeg
+    with pytest.raises(AssetTooLarge) as info:
+        store.read_verified(stored.uri, stored.mm_hash, max_bytes=len(jpeg) - 1, ref="mmraw:z")
+    assert info.value.ref == "mmraw:z"
+    assert info.value.http_status == 413
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "http://example.com/a.jpg",
+        "data:image/jpeg;base64,/9j/4AAQ",
+        "ftp://host/a.jpg",
+        "file://otherhost/a.jpg",
+        "file:images/a.jpg",
+        "images/a.jpg",
+        "file:///a%00.jpg",
+    ],
+)
+def test_read_verified_rejects_non_file_uris(store, jpeg, uri):
+    stored = store.put_image(jpeg)
+    with pytest.raises(InvalidRef):
+        store.read_verified(uri, stored.mm_hash)
