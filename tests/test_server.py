@@ -302,3 +302,30 @@ def test_mmfile_refs_match_mmraw_and_tampered_files_are_refused(
             len(tokens_and_logprobs(c.post("/inference/v1/generate", json={**body, "mm_refs": [mmfile]}))[0])
             == 8
         )
+
+
+def test_metrics_on_vllms_endpoint(server, tokenizer, photo_refs):
+    import re
+
+    good = photo_refs["chelsea"]
+    ids = prompt_ids(tokenizer, [good])
+
+    def scrape() -> dict[str, float]:
+        text = server.client().get("/metrics").text
+        return {m[0]: float(m[1]) for m in re.findall(r"^(mmref_[^\s]+)\s+([0-9.e+-]+)$", text, re.M)}
+
+    before = scrape()
+    with server.client() as c:
+        for _ in range(3):
+            assert generate(c, ids, [good]).status_code == 200
+        assert generate(c, ids, [forged(good, mm_hash="1" * 32)]).status_code == 409
+    after = scrape()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("mmref_cache_hits_total") >= 2
+    assert delta('mmref_ref_errors_total{code="hash_mismatch"}') == 1
+    assert after["mmref_cache_bytes"] > 0 and after["mmref_cache_entries"] >= 1
+    assert after['mmref_resolve_seconds_count{kind="mmraw"}'] >= 1
+    assert after["mmref_images_materialized_total"] >= 1

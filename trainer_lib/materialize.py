@@ -24,14 +24,18 @@ from protocol.adapters import ImageAdapter, ProcessedImage
 from protocol.errors import (
     AssetNotFound,
     AssetTooLarge,
+    GridMismatch,
     HashMismatch,
     ImageUnreadable,
     InvalidRef,
     MMRefError,
+    PlaceholderMismatch,
 )
+from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
 from protocol.refs import FileRef, RawRefBody, parse_ref
-from protocol.store import AssetStore
+from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore
 from protocol.structs import TrainingSample
+from trainer_lib import metrics
 
 __all__ = ["MaterializeStats", "MaterializedBatch", "MissingPolicy", "materialize"]
 
@@ -79,6 +83,9 @@ def materialize(
     policy: MissingPolicy = "placeholder_zero_loss",
     max_workers: int = 2,
     device_normalize: bool = False,
+    placeholder_token_id: int | None = None,
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> MaterializedBatch:
     """Resolve every sample's refs into model-ready features.
 
@@ -92,11 +99,17 @@ def materialize(
         device_normalize: produce vLLM's raw (un-normalized) pixels instead of the
             normalized pixels an HF model takes; for comparing with a server that runs
             ``mm_device_do_normalize``.
+        placeholder_token_id: if given, each sample's image placeholder tokens (counted with
+            ``mm_token_type_ids`` when present, else by this id) must equal the sum of its refs'
+            ``num_placeholders``: a misaligned sample raises instead of training on shifted features.
+        max_image_bytes, max_image_pixels: the same limits the server applies.
 
     Raises:
         MMRefError subclasses: under ``"error"`` any ref that fails; under either policy a ref
             that is invalid, outside the root, or for another family/fingerprint/grid. The error's
             ``ref`` names the ref.
+        GridMismatch, PlaceholderMismatch: a ``RawMMRef`` whose ``grid``/``num_placeholders``
+            disagree with its ref string, or a sample whose prompt does not fit its refs.
         ValueError: an unknown policy or ``max_workers < 1``.
     """
     if policy not in ("placeholder_zero_loss", "error"):
@@ -107,10 +120,21 @@ def materialize(
     per_sample = [[r.ref for r in s.mm_refs.items] if s.mm_refs else [] for s in samples]
     unique = list(dict.fromkeys(ref for refs in per_sample for ref in refs))
     bodies = {ref: _raw_body(ref) for ref in unique}
+    for ref, body in bodies.items():  # family, fingerprint and payload: before any file is read
+        adapter.check_ref(body, ref=ref)
+    for i, sample in enumerate(samples):
+        _check_sample(i, sample, adapter, bodies, placeholder_token_id)
 
     def work(ref: str) -> ProcessedImage | MMRefError:
         try:
-            return adapter.resolve_raw(bodies[ref], store, ref=ref, device_normalize=device_normalize)
+            return adapter.resolve_raw(
+                bodies[ref],
+                store,
+                ref=ref,
+                device_normalize=device_normalize,
+                max_bytes=max_image_bytes,
+                max_pixels=max_image_pixels,
+            )
         except _REPLACEABLE as e:
             if policy == "error":
                 raise
@@ -141,6 +165,10 @@ def materialize(
             sample = msgspec.structs.replace(sample, loss_mask=[False] * len(sample.loss_mask))
         out_samples.append(sample)
     stats.images = len(items)
+    metrics.IMAGES_MATERIALIZED.inc(stats.processed)
+    metrics.IMAGE_SLOTS.inc(stats.images)
+    metrics.PLACEHOLDER_FALLBACKS.inc(stats.placeholders)
+    metrics.ZEROED_SAMPLES.inc(stats.zeroed_samples)
     return MaterializedBatch(
         samples=out_samples,
         features=adapter.collate(items) if items else {},
@@ -148,6 +176,41 @@ def materialize(
         placeholder_refs=list(placeholders),
         stats=stats,
     )
+
+
+def _check_sample(
+    index: int,
+    sample: TrainingSample,
+    adapter: ImageAdapter,
+    bodies: dict[str, RawRefBody],
+    placeholder_token_id: int | None,
+) -> None:
+    refs = sample.mm_refs.items if sample.mm_refs else []
+    for r in refs:
+        grid = adapter.grid_from_payload(bodies[r.ref].payload, ref=r.ref)
+        if tuple(r.grid) != grid:
+            raise GridMismatch(
+                f"sample {index}: RawMMRef grid {r.grid} != its ref's grid {list(grid)}", ref=r.ref
+            )
+        if r.num_placeholders != adapter.num_placeholders(grid):
+            raise PlaceholderMismatch(
+                f"sample {index}: RawMMRef num_placeholders {r.num_placeholders} != "
+                f"{adapter.num_placeholders(grid)} for grid {list(grid)}",
+                ref=r.ref,
+            )
+    if placeholder_token_id is None:
+        return
+    type_ids = sample.mm_refs.mm_token_type_ids if sample.mm_refs else None
+    if type_ids is not None:
+        found = sum(type_ids)
+    else:
+        found = sum(1 for t in sample.input_ids if t == placeholder_token_id)
+    expected = sum(r.num_placeholders for r in refs)
+    if found != expected:
+        raise PlaceholderMismatch(
+            f"sample {index}: {found} image placeholder tokens (id {placeholder_token_id}), "
+            f"its {len(refs)} ref(s) need {expected}"
+        )
 
 
 def _raw_body(ref: str) -> RawRefBody:

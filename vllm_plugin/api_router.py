@@ -105,9 +105,14 @@ async def generate(raw_request: Request) -> Response:
         return error_response(e)
 
     handler = raw_request.app.state.serving_tokens
-    result = await handler.serve_tokens(request, raw_request)
+    try:
+        result = await handler.serve_tokens(request, raw_request)
+    except Exception as e:  # vLLM raises some validation errors (e.g. out-of-vocab ids)
+        from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+        result = create_error_response(e)  # vLLM's own status mapping; 5xx stays 5xx
     if isinstance(result, ErrorResponse):
-        return JSONResponse(content=result.model_dump(), status_code=result.error.code)
+        return _engine_error(result)
     if isinstance(result, GenerateResponseBase):
         return JSONResponse(content=result.model_dump())
     return StreamingResponse(content=result, media_type="text/event-stream")
@@ -133,6 +138,18 @@ async def resolve(raw_request: Request) -> Response:
             "pixel_mode": resolver.pixel_mode,
         }
     )
+
+
+def _engine_error(result: Any) -> JSONResponse:
+    """vLLM's own ``ErrorResponse`` (e.g. a prompt longer than ``max_model_len``, a token id out of
+    vocabulary), with its integer ``code`` replaced by our stable string code: ``engine_rejected``
+    for a 4xx, ``engine_error`` for a 5xx. Message, type and status are vLLM's."""
+    content = result.model_dump()
+    status = int(result.error.code)
+    content["error"]["code"] = "engine_rejected" if status < 500 else "engine_error"
+    content["error"].setdefault("ref", None)
+    metrics.REF_ERRORS.labels(content["error"]["code"]).inc()
+    return JSONResponse(content=content, status_code=status)
 
 
 def _summarize(error: Any) -> str:
