@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import VLLMServer, ensure_tiny_model, photo_bytes, start_server
+from helpers import SERVER_CACHE_BUDGET, VLLMServer, ensure_tiny_model, photo_bytes, start_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -56,7 +56,13 @@ def server(qwen2_vl_dir, output_root, photo_refs, tmp_path_factory) -> Iterator[
     ``--enable-scale-out`` also turns on vLLM's own render route, the oracle of the tests.
     """
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = start_server(qwen2_vl_dir, output_root, log, extra_args=("--enable-scale-out",))
+    srv = start_server(
+        qwen2_vl_dir,
+        output_root,
+        log,
+        extra_args=("--enable-scale-out",),
+        extra_env={"MMREF_CACHE_BUDGET_BYTES": str(SERVER_CACHE_BUDGET)},
+    )
     try:
         with srv.client() as c:  # first request on a fresh engine warms it up (~20 s)
             c.post(

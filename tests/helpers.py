@@ -15,7 +15,19 @@ sys.path.insert(0, str(REPO / "scripts"))
 from make_tiny_models import ensure_tiny_model  # noqa: E402
 from vllm_server import VLLMServer, start_server  # noqa: E402
 
-__all__ = ["REPO", "VLLMServer", "ensure_tiny_model", "photo_array", "photo_bytes", "start_server"]
+SERVER_CACHE_BUDGET = 8 << 20
+"""Resolve-cache budget of the test server: small, so the suite exercises eviction."""
+
+__all__ = [
+    "REPO",
+    "SERVER_CACHE_BUDGET",
+    "VLLMServer",
+    "ensure_tiny_model",
+    "photo_array",
+    "photo_bytes",
+    "start_server",
+]
+
 
 def photo_array(name: str) -> np.ndarray:
     """A real photo shipped by scikit-image, as an RGB uint8 array."""
