@@ -159,7 +159,7 @@ def read_feature_item(
         raise AssetNotFound(f"feature file {str(path)!r} disappeared", ref=ref_string) from e
     try:
         item = _decoder.decode(data)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec raises the latter for bad UTF-8
         raise CorruptFeature(f"feature file is not a valid v1 envelope: {e}", ref=ref_string) from e
     env = item.envelope
     claimed = (env.run_id, env.fingerprint, env.modality, env.mm_hash)

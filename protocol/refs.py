@@ -186,7 +186,10 @@ def file_uri_to_path(uri: str, *, ref: str | None = None) -> str:
         InvalidRef: another scheme (``http:``, ``data:``, ``ftp:``...), a remote host, a
             relative path, or a NUL byte.
     """
-    parsed = urlparse(uri)
+    try:
+        parsed = urlparse(uri)
+    except ValueError as e:  # e.g. "Invalid IPv6 URL" for a stray "["
+        raise InvalidRef(f"raw_image_uri does not parse: {e}", ref=ref) from e
     if parsed.scheme != "file":
         raise InvalidRef(f"raw_image_uri must be a file:// URI, got scheme {parsed.scheme!r}", ref=ref)
     if parsed.netloc not in ("", "localhost"):

@@ -182,10 +182,22 @@ def encode(obj: msgspec.Struct) -> bytes:
 
 
 def decode_sample(data: bytes) -> TrainingSample:
-    """Decode and validate a msgpack :class:`TrainingSample` (raises ``msgspec.ValidationError``)."""
-    return _sample_decoder.decode(data)
+    """Decode and validate a msgpack :class:`TrainingSample`.
+
+    Raises:
+        msgspec.ValidationError: wrong types or a cross-field rule broken.
+        msgspec.DecodeError: not msgpack (invalid UTF-8 in a string included).
+    """
+    return _decode(_sample_decoder, data)
 
 
 def decode_microbatch(data: bytes) -> MicroBatch:
-    """Decode and validate a msgpack :class:`MicroBatch` (raises ``msgspec.ValidationError``)."""
-    return _microbatch_decoder.decode(data)
+    """Decode and validate a msgpack :class:`MicroBatch` (errors as :func:`decode_sample`)."""
+    return _decode(_microbatch_decoder, data)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes):
+    try:
+        return decoder.decode(data)
+    except UnicodeDecodeError as e:  # msgspec lets this one through for bad UTF-8 in a str
+        raise msgspec.DecodeError(f"invalid UTF-8 in a string: {e}") from e

@@ -67,7 +67,7 @@ async def _read_body(request: Request, limit: int) -> dict[str, Any]:
             body = msgspec.msgpack.decode(bytes(raw))
         else:
             body = msgspec.json.decode(bytes(raw))
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
         kind = "msgpack" if content_type in _MSGPACK_TYPES else "JSON"
         raise InvalidRequest(f"body is not valid {kind}: {e}") from e
     if not isinstance(body, dict):

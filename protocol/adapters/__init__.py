@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 
 from protocol.adapters.base import ImageAdapter, ProcessedImage
+from protocol.adapters.kimi_k25 import KimiK25Adapter
+from protocol.adapters.kimi_vl import KimiVLAdapter, KimiVLImageProcessor
 from protocol.adapters.qwen_vl import QwenVLAdapter
 from protocol.adapters.registry import ADAPTERS, adapter_class, load_adapter, supported_families
 from protocol.store import AssetStore
@@ -16,6 +18,9 @@ from protocol.structs import RawMMRef
 __all__ = [
     "ADAPTERS",
     "ImageAdapter",
+    "KimiK25Adapter",
+    "KimiVLAdapter",
+    "KimiVLImageProcessor",
     "ProcessedImage",
     "QwenVLAdapter",
     "adapter_class",

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from protocol.adapters import kimi_k25, kimi_vl
 from protocol.adapters.base import ImageAdapter
+from protocol.adapters.kimi_k25 import KimiK25Adapter
+from protocol.adapters.kimi_vl import KimiVLAdapter
 from protocol.adapters.qwen_vl import QwenVLAdapter
 from protocol.errors import UnsupportedFamily
 
@@ -17,6 +21,16 @@ ADAPTERS: dict[str, type[ImageAdapter]] = {
     "qwen2_vl": QwenVLAdapter,
     "qwen2_5_vl": QwenVLAdapter,
     "qwen3_vl": QwenVLAdapter,
+    "kimi_vl": KimiVLAdapter,  # vLLM's KimiVLConfig.model_type (vllm/transformers_utils/configs/kimi_vl.py)
+    "kimi_k25": KimiK25Adapter,  # transformers' Kimi_K25Config.model_type
+}
+
+# Families whose image processor ``AutoImageProcessor`` cannot load the way vLLM serves it:
+# Kimi-VL's is remote code (ours is in kimi_vl.py); Kimi K2.5's is vLLM's fused processor,
+# not transformers' Kimi_K25ImageProcessor (other pixels).
+_PROCESSOR_LOADERS: dict[str, Callable[[Path], Any]] = {
+    "kimi_vl": kimi_vl.load_image_processor,
+    "kimi_k25": kimi_k25.load_image_processor,
 }
 
 
@@ -51,7 +65,9 @@ def load_adapter(
     Args:
         model: local model folder (no hub access).
         backend: ``"torchvision"`` | ``"pil"`` | None (transformers' default, torchvision when
-            installed, which is also what vLLM uses).
+            installed, which is also what vLLM uses). Kimi families have one processor each
+            (Kimi-VL: :class:`~protocol.adapters.kimi_vl.KimiVLImageProcessor`; Kimi K2.5: vLLM's
+            ``KimiK25FusedVisionProcessor``) and take None only.
         device: processor device (torchvision backend).
         image_processor: use this processor instance instead of loading one (the server
             passes vLLM's own).
@@ -59,11 +75,16 @@ def load_adapter(
     Raises:
         UnsupportedFamily: the model type has no adapter.
         FileNotFoundError: no ``config.json`` in ``model``.
+        ValueError: a ``backend`` for a Kimi family.
     """
     config = json.loads((Path(model) / "config.json").read_text())
     model_type = config.get("model_type", "")
     cls = adapter_class(model_type)
-    if image_processor is None:
+    if image_processor is None and model_type in _PROCESSOR_LOADERS:
+        if backend is not None:
+            raise ValueError(f"{model_type} has one processor backend; backend={backend!r} is not an option")
+        image_processor = _PROCESSOR_LOADERS[model_type](Path(model))
+    elif image_processor is None:
         from transformers import AutoImageProcessor
 
         image_processor = AutoImageProcessor.from_pretrained(model, backend=backend, local_files_only=True)

@@ -1,0 +1,158 @@
+"""Fuzzing of ref-string parsing and envelope decoding (hypothesis).
+
+Every input either parses or raises the module's typed error: never another exception. CI runs
+``MMREF_FUZZ_EXAMPLES`` (default 1500) examples per target; ``scripts/fuzz.py`` runs the same
+targets with 100k+ each.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+
+import msgspec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protocol.errors import InvalidRef, MMRefError
+from protocol.features import feature_path, read_feature_item, run_asset_root, write_feature_item
+from protocol.refs import FileRef, RawRefBody, file_uri_to_path, format_mmraw, parse_ref
+from protocol.structs import decode_microbatch, decode_sample
+
+EXAMPLES = int(os.environ.get("MMREF_FUZZ_EXAMPLES", "1500"))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=EXAMPLES <= 5000,  # CI: reproducible; long runs explore
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    database=None,
+)
+FP = "ab" * 16
+
+
+def parses_or_invalid(text: str) -> None:
+    try:
+        out = parse_ref(text)
+    except InvalidRef:
+        return
+    assert isinstance(out, RawRefBody | FileRef)
+
+
+@FUZZ
+@given(st.text(max_size=300))
+def test_parse_ref_arbitrary_text(text):
+    parses_or_invalid(text)
+    parses_or_invalid("mmraw:" + text)
+    parses_or_invalid("mmfile:v1:" + text)
+
+
+@FUZZ
+@given(st.binary(max_size=400))
+def test_parse_ref_arbitrary_base64_and_json_bodies(data):
+    parses_or_invalid("mmraw:" + base64.urlsafe_b64encode(data).rstrip(b"=").decode())
+    parses_or_invalid("mmraw:{" + data.decode("utf-8", "replace"))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@FUZZ
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "family": json_values | st.sampled_from(["qwen2_vl", "QWEN", "a" * 40, "qwen2_vl\n"]),
+            "modality": json_values | st.just("image"),
+            "mm_hash": json_values | st.sampled_from(["ab" * 16, "AB" * 16, "a" * 200, "ab" * 16 + "\n"]),
+            "payload": json_values | st.just({"image_grid_thw": [1, 2, 2]}),
+            "raw_image_uri": json_values | st.text(max_size=60),
+            "fingerprint": json_values,
+            "extra": json_values,
+        },
+    )
+)
+def test_parse_ref_structured_json(doc):
+    text = msgspec.json.encode(doc).decode()
+    parses_or_invalid("mmraw:" + text)
+    parses_or_invalid("mmraw:" + base64.urlsafe_b64encode(text.encode()).rstrip(b"=").decode())
+
+
+@FUZZ
+@given(st.text(max_size=200))
+def test_file_uri_to_path(text):
+    for uri in (text, "file://" + text, "file:///" + text):
+        try:
+            path = file_uri_to_path(uri)
+        except InvalidRef:
+            continue
+        assert path.startswith("/") and "\x00" not in path
+
+
+@FUZZ
+@given(st.binary(max_size=600) | st.binary(max_size=40).map(lambda b: b"\x98\x90\x90\x90\x90\xc0" + b))
+def test_training_sample_and_microbatch_decoding(data):
+    for decode in (decode_sample, decode_microbatch):
+        try:
+            decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+
+
+def test_invalid_utf8_in_a_sample_is_a_decode_error():
+    import pytest
+
+    with pytest.raises(msgspec.DecodeError):
+        decode_sample(b"\x98\x90\x90\x90\x90\xc0\xa2\xff\xfe")
+
+
+def _envelope_case(tmp_path, data: bytes) -> None:
+    ref = FileRef(run_id="f", fingerprint=FP, modality="image", mm_hash="cd" * 32)
+    path = feature_path(run_asset_root(tmp_path, "f"), ref)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    try:
+        read_feature_item(tmp_path, ref, fingerprint=FP)
+    except MMRefError:
+        pass
+
+
+@FUZZ
+@given(st.binary(max_size=600))
+def test_envelope_arbitrary_bytes(tmp_path_factory, data):
+    _envelope_case(_root(tmp_path_factory), data)
+
+
+@FUZZ
+@given(st.integers(0, 10_000), st.integers(0, 255), st.integers(0, 400))
+def test_envelope_mutated_valid_file(tmp_path_factory, position, value, cut):
+    root = _root(tmp_path_factory)
+    ref = FileRef(run_id="f", fingerprint=FP, modality="image", mm_hash="cd" * 32)
+    path = feature_path(run_asset_root(root, "f"), ref)
+    path.unlink(missing_ok=True)
+    write_feature_item(run_asset_root(root, "f"), ref, b"payload" * 40, placeholder_length=4)
+    data = bytearray(path.read_bytes())
+    data[position % len(data)] = value
+    _envelope_case(root, bytes(data[: max(0, len(data) - cut)]))
+
+
+_ROOTS: dict[int, object] = {}
+
+
+def _root(tmp_path_factory):
+    key = id(tmp_path_factory)
+    if key not in _ROOTS:
+        _ROOTS[key] = tmp_path_factory.mktemp("fuzz")
+    return _ROOTS[key]
+
+
+def test_format_mmraw_round_trips_whatever_parses():
+    body = RawRefBody(
+        family="qwen2_vl", modality="image", mm_hash="ab" * 16, payload={"x": [1]}, raw_image_uri="file:///a"
+    )
+    assert parse_ref(format_mmraw(body)) == body
