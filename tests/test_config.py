@@ -1,0 +1,70 @@
+"""Typed settings (pydantic-settings, ``MMREF_*``) for the plugin and the trainer; bad ones stop start-up."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from helpers import start_server
+from trainer_lib.config import MaterializeConfig
+from vllm_plugin.config import PluginConfig
+
+
+def test_plugin_config_from_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("MMREF_ASSET_ROOT", str(tmp_path / "." / ""))
+    monkeypatch.setenv("MMREF_CACHE_BUDGET_BYTES", "1048576")
+    monkeypatch.setenv("MMREF_ALLOWED_FAMILIES", '["qwen2_vl", "qwen3_vl"]')
+    monkeypatch.setenv("MMREF_MAX_IMAGE_PIXELS", "1000000")
+    cfg = PluginConfig()
+    assert cfg.asset_root == tmp_path.resolve() and cfg.asset_root.is_absolute()
+    assert cfg.cache_budget_bytes == 1 << 20 and cfg.allowed_families == ["qwen2_vl", "qwen3_vl"]
+    assert cfg.max_image_pixels == 1_000_000 and cfg.max_workers == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [
+        ("MMREF_ASSET_ROOT", "/nonexistent/mmref", "not an existing folder"),
+        ("MMREF_CACHE_BUDGET_BYTES", "-1", "cache_budget_bytes"),
+        ("MMREF_MAX_WORKERS", "0", "max_workers"),
+        ("MMREF_MAX_IMAGE_PIXELS", "lots", "max_image_pixels"),
+        ("MMREF_ALLOWED_FAMILIES", "qwen2_vl", "allowed_families"),
+    ],
+)
+def test_plugin_config_errors_name_the_setting(monkeypatch, tmp_path, name, value, match):
+    monkeypatch.setenv("MMREF_ASSET_ROOT", str(tmp_path))
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError, match=match):
+        PluginConfig()
+
+
+def test_plugin_config_requires_an_asset_root(monkeypatch):
+    monkeypatch.delenv("MMREF_ASSET_ROOT", raising=False)
+    with pytest.raises(ValidationError, match="asset_root"):
+        PluginConfig()
+
+
+def test_materialize_config(monkeypatch, tmp_path):
+    monkeypatch.setenv("MMREF_ASSET_ROOT", str(tmp_path))
+    monkeypatch.setenv("MMREF_MISSING_POLICY", "error")
+    monkeypatch.setenv("MMREF_MAX_WORKERS", "4")
+    kwargs = MaterializeConfig().materialize_kwargs()
+    assert kwargs["policy"] == "error" and kwargs["max_workers"] == 4 and kwargs["asset_root"] == tmp_path
+    monkeypatch.setenv("MMREF_MISSING_POLICY", "ignore")
+    with pytest.raises(ValidationError, match="missing_policy"):
+        MaterializeConfig()
+
+
+@pytest.mark.server
+@pytest.mark.timeout(600)
+def test_server_refuses_to_start_with_bad_settings(qwen2_vl_dir, tmp_path):
+    """vLLM swallows plugin *load* errors; ours surface in init_state and stop the server."""
+    with pytest.raises(RuntimeError) as info:
+        start_server(
+            qwen2_vl_dir,
+            tmp_path,
+            tmp_path / "server.log",
+            extra_env={"MMREF_ASSET_ROOT": str(tmp_path / "missing"), "MMREF_MAX_WORKERS": "0"},
+        )
+    message = str(info.value)
+    assert "exited" in message and "MMREF_ASSET_ROOT" in message and "max_workers" in message
