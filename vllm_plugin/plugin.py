@@ -49,14 +49,13 @@ class MMRefEndpointPlugin:
         hf_config = model_config.hf_config
         renderer = engine_client.renderer
         mm_processor = renderer.get_mm_processor()
-        image_processor = mm_processor.info.get_hf_processor().image_processor
         if config.allowed_families is not None and hf_config.model_type not in config.allowed_families:
             raise UnsupportedFamily(
                 f"served model type {hf_config.model_type!r} is not in MMREF_ALLOWED_FAMILIES "
                 f"{config.allowed_families}"
             )
         adapter_cls = adapter_class(hf_config.model_type)
-        adapter = adapter_cls(image_processor, family=hf_config.model_type)
+        adapter = adapter_cls(adapter_cls.served_image_processor(mm_processor), family=hf_config.model_type)
         device_normalize = bool(model_config.multimodal_config.mm_device_do_normalize)
         state.mmref_resolver = MMRefResolver(
             adapter,

@@ -153,7 +153,7 @@ class MMRefResolver:
         )
         hf_inputs = BatchFeature(dict(processed.tensors))
         items = MultiModalKwargsItems.from_hf_inputs(hf_inputs, self.fields_config(hf_inputs))
-        (item,) = items["image"]
+        (item,) = items[self.adapter.vllm_modality]
         engine_hash = hashlib.sha256(
             f"mmref:v1:{body.mm_hash}:{self.adapter.fingerprint}:{self.pixel_mode}".encode()
         ).hexdigest()
@@ -247,10 +247,11 @@ class MMRefResolver:
                 self._check_declared(raw, item)
         counts = [item.num_placeholders for item in resolved]
         ranges = locate_placeholders(token_ids, self.placeholder_token_id, counts)
+        modality = self.adapter.vllm_modality
         return {
-            "mm_hashes": {"image": [item.engine_hash for item in resolved]},
-            "mm_placeholders": {"image": [{"offset": o, "length": n} for o, n in ranges]},
-            "kwargs_data": {"image": [item.encoded for item in resolved]},
+            "mm_hashes": {modality: [item.engine_hash for item in resolved]},
+            "mm_placeholders": {modality: [{"offset": o, "length": n} for o, n in ranges]},
+            "kwargs_data": {modality: [item.encoded for item in resolved]},
         }
 
     def _ref_string(self, raw: Any) -> str:
@@ -310,8 +311,8 @@ class MMRefResolver:
             for i, slot in enumerate(modality_slots):
                 if slot is None:
                     self._require_cached(hashes[modality][i])
-        if "image" in placeholders:
-            total = sum(int(p.get("length", 0)) for p in placeholders["image"])
+        if self.adapter.vllm_modality in placeholders:
+            total = sum(int(p.get("length", 0)) for p in placeholders[self.adapter.vllm_modality])
             found = sum(1 for t in token_ids if t == self.placeholder_token_id)
             if found != total:
                 raise PlaceholderMismatch(

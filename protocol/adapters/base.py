@@ -70,6 +70,9 @@ class ImageAdapter(ABC):
     """HF ``model_type`` values this adapter class serves (the registry's keys)."""
     grid_field: ClassVar[str]
     """Name of the grid tensor and of the grid key in the ref payload."""
+    vllm_modality: ClassVar[str] = "image"
+    """The modality key vLLM files this family's items under (Kimi K2.5: ``"vision_chunk"``);
+    refs themselves always say ``"image"``."""
 
     def __init__(self, image_processor: Any, *, family: str, device: str = "cpu") -> None:
         if family not in self.model_types:
@@ -91,6 +94,24 @@ class ImageAdapter(ABC):
         from transformers.image_processing_backends import TorchvisionBackend
 
         return "torchvision" if isinstance(self.image_processor, TorchvisionBackend) else "pil"
+
+    @classmethod
+    def load_image_processor(cls, model_dir: str | os.PathLike[str], *, backend: str | None = None) -> Any:
+        """The image processor vLLM would use for a local model folder (no hub access).
+
+        Default: transformers' ``AutoImageProcessor`` with ``backend`` (None: transformers' default,
+        torchvision when installed, which is also what vLLM uses). Families whose processor
+        transformers cannot load the way vLLM serves it override this.
+        """
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(model_dir, backend=backend, local_files_only=True)
+
+    @classmethod
+    def served_image_processor(cls, mm_processor: Any) -> Any:
+        """The image-processor instance a running vLLM uses, from its multimodal processor
+        (``engine_client.renderer.get_mm_processor()``): ``info.get_hf_processor().image_processor``."""
+        return mm_processor.info.get_hf_processor().image_processor
 
     # --- family specifics -------------------------------------------------------------
 

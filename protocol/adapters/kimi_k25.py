@@ -39,7 +39,7 @@ from PIL import Image
 
 from protocol.adapters.base import ImageAdapter, ProcessedImage
 
-__all__ = ["KimiK25Adapter", "load_image_processor"]
+__all__ = ["KimiK25Adapter"]
 
 _IMAGE_FIELDS = (
     "patch_size",
@@ -64,7 +64,7 @@ class KimiK25Adapter(ImageAdapter):
     Args:
         image_processor: a processor with Kimi's media interface (``media_proc_cfg``,
             ``preprocess(medias, ...)``, ``get_resize_config``): the one vLLM built
-            (``mm_processor.info.image_processor``) or :func:`load_image_processor`.
+            (``mm_processor.info.image_processor``) or :meth:`load_image_processor`.
 
     Raises:
         TypeError: the processor lacks that interface (e.g. transformers' ``Kimi_K25ImageProcessor``).
@@ -163,17 +163,25 @@ class KimiK25Adapter(ImageAdapter):
         """``image_token_id`` (``<|media_pad|>``; vLLM rewrites it from the tokenizer if they disagree)."""
         return int(hf_config.image_token_id)
 
+    @classmethod
+    def served_image_processor(cls, mm_processor: Any) -> Any:
+        """vLLM's ``KimiK25ProcessingInfo`` holds the fused processor itself (``info.image_processor``)."""
+        return mm_processor.info.image_processor
 
-def load_image_processor(model_dir: Any) -> Any:
-    """vLLM's ``KimiK25FusedVisionProcessor`` from a model folder, as vLLM loads it (needs vLLM, numba).
+    @classmethod
+    def load_image_processor(cls, model_dir: Any, *, backend: str | None = None) -> Any:
+        """vLLM's ``KimiK25FusedVisionProcessor`` from a model folder, as vLLM loads it (needs vLLM, numba).
 
-    Raises:
-        ImportError: vLLM or numba is missing (vLLM would then run the checkpoint's remote
-            ``KimiK25VisionProcessor``, which computes other pixels).
-    """
-    from vllm.transformers_utils.processors.kimi_k25_vision_fused import KimiK25FusedVisionProcessor
-    from vllm.utils.import_utils import is_numba_available
+        Raises:
+            ImportError: vLLM or numba is missing (vLLM would then run the checkpoint's remote
+                ``KimiK25VisionProcessor``, which computes other pixels).
+            ValueError: a ``backend`` (vLLM's fused processor is the only one).
+        """
+        if backend is not None:
+            raise ValueError(f"kimi_k25 has one processor backend; backend={backend!r} is not an option")
+        from vllm.transformers_utils.processors.kimi_k25_vision_fused import KimiK25FusedVisionProcessor
+        from vllm.utils.import_utils import is_numba_available
 
-    if not is_numba_available():
-        raise ImportError("numba is required: without it vLLM uses the remote KimiK25VisionProcessor")
-    return KimiK25FusedVisionProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        if not is_numba_available():
+            raise ImportError("numba is required: without it vLLM uses the remote KimiK25VisionProcessor")
+        return KimiK25FusedVisionProcessor.from_pretrained(str(model_dir), local_files_only=True)

@@ -186,7 +186,7 @@ class KimiVLAdapter(ImageAdapter):
 
     Wraps a Kimi-VL image processor: on a server the instance vLLM loaded from the checkpoint
     (its remote code), in a trainer :class:`KimiVLImageProcessor` (see
-    :func:`load_image_processor`). Both are called through ``preprocess(images,
+    :meth:`load_image_processor`). Both are called through ``preprocess(images,
     return_tensors)``, the interface vLLM's ``KimiVLProcessor`` uses.
 
     Raises:
@@ -276,7 +276,13 @@ class KimiVLAdapter(ImageAdapter):
         """``media_placeholder_token_id`` (``<|media_pad|>``), as vLLM's ``KimiVLProcessingInfo`` reads it."""
         return int(hf_config.media_placeholder_token_id)
 
+    @classmethod
+    def load_image_processor(cls, model_dir: Any, *, backend: str | None = None) -> KimiVLImageProcessor:
+        """:class:`KimiVLImageProcessor` from a model folder's ``preprocessor_config.json`` (no remote code).
 
-def load_image_processor(model_dir: Any) -> KimiVLImageProcessor:
-    """:class:`KimiVLImageProcessor` from a model folder's ``preprocessor_config.json`` (no remote code)."""
-    return KimiVLImageProcessor.from_pretrained(model_dir, local_files_only=True)
+        Raises:
+            ValueError: a ``backend`` (Kimi-VL has one processor).
+        """
+        if backend is not None:
+            raise ValueError(f"kimi_vl has one processor backend; backend={backend!r} is not an option")
+        return KimiVLImageProcessor.from_pretrained(model_dir, local_files_only=True)

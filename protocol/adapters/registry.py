@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from protocol.adapters import kimi_k25, kimi_vl
 from protocol.adapters.base import ImageAdapter
 from protocol.adapters.kimi_k25 import KimiK25Adapter
 from protocol.adapters.kimi_vl import KimiVLAdapter
@@ -23,14 +21,6 @@ ADAPTERS: dict[str, type[ImageAdapter]] = {
     "qwen3_vl": QwenVLAdapter,
     "kimi_vl": KimiVLAdapter,  # vLLM's KimiVLConfig.model_type (vllm/transformers_utils/configs/kimi_vl.py)
     "kimi_k25": KimiK25Adapter,  # transformers' Kimi_K25Config.model_type
-}
-
-# Families whose image processor ``AutoImageProcessor`` cannot load the way vLLM serves it:
-# Kimi-VL's is remote code (ours is in kimi_vl.py); Kimi K2.5's is vLLM's fused processor,
-# not transformers' Kimi_K25ImageProcessor (other pixels).
-_PROCESSOR_LOADERS: dict[str, Callable[[Path], Any]] = {
-    "kimi_vl": kimi_vl.load_image_processor,
-    "kimi_k25": kimi_k25.load_image_processor,
 }
 
 
@@ -80,12 +70,6 @@ def load_adapter(
     config = json.loads((Path(model) / "config.json").read_text())
     model_type = config.get("model_type", "")
     cls = adapter_class(model_type)
-    if image_processor is None and model_type in _PROCESSOR_LOADERS:
-        if backend is not None:
-            raise ValueError(f"{model_type} has one processor backend; backend={backend!r} is not an option")
-        image_processor = _PROCESSOR_LOADERS[model_type](Path(model))
-    elif image_processor is None:
-        from transformers import AutoImageProcessor
-
-        image_processor = AutoImageProcessor.from_pretrained(model, backend=backend, local_files_only=True)
+    if image_processor is None:
+        image_processor = cls.load_image_processor(model, backend=backend)
     return cls(image_processor, family=model_type, device=device)
