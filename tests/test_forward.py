@@ -1,0 +1,463 @@
+"""trainer_lib.forward and trainer_lib.positions on tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL with real photos.
+
+The reference for every packed forward is transformers' own unpacked forward of each sample
+(``model(input_ids, pixel_values, image_grid_thw, mm_token_type_ids)``: the model computes its
+own MRoPE positions), so positions, masks, feature order and logprob alignment are all checked
+against code that is not ours. The reference for adjacent images is vLLM's
+``get_mrope_input_positions`` (transformers' ``get_rope_index`` cannot split them).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import types
+
+import msgspec
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import ensure_tiny_model, photo_bytes
+from protocol.adapters import load_adapter, offload_image
+from protocol.refs import format_mmraw, parse_ref
+from protocol.structs import MMRefs, TrainingSample
+from trainer_lib import materialize
+from trainer_lib.forward import (
+    VARLEN_ATTENTION,
+    PackedInputs,
+    PackingUnsupported,
+    check_packable,
+    materialize_micro_batch,
+    packed_inputs,
+    packed_logprobs,
+    prepare_model_for_packing,
+    select_backend,
+)
+from trainer_lib.packing import pack_samples
+from trainer_lib.padding import balance_micro_batches
+from trainer_lib.positions import build_position_ids, cu_seqlens, rope_index_fn, text_position_ids
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+IM_START, IM_END, V_START, V_END, PAD = 257, 258, 259, 260, 256
+TOL = 1e-5
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def text(s: str) -> list[int]:
+    return list(s.encode())
+
+
+def chat(images, prompt: str, answer: str, tok: int, *, adjacent: bool = False) -> TrainingSample:
+    """A Qwen-style chat: ``<im_start>user\\n <vision_start> pads <vision_end> prompt <im_end> answer``."""
+    ids = [IM_START, *text("user\n")]
+    for k, ref in enumerate(images):
+        if not adjacent or k == 0:
+            ids.append(V_START)
+        ids += [tok] * ref.num_placeholders
+        if not adjacent or k == len(images) - 1:
+            ids.append(V_END)
+    ids += [*text(prompt), IM_END, IM_START, *text("assistant\n")]
+    completion = [*text(answer), IM_END]
+    n = len(ids) + len(completion)
+    return TrainingSample(
+        input_ids=ids + completion,
+        loss_mask=[False] * len(ids) + [True] * len(completion),
+        advantages=[0.25] * n,
+        inference_logprobs=[0.0] * n,
+        mm_refs=MMRefs(items=list(images)) if images else None,
+    )
+
+
+class Family:
+    def __init__(self, name: str, root) -> None:
+        from transformers import AutoModelForImageTextToText
+
+        self.name = name
+        self.dir = ensure_tiny_model(name)
+        self.model = AutoModelForImageTextToText.from_pretrained(self.dir, dtype=torch.float32).eval()
+        self.adapter = load_adapter(self.dir)
+        self.root = root
+        self.tok = self.adapter.placeholder_token_id(self.model.config)
+        self.refs = {
+            n: offload_image(photo_bytes(n), root, self.adapter)
+            for n in ("astronaut", "coffee", "chelsea", "rocket")
+        }
+
+    def samples(self) -> list[TrainingSample]:
+        r, t = self.refs, self.tok
+        return [
+            chat([r["astronaut"]], "What is in the picture?", "An astronaut.", t),
+            chat([], "Say hi.", "Hi there, how are you?", t),
+            chat([r["coffee"], r["chelsea"]], "Compare them.", "A cup; a cat.", t),
+            chat([], "Count to five", "1 2 3 4 5", t),
+            chat([r["rocket"]], "Name it", "rocket", t),
+            chat([r["chelsea"]], "?", "cat", t),
+        ]
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fwd") / "run_3" / "assets"
+    return {name: Family(name, root) for name in FAMILIES}
+
+
+def reference_logprobs(fam: Family, sample: TrainingSample) -> torch.Tensor:
+    """transformers' own unpacked forward of one sample; logprob of token t given tokens < t."""
+    ids = torch.tensor([sample.input_ids])
+    kwargs = {}
+    if sample.mm_refs:
+        feats = materialize([sample], fam.adapter, fam.root).features
+        types_ = (ids == fam.tok).int()
+        kwargs = dict(
+            pixel_values=feats["pixel_values"],
+            image_grid_thw=feats["image_grid_thw"],
+            mm_token_type_ids=types_,
+        )
+    logits = fam.model(input_ids=ids, use_cache=False, **kwargs).logits[0].float()
+    lp = F.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros(1), lp])
+
+
+def run_packed(fam: Family, packed, *, use_cache: bool = False):
+    m = materialize_micro_batch(packed, fam.adapter, fam.root)
+    inputs = packed_inputs(m.packed, m.features, fam.model)
+    return inputs, packed_logprobs(fam.model, inputs, use_cache=use_cache)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_forward_matches_one_sample_at_a_time(families, family):
+    fam = families[family]
+    samples = fam.samples()
+    assert prepare_model_for_packing(fam.model) == "sdpa" == select_backend(fam.model)
+    step = pack_samples(
+        samples,
+        placeholder_token_id=fam.tok,
+        seq_len=4096,
+        micro_batch_max_tokens=300,
+        num_placeholders=fam.adapter.num_placeholders,
+    )
+    assert step.num_micro_batches >= 2 and any(
+        mb.has_pixels and mb.sample_count > 2 for mb in step.micro_batches
+    )
+    worst = 0.0
+    t_packed = t_single = 0.0
+    with torch.no_grad():
+        for mb in step.micro_batches:
+            t0 = time.perf_counter()
+            inputs, out = run_packed(fam, mb)
+            t_packed += time.perf_counter() - t0
+            assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == (mb.num_tokens,)
+            assert inputs.position_ids.shape == (4, 1, mb.num_tokens) and inputs.input_ids.shape == (
+                1,
+                mb.num_tokens,
+            )
+            t0 = time.perf_counter()
+            ref = torch.cat([reference_logprobs(fam, samples[s.index]) for s in mb.slots])
+            t_single += time.perf_counter() - t0
+            worst = max(worst, (out.logprobs - ref).abs().max().item())
+            # the loss mask is the samples' mask (completion tokens), never a sample's first token
+            want = torch.tensor(mb.micro_batch.loss_mask) & (inputs.position_ids[0, 0] != 0)
+            assert torch.equal(out.loss_mask, want) and int(out.loss_mask.sum()) == mb.num_loss_tokens
+    print(
+        f"\n{family}: packed vs one-at-a-time max |dlogprob| = {worst:.2e}; "
+        f"{step.num_micro_batches} micro-batches, {step.num_tokens} tokens; "
+        f"packed {t_packed * 1e3:.0f} ms, reference {t_single * 1e3:.0f} ms"
+    )
+    assert worst <= TOL
+
+
+def test_dropping_the_block_diagonal_mask_breaks_the_match(families):
+    """The match above is due to the per-sample mask: with a cache object (use_cache=True) transformers
+    builds a causal mask across the whole pack, and 1D positions ([1, L], DataCollatorWithFlattening style)
+    give a Qwen-VL model no text row to find the boundaries from (and wrong MRoPE)."""
+    fam = families["qwen2_vl"]
+    samples = fam.samples()
+    mb = pack_samples(samples, placeholder_token_id=fam.tok, seq_len=4096).micro_batches[0]
+    with torch.no_grad():
+        ref = torch.cat([reference_logprobs(fam, samples[s.index]) for s in mb.slots])
+        inputs, good = run_packed(fam, mb)
+        _, leaky = run_packed(fam, mb, use_cache=True)
+        flat = PackedInputs(**{**vars(inputs), "position_ids": text_position_ids(mb.seq_lens)})
+        flat_out = packed_logprobs(fam.model, flat)
+    # only the first sample is unaffected (nothing before it to leak from)
+    later = torch.arange(mb.num_tokens) >= mb.seq_lens[0]
+    errors = {
+        "good": (good.logprobs - ref).abs().max().item(),
+        "use_cache=True": (leaky.logprobs - ref)[later].abs().max().item(),
+        "1D positions": (flat_out.logprobs - ref)[later].abs().max().item(),
+    }
+    print(f"\nmax |dlogprob| vs one-at-a-time: {errors}")
+    assert errors["good"] <= TOL
+    assert errors["use_cache=True"] > 1e-2
+    assert errors["1D positions"] > 1e-2
+
+
+def vllm_positions(family: str, config, ids: list[int], spans) -> torch.Tensor:
+    """vLLM 0.32's MRoPE positions of one prompt (``get_mrope_input_positions``); spans: (offset, n, grid)."""
+    feats = [
+        types.SimpleNamespace(
+            mm_position=types.SimpleNamespace(offset=off, length=len_),
+            modality="image",
+            data={"image_grid_thw": types.SimpleNamespace(data=torch.tensor(grid))},
+        )
+        for off, len_, grid in spans
+    ]
+    if family == "qwen3_vl":
+        from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration as cls
+
+        return torch.as_tensor(
+            cls._get_mrope_input_positions(input_tokens=ids, mm_features=feats, config=config)[0]
+        )
+    if family == "qwen2_5_vl":
+        from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as cls
+    else:
+        from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration as cls
+    shim = types.SimpleNamespace(config=config)
+    shim.iter_mm_grid_thw = types.MethodType(cls.iter_mm_grid_thw, shim)
+    return torch.as_tensor(cls.get_mrope_input_positions(shim, ids, feats)[0])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_positions_match_vllm_including_adjacent_images(families, family):
+    fam = families[family]
+    r, t = fam.refs, fam.tok
+    samples = [
+        chat([r["coffee"], r["astronaut"], r["chelsea"]], "three in a row", "ok", t, adjacent=True),
+        chat([], "text only", "fine", t),
+        chat([r["rocket"]], "one", "yes", t),
+        chat([r["astronaut"], r["rocket"]], "two apart", "no", t),
+    ]
+    mb = pack_samples(samples, placeholder_token_id=t, seq_len=4096).micro_batches[0]
+    pos = build_position_ids(mb, fam.model)
+    assert pos.shape == (4, 1, mb.num_tokens) and pos.dtype == torch.long
+    # the config-only path binds the same transformers function: same result without a model
+    assert torch.equal(build_position_ids(mb, fam.model.config), pos)
+    assert rope_index_fn(fam.model).__func__ is type(fam.model.model).get_rope_index
+    for slot in mb.slots:
+        seg = slice(slot.start, slot.start + slot.length)
+        assert torch.equal(pos[0, 0, seg], torch.arange(slot.length))  # row 0 restarts at 0
+        spans = [
+            (im.start - slot.start, im.length, list(im.grid))
+            for im in mb.images[slot.first_image : slot.first_image + slot.num_images]
+        ]
+        want = vllm_positions(family, fam.model.config, samples[slot.index].input_ids, spans)
+        assert torch.equal(pos[1:, 0, seg], want), f"sample {slot.index}"
+    assert cu_seqlens(mb.seq_lens).tolist() == [0, *torch.tensor(mb.seq_lens).cumsum(0).tolist()]
+    assert cu_seqlens(mb.seq_lens).dtype == torch.int32
+
+
+def test_adjacent_images_forward_matches_one_sample_at_a_time(families):
+    """Adjacent images through the packed forward (positions as vLLM's) vs the same sample packed alone."""
+    fam = families["qwen2_5_vl"]
+    r, t = fam.refs, fam.tok
+    samples = [chat([r["coffee"], r["chelsea"]], "pair", "two", t, adjacent=True), chat([], "x", "y", t)]
+    mb = pack_samples(samples, placeholder_token_id=t, seq_len=4096).micro_batches[0]
+    with torch.no_grad():
+        _, packed = run_packed(fam, mb)
+        alone = [
+            run_packed(fam, pack_samples([s], placeholder_token_id=t, seq_len=4096).micro_batches[0])[1]
+            for s in samples
+        ]
+    assert (packed.logprobs - torch.cat([a.logprobs for a in alone])).abs().max().item() <= TOL
+
+
+def test_varlen_backend_plumbing_on_cpu(families, monkeypatch):
+    """The CUDA backend's transformers wiring (AttentionInterface + AttentionMaskInterface, cu_seqlens
+    passed once, GQA, [1,H,L,D] <-> [L,H,D] layouts) on CPU, a CPU kernel in place of varlen_attn."""
+    import trainer_lib.forward as fw
+
+    calls = []
+
+    def reference_varlen(
+        q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+    ):
+        assert (
+            window_size == (-1, 0) and q.ndim == 3 and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
+        )
+        calls.append(cu_q.tolist())
+        out = []
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
+            o = F.scaled_dot_product_attention(
+                *(x[a:b].transpose(0, 1)[None] for x in (q, k, v)),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
+            out.append(o[0].transpose(0, 1))
+        return torch.cat(out)
+
+    monkeypatch.setattr(fw, "_varlen_kernel", lambda: reference_varlen)
+    fam = families["qwen3_vl"]  # 4 heads / 2 kv heads: GQA
+    samples = fam.samples()
+    mb = pack_samples(samples, placeholder_token_id=fam.tok, seq_len=4096).micro_batches[0]
+    with torch.no_grad():
+        ref = torch.cat([reference_logprobs(fam, samples[s.index]) for s in mb.slots])
+        try:
+            assert prepare_model_for_packing(fam.model, VARLEN_ATTENTION) == VARLEN_ATTENTION
+            _, out = run_packed(fam, mb)
+        finally:
+            fam.model.set_attn_implementation("sdpa")
+    assert out.backend == VARLEN_ATTENTION
+    n_layers = fam.model.config.text_config.num_hidden_layers
+    assert calls == [cu_seqlens(mb.seq_lens).tolist()] * n_layers
+    worst = (out.logprobs - ref).abs().max().item()
+    print(f"\n{VARLEN_ATTENTION} wiring (CPU kernel), qwen3_vl: max |dlogprob| = {worst:.2e}")
+    assert worst <= TOL
+
+
+def test_linear_attention_models_refuse_to_pack():
+    from transformers import AutoModelForImageTextToText, Qwen3_5Config
+
+    config = Qwen3_5Config(
+        text_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=32, vocab_size=512, linear_num_value_heads=2,
+            linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
+        ),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+    )  # fmt: skip
+    model = AutoModelForImageTextToText.from_config(config)
+    with pytest.raises(PackingUnsupported, match=r"3 linear-attention layers .* flash-linear-attention"):
+        check_packable(model)
+    with pytest.raises(PackingUnsupported):
+        prepare_model_for_packing(model)
+
+
+def test_backend_rules_on_cpu(families):
+    model = families["qwen2_vl"].model
+    check_packable(model, "sdpa")
+    check_packable(model, "eager")
+    with pytest.raises(PackingUnsupported, match="flex_attention"):
+        check_packable(model, "flex_attention")
+
+
+def test_missing_image_zeroes_only_its_sample_and_synthetic_pads_run(families, tmp_path):
+    """placeholder_zero_loss inside a micro-batch: that sample's loss tokens go, the others stay; a
+    multimodal pad from balance_micro_batches (zero features) runs through the model."""
+    fam = families["qwen2_vl"]
+    good = fam.refs["coffee"]
+    gone = msgspec.structs.replace(
+        good,
+        ref=format_mmraw(
+            msgspec.structs.replace(
+                parse_ref(good.ref),
+                raw_image_uri=(fam.root / "images" / "0000000000000000.jpg").as_uri(),
+                mm_hash="0" * 32,
+            )
+        ),
+    )
+    samples = [
+        chat([good], "a", "bb", fam.tok),
+        chat([gone], "c", "dd", fam.tok),
+        chat([], "e", "ff", fam.tok),
+    ]
+    step = pack_samples(samples, placeholder_token_id=fam.tok, seq_len=4096)
+    mb = step.micro_batches[0]
+    m = materialize_micro_batch(mb, fam.adapter, fam.root)
+    per_sample = {s.index: s.num_loss_tokens for s in m.packed.slots}
+    assert per_sample[1] == 0 and per_sample[0] == 3 and per_sample[2] == 3
+    assert m.packed.num_loss_tokens == mb.num_loss_tokens - 3 == sum(m.packed.micro_batch.loss_mask)
+    assert m.stats.placeholders == 1
+
+    text_only = pack_samples([samples[2]], placeholder_token_id=fam.tok, seq_len=4096)
+    (_, r1) = balance_micro_batches(
+        [step, text_only], pad_token_id=PAD, placeholder_token_id=fam.tok, adapter=fam.adapter
+    )
+    padded = r1.micro_batches[0]
+    assert padded.has_pixels and padded.images[-1].ref is None
+    with torch.no_grad():
+        inputs, out = run_packed(fam, padded)
+        ref = reference_logprobs(fam, samples[2])
+    assert inputs.pixel_values.shape[0] == 16 and not inputs.pixel_values.any()  # grid (1, 4, 4) of zeros
+    assert (out.logprobs[: len(ref)] - ref).abs().max().item() <= TOL  # the real sample is untouched
+    assert int(out.loss_mask.sum()) == padded.num_loss_tokens == 3
+
+
+def test_packed_inputs_tripwire(families):
+    fam = families["qwen2_vl"]
+    mb = pack_samples(
+        [chat([fam.refs["rocket"]], "x", "y", fam.tok)], placeholder_token_id=fam.tok, seq_len=4096
+    )
+    mb = mb.micro_batches[0]
+    m = materialize_micro_batch(mb, fam.adapter, fam.root)
+    short = {"pixel_values": m.features["pixel_values"][:-4], "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    with pytest.raises(ValueError, match="feature grids"):
+        packed_inputs(m.packed, short, fam.model)
+    with pytest.raises(ValueError, match="no features"):
+        packed_inputs(m.packed, {}, fam.model)
+
+
+# --- GPU (skipped without CUDA) -------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_varlen_packed_matches_one_sample_at_a_time(families, family):
+    fam = families[family]
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(fam.dir, dtype=torch.bfloat16).cuda().eval()
+    backend = prepare_model_for_packing(model)
+    assert backend in (VARLEN_ATTENTION, "flash_attention_2")
+    samples = fam.samples()
+    step = pack_samples(samples, placeholder_token_id=fam.tok, seq_len=4096)
+    worst = 0.0
+    with torch.no_grad():
+        for mb in step.micro_batches:
+            m = materialize_micro_batch(mb, fam.adapter, fam.root)
+            out = packed_logprobs(model, packed_inputs(m.packed, m.features, model))
+            alone = []
+            for s in mb.slots:
+                one = pack_samples(
+                    [samples[s.index]], placeholder_token_id=fam.tok, seq_len=4096
+                ).micro_batches[0]
+                mm = materialize_micro_batch(one, fam.adapter, fam.root)
+                alone.append(packed_logprobs(model, packed_inputs(mm.packed, mm.features, model)).logprobs)
+            worst = max(worst, (out.logprobs - torch.cat(alone)).abs().max().item())
+    print(
+        f"\n{family} {backend} bf16 on {torch.cuda.get_device_name()}: packed vs alone max |d| = {worst:.2e}"
+    )
+    assert out.backend == backend
+    assert worst <= 2e-2
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_refuses_sdpa_for_packed_batches(families):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(families["qwen2_vl"].dir, dtype=torch.bfloat16).cuda()
+    with pytest.raises(PackingUnsupported, match="never sdpa"):
+        prepare_model_for_packing(model, "sdpa")
+
+
+def test_module_imports_without_cuda():
+    """forward.py is import-safe on CPU: the varlen kernel is imported only when a packed CUDA batch runs."""
+    import trainer_lib.forward as fw
+
+    assert os.path.basename(fw.__file__) == "forward.py"
+    assert fw.register_varlen_attention() == VARLEN_ATTENTION
+
+
+def test_kimi_positions_are_1d_restarting_per_sample():
+    samples = [chat([], "a" * n, "b", 261) for n in (3, 10, 1)]
+    mb = pack_samples(samples, placeholder_token_id=261, seq_len=4096).micro_batches[0]
+    pos = build_position_ids(mb, types.SimpleNamespace(model_type="kimi_k25"))
+    assert pos.shape == (1, mb.num_tokens) and pos.dtype == torch.long
+    assert pos[0].tolist() == [i for n in mb.seq_lens for i in range(n)]
+    with pytest.raises(ValueError, match="no position convention"):
+        build_position_ids(mb, types.SimpleNamespace(model_type="llava"))
+
+
+def test_position_conventions_cover_every_registered_adapter():
+    """Every model type in the adapter registry has a position convention here (Qwen: MRoPE, Kimi: 1D)."""
+    from protocol.adapters import ADAPTERS, QwenVLAdapter
+    from trainer_lib.positions import KIMI_MODEL_TYPES, MROPE_MODEL_TYPES
+
+    for model_type, cls in ADAPTERS.items():
+        if cls is QwenVLAdapter:
+            assert model_type in MROPE_MODEL_TYPES
+        else:
+            assert cls.__name__.startswith("Kimi") and model_type in KIMI_MODEL_TYPES, model_type

@@ -1,0 +1,528 @@
+"""trainer_lib.packing and trainer_lib.padding: FFD bins, isolation, image runs, accounting, dp balance."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_errors import _isort_style_key, _public_top_level_names
+
+from protocol.errors import PlaceholderMismatch
+from protocol.refs import RawRefBody, format_mmraw
+from protocol.structs import MMRefs, RawMMRef, TrainingSample
+from trainer_lib.packing import (
+    NEUTRAL,
+    PIXELS,
+    STRAY,
+    check_placeholder_alignment,
+    locate_image_runs,
+    pack_samples,
+    plan_bins,
+    resolve_cap,
+)
+from trainer_lib.padding import (
+    balance_micro_batches,
+    minimal_pad_grid,
+    pad_samples,
+    padded_sample_count,
+    plan_step,
+    split_micro_batches,
+)
+
+TOK = 261  # <|image_pad|> of the tiny models
+PAD = 256  # <|endoftext|>
+MERGE = 2
+
+
+def make_ref(h: int, w: int, salt: int = 0) -> RawMMRef:
+    """A syntactically valid ref for a (1, 2h, 2w) grid: h*w placeholders (packing reads no pixels)."""
+    digest = f"{h:04x}{w:04x}{salt:08x}".ljust(64, "a")
+    body = RawRefBody(
+        family="qwen2_vl",
+        modality="image",
+        mm_hash=digest[:32],
+        payload={"image_grid_thw": [1, 2 * h, 2 * w]},
+        raw_image_uri=f"file:///nonexistent/images/{digest[:16]}.jpg",
+    )
+    return RawMMRef(
+        ref=format_mmraw(body),
+        sha256=digest,
+        media_type="image/jpeg",
+        grid=[1, 2 * h, 2 * w],
+        num_placeholders=h * w,
+    )
+
+
+def count(grid) -> int:
+    t, h, w = grid
+    return t * h * w // MERGE**2
+
+
+class FakeAdapter:
+    """The two adapter methods packing/padding use, with Qwen's arithmetic (merge 2, min grid 1x4x4)."""
+
+    def num_placeholders(self, grid) -> int:
+        return count(grid)
+
+    def grid_for_size(self, width: int, height: int) -> tuple[int, int, int]:
+        return (1, 4, 4)
+
+
+def make_sample(
+    text: list[int],
+    refs: list[RawMMRef] = (),
+    *,
+    adjacent: bool = False,
+    typed: bool = False,
+    completion: int = 3,
+    run_id: str = "",
+    lora_id: str | None = None,
+    is_padding: bool = False,
+) -> TrainingSample:
+    """``text``, each image (``<vision_start> pads <vision_end>``, or pads back to back), a completion."""
+    ids = list(text)
+    types = [0] * len(ids)
+    for k, r in enumerate(refs):
+        if not adjacent or k == 0:
+            ids.append(259)
+            types.append(0)
+        ids += [TOK] * r.num_placeholders
+        types += [1] * r.num_placeholders
+        if not adjacent or k == len(refs) - 1:
+            ids.append(260)
+            types.append(0)
+    ids += [7] * completion
+    types += [0] * completion
+    n = len(ids)
+    loss = [False] * (n - completion) + [not is_padding] * completion
+    mm = MMRefs(items=list(refs), mm_token_type_ids=types if typed else None) if (refs or typed) else None
+    return TrainingSample(
+        input_ids=ids,
+        loss_mask=loss,
+        advantages=[0.0 if is_padding else 1.5] * n,
+        inference_logprobs=[-0.5] * n,
+        mm_refs=mm,
+        run_id=run_id,
+        lora_id=lora_id,
+        is_padding=is_padding,
+    )
+
+
+# --- hypothesis strategies ---------------------------------------------------------------------------
+
+REF_POOL = [
+    make_ref(h, w, s) for h, w, s in [(1, 1, 0), (2, 3, 1), (4, 4, 2), (3, 5, 3), (8, 6, 4), (2, 2, 5)]
+]
+
+
+@st.composite
+def samples_strategy(draw, max_size: int = 24):
+    n = draw(st.integers(1, max_size))
+    out = []
+    for _ in range(n):
+        kind = draw(st.sampled_from(["text", "text", "stray", "image", "image"]))
+        text = draw(st.lists(st.integers(0, 255), min_size=0, max_size=draw(st.sampled_from([4, 40, 200]))))
+        run_id = draw(st.sampled_from(["run_a", "run_b"]))
+        lora_id = draw(st.sampled_from([None, None, "l1"]))
+        completion = draw(st.integers(1, 60))
+        typed = draw(st.booleans())
+        if kind == "stray":
+            text = [*text, TOK, *text[:3]]
+            out.append(make_sample(text, typed=typed, completion=completion, run_id=run_id, lora_id=lora_id))
+        elif kind == "image":
+            refs = draw(st.lists(st.sampled_from(REF_POOL), min_size=1, max_size=3))
+            adjacent = draw(st.booleans())
+            out.append(
+                make_sample(
+                    text,
+                    refs,
+                    adjacent=adjacent,
+                    typed=typed,
+                    completion=completion,
+                    run_id=run_id,
+                    lora_id=lora_id,
+                )
+            )
+        else:
+            out.append(make_sample(text, completion=completion, run_id=run_id, lora_id=lora_id))
+    return out
+
+
+def check_step_invariants(samples, step, cap):
+    seen = []
+    for mb in step.micro_batches:
+        m = mb.micro_batch
+        L = len(m.input_ids)
+        # per-token arrays aligned
+        assert L == mb.num_tokens == len(m.loss_mask) == len(m.advantages) == len(m.inference_logprobs)
+        assert len(mb.mm_token_type_ids) == L and sum(m.seq_lens) == L
+        assert m.sample_count == len(m.seq_lens) == len(mb.slots)
+        # the cap holds unless the bin is one oversized sample
+        assert L <= cap or (m.sample_count == 1 and L > cap)
+        # isolation
+        keys = {(samples[s.index].run_id, samples[s.index].lora_id) for s in mb.slots}
+        assert keys == {(mb.run_id, mb.lora_id)}
+        assert not (mb.has_pixels and any(s.stray_placeholders for s in mb.slots))
+        # each sample's tokens, rebased image spans and refs
+        refs = []
+        typed = np.zeros(L, dtype=np.int8)
+        for k, s in enumerate(mb.slots):
+            src = samples[s.index]
+            seen.append(s.index)
+            assert m.seq_lens[k] == len(src.input_ids) == s.length
+            assert m.input_ids[s.start : s.start + s.length] == src.input_ids
+            assert m.loss_mask[s.start : s.start + s.length] == src.loss_mask
+            assert m.advantages[s.start : s.start + s.length] == src.advantages
+            assert s.num_loss_tokens == sum(src.loss_mask)
+            src_refs = list(src.mm_refs.items) if src.mm_refs else []
+            assert s.num_images == len(src_refs)
+            spans = mb.images[s.first_image : s.first_image + s.num_images]
+            for span, ref in zip(spans, src_refs, strict=True):
+                assert span.slot == k and span.ref == ref and span.length == ref.num_placeholders
+                assert s.start <= span.start and span.start + span.length <= s.start + s.length
+                assert set(m.input_ids[span.start : span.start + span.length]) == {TOK}
+                typed[span.start : span.start + span.length] = 1
+            refs += src_refs
+        assert m.mm_refs == refs
+        assert mb.mm_token_type_ids == typed.tolist()
+        assert mb.num_loss_tokens == sum(m.loss_mask)
+    # every sample in exactly one micro-batch
+    assert sorted(seen) == list(range(len(samples)))
+    # token accounting is exact and summed over micro-batches
+    assert step.num_tokens == sum(len(s.input_ids) for s in samples)
+    assert step.num_loss_tokens == sum(sum(s.loss_mask) for s in samples)
+    assert step.num_samples == len(samples)
+
+
+def reference_ffd(lengths, cap, keys, kinds):
+    """Plain-Python first-fit-decreasing with the same rules, to check plan_bins against."""
+    out = []
+    for key in dict.fromkeys(keys):
+        members = [i for i in range(len(lengths)) if keys[i] == key]
+        bins = []  # [room, has_pix, has_stray, items]
+        for i in sorted(members, key=lambda i: -lengths[i]):
+            size, kind = lengths[i], kinds[i]
+            for b in bins:
+                if (
+                    size <= cap
+                    and b[0] >= size
+                    and not (kind == PIXELS and b[2])
+                    and not (kind == STRAY and b[1])
+                ):
+                    break
+            else:
+                b = [cap if size <= cap else -1 + size, False, False, []]
+                bins.append(b)
+            b[0] -= size
+            b[1] |= kind == PIXELS
+            b[2] |= kind == STRAY
+            b[3].append(i)
+        out += [sorted(b[3]) for b in bins]
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=0, max_size=60),
+    cap=st.integers(1, 400),
+    data=st.data(),
+)
+def test_plan_bins_is_first_fit_decreasing(lengths, cap, data):
+    n = len(lengths)
+    keys = data.draw(st.lists(st.sampled_from(["a", "b", "c"]), min_size=n, max_size=n))
+    kinds = data.draw(st.lists(st.sampled_from([NEUTRAL, NEUTRAL, PIXELS, STRAY]), min_size=n, max_size=n))
+    bins = plan_bins(lengths, cap, keys=keys, kinds=kinds)
+    assert bins == reference_ffd(lengths, cap, keys, kinds)
+    assert sorted(i for b in bins for i in b) == list(range(n))
+    for b in bins:
+        assert sum(lengths[i] for i in b) <= cap or len(b) == 1
+        assert len({keys[i] for i in b}) == 1
+        assert not ({kinds[i] for i in b} >= {PIXELS, STRAY})
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(samples=samples_strategy(), cap=st.sampled_from([64, 150, 400, 2048]), multiple=st.integers(1, 4))
+def test_pack_samples_properties(samples, cap, multiple):
+    step = pack_samples(
+        samples,
+        placeholder_token_id=TOK,
+        seq_len=2048,
+        micro_batch_max_tokens=cap,
+        num_placeholders=count,
+        bins_multiple_of=multiple,
+    )
+    check_step_invariants(samples, step, cap)
+    plain = pack_samples(samples, placeholder_token_id=TOK, seq_len=2048, micro_batch_max_tokens=cap)
+    assert step.num_micro_batches <= -(-plain.num_micro_batches // multiple) * multiple
+    assert step.micro_batch_max_tokens == cap
+    assert 0.0 <= step.waste < 1.0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    samples=samples_strategy(max_size=30),
+    dp=st.integers(1, 4),
+    mbs=st.integers(1, 8),
+    critic=st.one_of(st.none(), st.integers(1, 6)),
+    cap=st.sampled_from([120, 400]),
+)
+def test_plan_step_pads_and_balances(samples, dp, mbs, critic, cap):
+    plan = plan_step(
+        samples,
+        dp_size=dp,
+        mini_batch_size=mbs,
+        critic_mini_batch_size=critic,
+        seq_len=cap,
+        placeholder_token_id=TOK,
+        pad_token_id=PAD,
+        adapter=FakeAdapter(),
+    )
+    multiple = math.lcm(dp, mbs, critic or 1)
+    total = len(samples) + plan.num_padding_samples
+    assert total % multiple == 0 and plan.num_padding_samples < multiple
+    assert len(plan.mini_batches) == total // mbs
+    seen = []
+    for ranks in plan.mini_batches:
+        assert len(ranks) == dp
+        counts = {r.num_micro_batches for r in ranks}
+        assert len(counts) == 1  # same number of forwards on every rank
+        for k in range(counts.pop()):
+            assert len({r.micro_batches[k].has_pixels for r in ranks}) == 1  # vision tower on all or none
+        for r in ranks:
+            for mb in r.micro_batches:
+                assert mb.num_tokens <= cap or mb.sample_count == 1
+                assert not (mb.has_pixels and any(s.stray_placeholders for s in mb.slots))
+                for s in mb.slots:
+                    if s.is_padding:
+                        assert s.num_loss_tokens == 0 and not any(s.sample.loss_mask)
+                        assert set(s.sample.advantages) == {0.0}
+                    else:
+                        seen.append(s.index)
+                # pads come after the real samples; synthetic images after real ones
+                flags = [s.is_padding for s in mb.slots]
+                assert flags == sorted(flags)
+    assert sorted(seen) == list(range(len(samples)))
+    assert plan.num_samples == len(samples)
+    assert plan.num_loss_tokens == sum(sum(s.loss_mask) for s in samples)  # pads add no loss tokens
+
+
+# --- unit tests ---------------------------------------------------------------------------------------
+
+
+def test_cap_defaults_to_seq_len_and_may_not_exceed_it():
+    assert resolve_cap(4096) == 4096
+    assert resolve_cap(4096, 1024) == 1024
+    with pytest.raises(ValueError, match="larger than seq_len 4096"):
+        resolve_cap(4096, 8192)
+    with pytest.raises(ValueError, match="larger than seq_len"):
+        pack_samples([], placeholder_token_id=TOK, seq_len=100, micro_batch_max_tokens=101)
+
+
+def test_a_sample_longer_than_the_cap_gets_a_bin_of_its_own():
+    samples = [make_sample([1] * 10, completion=5), make_sample([1] * 200), make_sample([2] * 3)]
+    step = pack_samples(samples, placeholder_token_id=TOK, seq_len=100)
+    bins = [[s.index for s in mb.slots] for mb in step.micro_batches]
+    assert bins == [[1], [0, 2]]
+    assert step.micro_batches[0].num_tokens == 203 and step.capacity == 203 + 100
+
+
+def test_stray_placeholder_text_never_shares_a_bin_with_pixels():
+    """A literal <|image_pad|> in tool-call text (NOTES Lessons (1)): the scatter would count N+1 vs N."""
+    ref = make_ref(2, 2)
+    stray = make_sample([5, 6, TOK, 7], typed=True)  # types say text: not an image
+    image = make_sample([1, 2], [ref], typed=True)
+    plain = make_sample([3] * 4)
+    step = pack_samples([stray, image, plain], placeholder_token_id=TOK, seq_len=1000)
+    assert len(step.micro_batches) == 2
+    for mb in step.micro_batches:
+        assert not (mb.has_pixels and any(s.stray_placeholders for s in mb.slots))
+    pix = next(mb for mb in step.micro_batches if mb.has_pixels)
+    # the tripwire agrees for the pixel bin (tokens == rows), and would fire had the stray sample joined it
+    check_placeholder_alignment(pix.micro_batch.input_ids, TOK, 4, mm_token_type_ids=pix.mm_token_type_ids)
+    with pytest.raises(ValueError, match=r"token id 261: 5 tokens .* but 4 feature rows"):
+        check_placeholder_alignment(pix.micro_batch.input_ids + stray.input_ids, TOK, 4)
+
+
+def test_adjacent_images_are_split_by_their_counts():
+    a, b = make_ref(2, 3), make_ref(1, 1)  # 6 and 1 placeholders, back to back
+    s = make_sample([9, 9], [a, b, a], adjacent=True)
+    assert locate_image_runs(s.input_ids, [a, b, a], TOK) == [(3, 6), (9, 1), (10, 6)]
+    mb = pack_samples([make_sample([1]), s], placeholder_token_id=TOK, seq_len=100).micro_batches[0]
+    assert [(im.start, im.length, im.slot) for im in mb.images] == [
+        (4 + 3, 6, 1),
+        (4 + 9, 1, 1),
+        (4 + 10, 6, 1),
+    ]
+    assert mb.images_per_sample == [0, 3]
+
+
+def test_image_run_mismatches_name_the_token_and_counts():
+    a = make_ref(2, 3)
+    s = make_sample([1], [a])
+    with pytest.raises(
+        PlaceholderMismatch, match=r"6 image placeholder tokens \(id 261\) for 2 image\(s\) needing 12"
+    ):
+        locate_image_runs(s.input_ids, [a, a], TOK, sample=0)
+    # a run that cannot be split into the counts (3 + 4 tokens for images of 4 then 3)
+    b, c = make_ref(2, 2), make_ref(1, 3)
+    ids = [0] + [TOK] * 3 + [0] + [TOK] * 4
+    with pytest.raises(PlaceholderMismatch, match="does not split"):
+        locate_image_runs(ids, [b, c], TOK)
+    # mm_token_type_ids marking a non-placeholder token
+    with pytest.raises(PlaceholderMismatch, match="marks position 0 as image but its id is 5"):
+        locate_image_runs([5, TOK], [make_ref(1, 1)], TOK, mm_token_type_ids=[1, 1], counts=[2])
+    # a sample with images and an extra placeholder typed as text: the model would scatter into it
+    bad = make_sample([TOK, 4], [make_ref(1, 1)], typed=True)
+    with pytest.raises(PlaceholderMismatch, match="typed as text"):
+        pack_samples([bad], placeholder_token_id=TOK, seq_len=100)
+    # refs whose num_placeholders disagree with their grid
+    lying = RawMMRef(ref=a.ref, sha256=a.sha256, media_type="image/jpeg", grid=a.grid, num_placeholders=5)
+    with pytest.raises(PlaceholderMismatch, match="claims 5 placeholders, its grid"):
+        pack_samples(
+            [make_sample([1], [lying])], placeholder_token_id=TOK, seq_len=100, num_placeholders=count
+        )
+
+
+def test_check_placeholder_alignment_error_names_everything():
+    ids = torch.tensor([[1, TOK, TOK, TOK, 2]])
+    features = {"pixel_values": torch.zeros(16, 1176), "image_grid_thw": torch.tensor([[1, 4, 4]])}
+    assert check_placeholder_alignment(ids, TOK, torch.zeros(3, 64)) == 3
+    with pytest.raises(ValueError) as info:
+        check_placeholder_alignment(ids, TOK, features, merge_size=2)
+    msg = str(info.value)
+    assert "261" in msg and "3 tokens" in msg and "4 feature rows" in msg
+    assert "(1, 5)" in msg and "pixel_values (16, 1176)" in msg and "image_grid_thw (1, 3)" in msg
+    with pytest.raises(ValueError, match=r"features \(2, 64\)"):
+        check_placeholder_alignment(ids, TOK, torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="not the same positions"):
+        check_placeholder_alignment(ids, TOK, 3, mm_token_type_ids=torch.tensor([[0, 1, 1, 0, 1]]))
+
+
+def test_isolation_by_run_and_lora():
+    samples = [
+        make_sample([1] * 5, run_id="a"),
+        make_sample([1] * 5, run_id="b"),
+        make_sample([1] * 5, run_id="a", lora_id="x"),
+        make_sample([1] * 5, run_id="a"),
+    ]
+    step = pack_samples(samples, placeholder_token_id=TOK, seq_len=1000)
+    assert [[s.index for s in mb.slots] for mb in step.micro_batches] == [[0, 3], [1], [2]]
+    assert [(mb.run_id, mb.lora_id) for mb in step.micro_batches] == [("a", None), ("b", None), ("a", "x")]
+
+
+def test_padded_sample_count_and_pads():
+    assert padded_sample_count(10, dp_size=4, mini_batch_size=6) == 12
+    assert padded_sample_count(10, dp_size=4, mini_batch_size=6, critic_mini_batch_size=8) == 24
+    assert padded_sample_count(0, dp_size=2, mini_batch_size=2) == 0
+    samples = [make_sample([1, 2], run_id="r", lora_id="l")] * 5
+    padded = pad_samples(samples, dp_size=2, mini_batch_size=4, pad_token_id=PAD)
+    assert len(padded) == 8 and padded[:5] == samples
+    for pad in padded[5:]:
+        assert pad.is_padding and pad.input_ids == [PAD, PAD] and not any(pad.loss_mask)
+        assert (pad.run_id, pad.lora_id) == ("r", "l") and pad.advantages == [0.0, 0.0]
+    with pytest.raises(ValueError):
+        padded_sample_count(3, dp_size=0, mini_batch_size=1)
+
+
+def test_split_micro_batches_deals_pixels_first_and_balances_tokens():
+    ref = make_ref(2, 2)
+    samples = [
+        make_sample([1] * n, [ref] if k % 3 == 0 else []) for k, n in enumerate([90, 80, 70, 60, 50, 40, 30])
+    ]
+    step = pack_samples(samples, placeholder_token_id=TOK, seq_len=100)
+    ranks = split_micro_batches(step, 3)
+    assert sorted(id(mb) for r in ranks for mb in r.micro_batches) == sorted(
+        id(mb) for mb in step.micro_batches
+    )
+    n_pix = sum(mb.has_pixels for mb in step.micro_batches)
+    for r in ranks:
+        flags = [mb.has_pixels for mb in r.micro_batches]
+        assert flags == sorted(flags, reverse=True) and sum(flags) <= -(-n_pix // 3)
+        assert r.num_micro_batches <= -(-step.num_micro_batches // 3)
+    assert [r.num_micro_batches for r in split_micro_batches(step, 10)].count(
+        0
+    ) == 10 - step.num_micro_batches
+
+
+def test_bins_multiple_of_spreads_tokens_over_a_multiple_of_bins():
+    samples = [make_sample([1] * n) for n in (47, 47, 47, 47, 22, 22, 22, 22)]  # 4 x 50 + 4 x 25 tokens
+    plain = pack_samples(samples, placeholder_token_id=TOK, seq_len=100)
+    spread = pack_samples(samples, placeholder_token_id=TOK, seq_len=100, bins_multiple_of=2)
+    assert [mb.num_tokens for mb in plain.micro_batches] == [100, 100, 100]
+    assert [mb.num_tokens for mb in spread.micro_batches] == [75, 75, 75, 75]
+    assert spread.num_tokens == plain.num_tokens and spread.num_samples == 8
+    # identical 48-token samples cannot fill 6 bins of <= 100 evenly: the count stays 5 (pads fill later)
+    same = [make_sample([1] * 45) for _ in range(9)]
+    assert (
+        pack_samples(same, placeholder_token_id=TOK, seq_len=100, bins_multiple_of=3).num_micro_batches == 5
+    )
+
+
+def test_balance_gives_every_rank_a_vision_run_with_a_synthetic_pad(qwen2_vl_adapter):
+    """Rank 0 has an image micro-batch, rank 1 only text: rank 1 gets a multimodal pad in micro-batch 0."""
+    grid = minimal_pad_grid(qwen2_vl_adapter)
+    assert grid == (1, 4, 4)
+    ref = make_ref(2, 2)
+    rank0 = pack_samples([make_sample([1] * 3, [ref])], placeholder_token_id=TOK, seq_len=64)
+    rank1 = pack_samples(
+        [make_sample([2] * 40), make_sample([3] * 50), make_sample([4, TOK])],
+        placeholder_token_id=TOK,
+        seq_len=64,
+    )
+    assert [mb.has_pixels for mb in rank1.micro_batches] == [False, False]
+    with pytest.raises(ValueError, match="needs the adapter"):
+        balance_micro_batches([rank0, rank1], pad_token_id=PAD, placeholder_token_id=TOK)
+    out = balance_micro_batches(
+        [rank0, rank1], pad_token_id=PAD, placeholder_token_id=TOK, adapter=qwen2_vl_adapter
+    )
+    assert [s.num_micro_batches for s in out] == [2, 2]
+    assert [[mb.has_pixels for mb in s.micro_batches] for s in out] == [[True, False], [True, False]]
+    mm = out[1].micro_batches[0]
+    pad_slot = mm.slots[-1]
+    assert pad_slot.is_padding and pad_slot.index is None and pad_slot.num_loss_tokens == 0
+    assert mm.images[-1].ref is None and mm.images[-1].grid == grid and mm.images[-1].length == 4
+    assert mm.micro_batch.mm_refs == []  # synthetic images have no ref on the wire
+    assert not any(s.stray_placeholders for s in mm.slots)  # the stray sample's bin stayed text-only
+    # rank 0's extra micro-batch is a text pad
+    tail = out[0].micro_batches[1]
+    assert tail.sample_count == 1 and tail.slots[0].is_padding and tail.num_loss_tokens == 0
+    assert out[0].num_samples == 1 and out[1].num_samples == 3
+
+
+TRAINER_MODULES = [
+    "trainer_lib",
+    "trainer_lib.packing",
+    "trainer_lib.padding",
+    "trainer_lib.positions",
+    "trainer_lib.forward",
+    "trainer_lib.distributed",
+]
+
+
+@pytest.mark.parametrize("module_name", TRAINER_MODULES)
+def test_dunder_all_sorted_and_complete(module_name):
+    module = importlib.import_module(module_name)
+    assert module.__all__ == sorted(module.__all__, key=_isort_style_key)
+    assert [n for n in module.__all__ if not hasattr(module, n)] == []
+    assert sorted(_public_top_level_names(module_name) - set(module.__all__) - {"__all__"}) == []
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(samples=samples_strategy(max_size=8))
+def test_list_fast_path_agrees_with_the_numpy_path(samples):
+    """locate_image_runs takes a C-level list path for lists and the numpy path otherwise: same answer."""
+    for s in samples:
+        refs = list(s.mm_refs.items) if s.mm_refs else []
+        if not refs:
+            continue
+        types = s.mm_refs.mm_token_type_ids
+        fast = locate_image_runs(s.input_ids, refs, TOK, mm_token_type_ids=types)
+        slow = locate_image_runs(
+            np.asarray(s.input_ids), refs, TOK, mm_token_type_ids=None if types is None else np.asarray(types)
+        )
+        assert fast == slow

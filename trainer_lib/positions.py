@@ -1,0 +1,160 @@
+"""Position ids and ``cu_seqlens`` for packed micro-batches (DESIGN §6, docs/PACKING.md).
+
+**Qwen-VL (MRoPE)**: ``position_ids`` is ``[4, 1, L]`` int64. transformers 5.19 reads a 4-row
+tensor as ``text_position_ids = position_ids[0]`` and MRoPE ``position_ids[1:]``
+(``Qwen2VLTextModel.forward``, same in Qwen2.5-VL and Qwen3-VL): row 0 only builds the
+attention mask — ``masking_utils.find_packed_sequence_indices`` starts a new sequence wherever
+row 0 does not step by +1, so it must **restart at 0 per sample** — and rows 1-3 (temporal,
+height, width) rotate the queries and keys. Rows 1-3 of each sample come from transformers'
+own ``get_rope_index`` (a method of ``Qwen2VLModel`` / ``Qwen2_5_VLModel`` / ``Qwen3VLModel``,
+i.e. ``model.model.get_rope_index``), called once per sample with that sample's
+``mm_token_type_ids`` and image grids — never re-derived here. Each sample's positions start at
+0, which is what vLLM's ``get_mrope_input_positions`` gives the same prompt at rollout.
+
+``get_rope_index`` groups consecutive tokens of one type, so two images with no text between
+them would merge into one group and consume one grid. For such runs the image types alternate
+1/2 and the odd images' grids go in as ``video_grid_thw``: for ``t == 1`` (every still image)
+the video path gives exactly the image positions (temporal index 0, spacing irrelevant), and
+the result equals vLLM's, which starts the next image at ``max + 1`` of the previous one.
+
+**Kimi (1D RoPE)**: ``[1, L]`` positions restarting at 0 per sample.
+
+``cu_seqlens``: int32 ``[num_samples + 1]`` cumulative sample boundaries, the varlen-kernel
+layout (``cu_seqlens[i]`` = offset of sample ``i``; last entry = ``L``).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from trainer_lib.packing import PackedMicroBatch
+
+__all__ = [
+    "KIMI_MODEL_TYPES",
+    "MROPE_MODEL_TYPES",
+    "RopeIndexFn",
+    "build_position_ids",
+    "cu_seqlens",
+    "mrope_position_ids",
+    "rope_index_fn",
+    "text_position_ids",
+]
+
+MROPE_MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+"""Model types whose language model uses MRoPE with transformers' ``get_rope_index``."""
+KIMI_MODEL_TYPES: tuple[str, ...] = ("kimi_vl", "kimi_k25")
+"""Model types of the Kimi adapters (DESIGN §4): 1D RoPE language models."""
+
+RopeIndexFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def cu_seqlens(seq_lens: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """int32 ``[len(seq_lens) + 1]``: ``[0, l0, l0+l1, ...]`` (FlashAttention's ``cu_seqlens``)."""
+    out = torch.zeros(len(seq_lens) + 1, dtype=torch.int32, device=device)
+    if seq_lens:
+        out[1:] = torch.cumsum(torch.as_tensor(seq_lens, dtype=torch.int32, device=device), 0)
+    return out
+
+
+def text_position_ids(seq_lens: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """int64 ``[1, L]`` positions restarting at 0 per sample (1D RoPE models, and MRoPE row 0)."""
+    return torch.cat([torch.arange(n, dtype=torch.long, device=device) for n in seq_lens]).unsqueeze(0)
+
+
+def rope_index_fn(model_or_config: Any) -> RopeIndexFn:
+    """transformers' ``get_rope_index`` for a Qwen-VL model, bound and ready to call.
+
+    Args:
+        model_or_config: the HF model (``Qwen2VLForConditionalGeneration`` or its inner
+            ``Qwen2VLModel``, same for 2.5-VL / 3-VL), or only its config: then the function of
+            the model class transformers maps the config to is bound to that config (no weights
+            are built). ``get_rope_index`` reads nothing but ``self.config`` and
+            ``self.get_vision_position_ids``.
+
+    Raises:
+        ValueError: the model type is not an MRoPE type (:data:`MROPE_MODEL_TYPES`).
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MROPE_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} has no MRoPE get_rope_index; MRoPE types: {MROPE_MODEL_TYPES}"
+        )
+    for owner in (model_or_config, getattr(model_or_config, "model", None)):
+        fn = getattr(owner, "get_rope_index", None)
+        if fn is not None and hasattr(owner, "get_vision_position_ids"):
+            return fn
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    cls = MODEL_MAPPING[type(config)]
+    shim = types.SimpleNamespace(config=config)
+    shim.get_vision_position_ids = types.MethodType(cls.get_vision_position_ids, shim)
+    return types.MethodType(cls.get_rope_index, shim)
+
+
+def mrope_position_ids(
+    packed: PackedMicroBatch, rope_index: RopeIndexFn, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """int64 ``[4, 1, L]`` for one packed micro-batch (see the module docstring).
+
+    Row 0: ``arange(len)`` per sample. Rows 1-3: ``rope_index(ids[1, n], mm_token_type_ids[1, n],
+    image_grid_thw=...)`` per sample (``get_rope_index`` from :func:`rope_index_fn`).
+
+    Raises:
+        ValueError: two adjacent images with a temporal grid other than 1.
+    """
+    ids = torch.as_tensor(packed.micro_batch.input_ids, dtype=torch.long)
+    type_ids = torch.as_tensor(packed.mm_token_type_ids, dtype=torch.int32)
+    rows = []
+    for slot in packed.slots:
+        lo, hi = slot.start, slot.start + slot.length
+        seg_types = type_ids[lo:hi].clone()
+        images = packed.images[slot.first_image : slot.first_image + slot.num_images]
+        image_grids: list[tuple[int, ...]] = []
+        video_grids: list[tuple[int, ...]] = []
+        prev_end, prev_type, prev_grid = None, 2, None
+        for im in images:
+            start = im.start - lo
+            kind = 2 if (start == prev_end and prev_type == 1) else 1
+            if start == prev_end and (im.grid[0] != 1 or prev_grid[0] != 1):
+                raise ValueError(f"adjacent images need temporal grid 1, got {prev_grid} then {im.grid}")
+            seg_types[start : start + im.length] = kind
+            (image_grids if kind == 1 else video_grids).append(im.grid)
+            prev_end, prev_type, prev_grid = start + im.length, kind, im.grid
+        pos, _ = rope_index(
+            ids[lo:hi].unsqueeze(0),
+            seg_types.unsqueeze(0),
+            image_grid_thw=torch.tensor(image_grids, dtype=torch.long) if image_grids else None,
+            video_grid_thw=torch.tensor(video_grids, dtype=torch.long) if video_grids else None,
+        )
+        rows.append(
+            torch.cat([torch.arange(slot.length, dtype=torch.long).view(1, 1, -1), pos.long()], dim=0)
+        )
+    return torch.cat(rows, dim=2).to(device)
+
+
+def build_position_ids(
+    packed: PackedMicroBatch, model_or_config: Any, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """The position ids a model takes for this packed micro-batch.
+
+    Returns:
+        MRoPE types: int64 ``[4, 1, L]`` (:func:`mrope_position_ids`); Kimi types: int64
+        ``[1, L]`` (:func:`text_position_ids`).
+
+    Raises:
+        ValueError: an unknown model type.
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    model_type = getattr(config, "model_type", None)
+    if model_type in MROPE_MODEL_TYPES:
+        return mrope_position_ids(packed, rope_index_fn(model_or_config), device)
+    if model_type in KIMI_MODEL_TYPES:
+        return text_position_ids(packed.seq_lens, device)
+    raise ValueError(
+        f"no position convention for model_type {model_type!r}; known: {MROPE_MODEL_TYPES + KIMI_MODEL_TYPES}"
+    )
