@@ -6,7 +6,9 @@
 4. samples an RL-style batch (2 prompts x 8 samples) through ``/inference/v1/generate`` with
    ``mmraw`` refs, and checks greedy output against ``/v1/chat/completions`` with data URLs;
 5. rematerializes the batch's pixels in ``trainer_lib`` and checks them bit for bit against
-   what the server fed the model; then prints a short report.
+   what the server fed the model;
+6. packs the batch into micro-batches and runs the packed forward of the same weights with
+   transformers: the trainer's logprobs of the sampled tokens against the server's; prints a report.
 
 Usage: ``.venv/bin/python scripts/demo.py [--keep DIR]``.
 """
@@ -166,13 +168,28 @@ def main() -> None:
     t_mat = time.monotonic() - t1
     batch = materialize(samples, adapter, output_root)  # what an HF trainer model takes
 
+    from transformers import AutoModelForImageTextToText
     from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
+
+    from trainer_lib import prepare_model_for_packing
+    from trainer_lib.mismatch import logprob_mismatch, recompute_logprobs
 
     served = torch.cat(
         [decode_mm_kwargs_item(s)["pixel_values"].data for s in resolved["features"]["kwargs_data"]["image"]]
     )
     n0 = served.shape[0]
     diff = (raw.features["pixel_values"][:n0].double() - served.double()).abs().max().item()
+
+    hf_model = AutoModelForImageTextToText.from_pretrained(model, torch_dtype=torch.float32).eval()
+    backend = prepare_model_for_packing(hf_model)
+    t2 = time.monotonic()
+    recomputed = recompute_logprobs(samples, hf_model, adapter, output_root, seq_len=2048)
+    t_fwd = time.monotonic() - t2
+    mismatch = logprob_mismatch(
+        torch.cat([lp for lp, _ in recomputed]),
+        torch.cat([torch.tensor(s.inference_logprobs) for s in samples]),
+        torch.cat([m for _, m in recomputed]),
+    )
 
     ref_bytes = sum(a for a, _ in request_bytes)
     url_bytes = sum(b for _, b in request_bytes)
@@ -190,6 +207,11 @@ def main() -> None:
             "trainer batch",
             f"pixel_values {tuple(pixels.shape)} {pixels.dtype}, image_grid_thw {tuple(grids.shape)}",
         ),
+        (
+            "trainer vs server logprobs",
+            f"max |d| {mismatch.max_abs:.1e}, mean |d| {mismatch.mean_abs:.1e}, k3 KL {mismatch.k3_kl:.1e} "
+            f"over {mismatch.tokens} sampled tokens (packed forward, {backend}, {t_fwd:.1f} s)",
+        ),
         ("total time", f"{time.monotonic() - t0:.0f} s; output root {output_root}"),
     ]
     print("\n=== mmref demo report ===")
@@ -197,6 +219,8 @@ def main() -> None:
         print(f"{label:<36} : {value}")
     if diff != 0:
         raise SystemExit("trainer pixels differ from the server's")
+    if mismatch.mean_abs > 1e-4:
+        raise SystemExit("trainer logprobs differ from the server's")
 
 
 if __name__ == "__main__":

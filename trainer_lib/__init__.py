@@ -7,8 +7,11 @@
 - :func:`build_position_ids`, :func:`cu_seqlens` — MRoPE / 1D positions (:mod:`trainer_lib.positions`).
 - :func:`packed_logprobs` and friends — the packed forward (:mod:`trainer_lib.forward`).
 - :func:`fail_fast`, :func:`check_all_ranks` — rank-wide errors (:mod:`trainer_lib.distributed`).
+- :func:`recompute_logprobs`, :func:`logprob_mismatch` — trainer vs inference (:mod:`trainer_lib.mismatch`).
+- :class:`MaterializeConfig` — ``MMREF_*`` settings (:mod:`trainer_lib.config`).
 """
 
+from trainer_lib.config import MaterializeConfig
 from trainer_lib.distributed import RankFailed, check_all_ranks, fail_fast
 from trainer_lib.forward import (
     VARLEN_ATTENTION,
@@ -25,6 +28,7 @@ from trainer_lib.forward import (
     select_backend,
 )
 from trainer_lib.materialize import MaterializedBatch, MaterializeStats, materialize
+from trainer_lib.mismatch import MismatchStats, logprob_mismatch, recompute_logprobs
 from trainer_lib.packing import (
     ImageSpan,
     PackedMicroBatch,
@@ -50,9 +54,11 @@ __all__ = [
     "VARLEN_ATTENTION",
     "ForwardResult",
     "ImageSpan",
+    "MaterializeConfig",
     "MaterializeStats",
     "MaterializedBatch",
     "MaterializedMicroBatch",
+    "MismatchStats",
     "PackEntry",
     "PackedInputs",
     "PackedMicroBatch",
@@ -69,6 +75,7 @@ __all__ = [
     "cu_seqlens",
     "fail_fast",
     "locate_image_runs",
+    "logprob_mismatch",
     "make_pad_sample",
     "materialize",
     "materialize_micro_batch",
@@ -80,6 +87,7 @@ __all__ = [
     "padded_sample_count",
     "plan_step",
     "prepare_model_for_packing",
+    "recompute_logprobs",
     "register_varlen_attention",
     "select_backend",
     "split_micro_batches",

@@ -1,0 +1,99 @@
+"""Trainer vs inference logprobs: recompute the sampled tokens' logprobs with the packed forward and
+measure how far they are from what the rollout engine returned.
+
+The k3 estimator of KL(pi_inference || pi_trainer) per token is ``exp(d) - 1 - d`` with
+``d = logp_trainer - logp_inference`` (J. Schulman, "Approximating KL divergence", 2020), the
+mismatch-KL RL frameworks log; it is >= 0 and ~ d**2 / 2 for small d.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from protocol.adapters import ImageAdapter
+from protocol.structs import TrainingSample
+from trainer_lib.forward import materialize_micro_batch, packed_inputs, packed_logprobs
+from trainer_lib.materialize import MissingPolicy
+from trainer_lib.packing import pack_samples
+
+__all__ = ["MismatchStats", "logprob_mismatch", "recompute_logprobs"]
+
+
+@dataclass(frozen=True)
+class MismatchStats:
+    tokens: int
+    """Tokens compared (loss-mask positions)."""
+    max_abs: float
+    mean_abs: float
+    k3_kl: float
+    """Mean of ``exp(d) - 1 - d`` over the compared tokens."""
+
+
+def logprob_mismatch(trainer: torch.Tensor, inference: torch.Tensor, mask: torch.Tensor) -> MismatchStats:
+    """Compare float ``[L]`` logprobs on the positions where bool ``mask`` ``[L]`` is True.
+
+    Raises:
+        ValueError: shapes differ or nothing is compared.
+    """
+    if trainer.shape != inference.shape or trainer.shape != mask.shape:
+        raise ValueError(
+            f"shapes differ: {tuple(trainer.shape)}, {tuple(inference.shape)}, {tuple(mask.shape)}"
+        )
+    d = (trainer.double() - inference.double())[mask]
+    if d.numel() == 0:
+        raise ValueError("no token to compare (empty mask)")
+    return MismatchStats(
+        tokens=int(d.numel()),
+        max_abs=float(d.abs().max()),
+        mean_abs=float(d.abs().mean()),
+        k3_kl=float((torch.expm1(d) - d).mean()),
+    )
+
+
+def recompute_logprobs(
+    samples: Sequence[TrainingSample],
+    model: torch.nn.Module,
+    adapter: ImageAdapter,
+    asset_root: str | os.PathLike[str],
+    *,
+    seq_len: int,
+    micro_batch_max_tokens: int | None = None,
+    policy: MissingPolicy = "placeholder_zero_loss",
+    temperature: float = 1.0,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Materialize, pack, run the packed forward; per sample ``(logprobs fp32 [len], loss_mask bool [len])``.
+
+    ``logprobs[t]`` is the trainer's logprob of ``input_ids[t]`` given the sample's earlier tokens
+    (0 at t=0), aligned with ``TrainingSample.inference_logprobs``. The loss mask is the sample's,
+    zeroed if one of its images was replaced by a placeholder, without its first token.
+    The model must already be prepared (:func:`trainer_lib.prepare_model_for_packing`).
+
+    Raises:
+        MMRefError subclasses, PlaceholderMismatch, PackingUnsupported: see the steps.
+    """
+    step = pack_samples(
+        samples,
+        placeholder_token_id=adapter.placeholder_token_id(model.config),
+        seq_len=seq_len,
+        micro_batch_max_tokens=micro_batch_max_tokens,
+        num_placeholders=adapter.num_placeholders,
+    )
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
+    for packed in step.micro_batches:
+        materialized = materialize_micro_batch(packed, adapter, asset_root, policy=policy)
+        inputs = packed_inputs(materialized.packed, materialized.features, model)
+        with torch.no_grad():
+            result = packed_logprobs(model, inputs, temperature=temperature)
+        for slot in materialized.packed.slots:
+            if slot.index is None or slot.is_padding:
+                continue
+            span = slice(slot.start, slot.start + slot.length)
+            out[slot.index] = (result.logprobs[span].cpu(), result.loss_mask[span].cpu())
+    missing = [i for i, o in enumerate(out) if o is None]
+    if missing:
+        raise RuntimeError(f"samples {missing} were not in any micro-batch")
+    return [o for o in out if o is not None]
