@@ -159,12 +159,24 @@ class MicroBatch(msgspec.Struct, kw_only=True, array_like=True, gc=False, omit_d
     """Every sample's refs, concatenated in sample order."""
     position_ids: list[list[int]] | None = None
     """Optional ``[rows][L]`` positions (Qwen MRoPE: 4 rows)."""
+    mm_token_type_ids: list[Annotated[int, Meta(ge=0, le=1)]] | None = None
+    """Per token: 0 text, 1 image placeholder (locates image runs without trusting token ids)."""
+    images_per_sample: list[_NonNegInt] | None = None
+    """Per packed sample: how many of ``mm_refs`` (and synthetic pad images) it owns, in order."""
+    is_padding: list[bool] | None = None
+    """Per packed sample: a zero-loss pad kept out of metrics."""
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
         for name in ("loss_mask", "advantages", "inference_logprobs"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries, input_ids {n}")
+        if self.mm_token_type_ids is not None and len(self.mm_token_type_ids) != n:
+            raise ValueError(f"mm_token_type_ids has {len(self.mm_token_type_ids)} entries, input_ids {n}")
+        for name in ("images_per_sample", "is_padding"):
+            value = getattr(self, name)
+            if value is not None and len(value) != self.sample_count:
+                raise ValueError(f"{name} has {len(value)} entries for sample_count {self.sample_count}")
         if sum(self.seq_lens) != n:
             raise ValueError(f"seq_lens sum to {sum(self.seq_lens)}, input_ids has {n}")
         if len(self.seq_lens) != self.sample_count:

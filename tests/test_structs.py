@@ -476,3 +476,34 @@ def test_protocol_submodules_do_not_import_torch():
     names = sorted(p.stem for p in (REPO / "protocol").glob("*.py") if p.stem != "__init__")
     assert {"errors", "refs", "structs", "store", "images"} <= set(names)
     assert _modules_imported_by("\n".join(f"import protocol.{n}" for n in names)) == []
+
+
+def test_microbatch_carries_image_facts_on_the_wire():
+    """mm_token_type_ids, images_per_sample and is_padding survive msgpack (no field dropped)."""
+    from protocol.structs import MicroBatch, decode_microbatch, encode
+
+    mb = MicroBatch(
+        input_ids=[1, 9, 9, 2, 3],
+        loss_mask=[False, False, False, True, True],
+        advantages=[0.0] * 5,
+        inference_logprobs=[0.0] * 5,
+        seq_lens=[4, 1],
+        sample_count=2,
+        mm_token_type_ids=[0, 1, 1, 0, 0],
+        images_per_sample=[1, 0],
+        is_padding=[False, True],
+    )
+    back = decode_microbatch(encode(mb))
+    assert back.mm_token_type_ids == [0, 1, 1, 0, 0]
+    assert back.images_per_sample == [1, 0] and back.is_padding == [False, True]
+    for bad in (
+        {"mm_token_type_ids": [0, 1]},
+        {"images_per_sample": [1]},
+        {"is_padding": [True, False, True]},
+    ):
+        with pytest.raises(ValueError, match="entries"):  # checked on construction and on decode
+            msgspec.structs.replace(mb, **bad)
+        wire = msgspec.to_builtins(mb)  # array-like: a list in field order
+        wire[list(MicroBatch.__struct_fields__).index(next(iter(bad)))] = next(iter(bad.values()))
+        with pytest.raises(msgspec.ValidationError):
+            decode_microbatch(msgspec.msgpack.encode(wire))

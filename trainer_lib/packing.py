@@ -111,8 +111,7 @@ class PackedMicroBatch:
     """
 
     micro_batch: MicroBatch
-    mm_token_type_ids: list[int]
-    """Per token: 0 text, 1 image placeholder (transformers' convention)."""
+    """Carries ``mm_token_type_ids``, ``images_per_sample`` and ``is_padding`` on the wire too."""
     slots: tuple[SampleSlot, ...]
     images: tuple[ImageSpan, ...]
     """Every image in pack order (sample order, then prompt order): the order the features are
@@ -121,6 +120,11 @@ class PackedMicroBatch:
     lora_id: str | None
     num_tokens: int
     num_loss_tokens: int
+
+    @property
+    def mm_token_type_ids(self) -> list[int]:
+        """Per token: 0 text, 1 image placeholder (transformers' convention)."""
+        return self.micro_batch.mm_token_type_ids or []
 
     def __post_init__(self) -> None:
         mb = self.micro_batch
@@ -665,11 +669,13 @@ def build_micro_batch(
         seq_lens=seq_lens,
         sample_count=len(slots),
         mm_refs=refs,
+        mm_token_type_ids=type_ids,
+        images_per_sample=[s.num_images for s in slots],
+        is_padding=[s.is_padding for s in slots],
     )
     run_id, lora_id = next(iter(keys))
     return PackedMicroBatch(
         micro_batch=mb,
-        mm_token_type_ids=type_ids,
         slots=tuple(slots),
         images=tuple(images),
         run_id=run_id,
@@ -760,7 +766,6 @@ def replace_loss_mask(packed: PackedMicroBatch, loss_mask: list[bool]) -> Packed
     slots = tuple(_replace_slot(s, loss_mask[s.start : s.start + s.length].count(True)) for s in packed.slots)
     return PackedMicroBatch(
         micro_batch=msgspec.structs.replace(packed.micro_batch, loss_mask=loss_mask),
-        mm_token_type_ids=packed.mm_token_type_ids,
         slots=slots,
         images=packed.images,
         run_id=packed.run_id,
