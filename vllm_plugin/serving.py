@@ -8,7 +8,7 @@ Differences from upstream ``vllm/entrypoints/scale_out/token_in_token_out/servin
   (``RawMMRef`` objects or ref strings, prompt order) and no ``features``.
 - Each ref is read from the confined asset root, hash-checked, decoded like vLLM,
   processed by the model's own HF image processor (the instance vLLM itself uses),
-  grid-checked, and encoded with vLLM's ``encode_mm_kwargs_item``; the item's hash
+  grid-checked, and encoded the way vLLM's ``encode_mm_kwargs_item`` does; the item's hash
   for vLLM's caches is ``sha256("mmref:v1:" + mm_hash + ":" + fingerprint + ":" + pixel mode)``
   (content-bound, never a client uuid).
 - Placeholder ranges are located (``mm_refs``) or checked (``features``) against the
@@ -50,8 +50,27 @@ from vllm_plugin.config import PluginConfig
 __all__ = ["MMRefResolver", "ResolvedItem", "locate_placeholders"]
 
 _raw_ref_decoder = msgspec.json.Decoder(RawMMRef)
-_encode_lock = threading.Lock()
-"""vLLM's module-level ``MsgpackEncoder`` is not thread-safe for tensors (its docstring)."""
+_codecs = threading.local()
+
+
+def _thread_codec() -> tuple[Any, Any]:
+    """This thread's vLLM ``MsgpackEncoder``/``MsgpackDecoder`` (not thread-safe for tensors, so
+    one per resolver thread instead of vLLM's module-level pair behind a lock)."""
+    if not hasattr(_codecs, "encoder"):
+        from vllm.multimodal.inputs import MultiModalKwargsItem
+        from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+        _codecs.encoder = MsgpackEncoder(size_threshold=2**62)  # all tensors inline, as mm_serde
+        _codecs.decoder = MsgpackDecoder(t=MultiModalKwargsItem)
+    return _codecs.encoder, _codecs.decoder
+
+
+def _encode_item(item: Any) -> str:
+    """``vllm/.../token_in_token_out/mm_serde.py::encode_mm_kwargs_item`` with this thread's encoder."""
+    import pybase64
+
+    (buf,) = _thread_codec()[0].encode(item)
+    return pybase64.b64encode(buf).decode("ascii")
 
 
 @dataclass(frozen=True)
@@ -140,7 +159,6 @@ class MMRefResolver:
 
     def _resolve_raw_sync(self, body: RawRefBody, ref: str) -> ResolvedItem:
         from transformers import BatchFeature
-        from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import encode_mm_kwargs_item
         from vllm.multimodal.inputs import MultiModalKwargsItems
 
         processed = self.adapter.resolve_raw(
@@ -157,8 +175,7 @@ class MMRefResolver:
         engine_hash = hashlib.sha256(
             f"mmref:v1:{body.mm_hash}:{self.adapter.fingerprint}:{self.pixel_mode}".encode()
         ).hexdigest()
-        with _encode_lock:
-            encoded = encode_mm_kwargs_item(item)
+        encoded = _encode_item(item)
         return ResolvedItem(
             engine_hash=engine_hash,
             encoded=encoded,
@@ -170,8 +187,6 @@ class MMRefResolver:
         """An ``mmfile:v1`` item: envelope, payload sha256 and fingerprint checked, payload decoded
         with vLLM and its grid, placeholder length and pixel mode checked before use."""
         import pybase64
-        from vllm.multimodal.inputs import MultiModalKwargsItem
-        from vllm.v1.serial_utils import MsgpackDecoder
 
         item_file = read_feature_item(
             self.config.asset_root,
@@ -181,8 +196,7 @@ class MMRefResolver:
             max_bytes=self.config.max_feature_bytes,
         )
         try:
-            with _encode_lock:
-                item = MsgpackDecoder(t=MultiModalKwargsItem).decode(item_file.payload)
+            item = _thread_codec()[1].decode(item_file.payload)
             pixels = item["pixel_values"].data
             grid = tuple(int(g) for g in item[self.adapter.grid_field].data.reshape(-1).tolist())
         except Exception as e:  # any decode failure of untrusted bytes is the file's fault

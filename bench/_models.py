@@ -1,0 +1,81 @@
+"""The bench model: the tiny random-weight Qwen2-VL with the REAL Qwen2-VL image-size limits.
+
+``scripts/make_tiny_models.py`` caps images at 64 merged tokens so tests run fast. The benches
+need images processed at real cost, so this copies that model and rewrites the image
+processor's size limits to the released Qwen2-VL-*-Instruct ``preprocessor_config.json``
+(``min_pixels`` 3136 = 56*56, ``max_pixels`` 12845056 = 28*28*16384; patch 14, merge 2,
+temporal patch 2, CLIP mean/std, bicubic). A 1024x768 photo then becomes grid ``[1, 54, 74]``:
+3996 patches of 1176 values, 999 placeholder tokens, exactly as for the real model. The
+language model stays tiny (2 layers, hidden 64).
+
+Cached under ``<repo>/.cache/bench_models/qwen2_vl_realsize`` (rebuilt when the source model's
+recipe or the limits change).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from _common import REPO
+
+__all__ = ["REAL_MAX_PIXELS", "REAL_MIN_PIXELS", "ensure_bench_model"]
+
+REAL_MIN_PIXELS = 56 * 56
+REAL_MAX_PIXELS = 28 * 28 * 16384
+"""Qwen2-VL-*-Instruct ``preprocessor_config.json``: min_pixels 3136, max_pixels 12845056."""
+
+ROOT = REPO / ".cache" / "bench_models"
+MARKER = "bench_model.json"
+
+
+def _real_size(section: dict) -> dict:
+    out = dict(section)
+    out["size"] = {"shortest_edge": REAL_MIN_PIXELS, "longest_edge": REAL_MAX_PIXELS}
+    return out
+
+
+def ensure_bench_model() -> Path:
+    """Return the real-size tiny Qwen2-VL folder, building it from ``ensure_tiny_model`` if needed."""
+    from make_tiny_models import ensure_tiny_model
+
+    source = ensure_tiny_model("qwen2_vl")
+    recipe = json.loads((source / "tiny_model_recipe.json").read_text())
+    want = {
+        "source_recipe": recipe["recipe_hash"],
+        "min_pixels": REAL_MIN_PIXELS,
+        "max_pixels": REAL_MAX_PIXELS,
+    }
+    target = ROOT / "qwen2_vl_realsize"
+    marker = target / MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == want:
+        return target
+    ROOT.mkdir(parents=True, exist_ok=True)
+    with open(ROOT / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.is_file() and json.loads(marker.read_text()) == want:
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=".realsize-", dir=ROOT))
+        try:
+            shutil.copytree(source, tmp, dirs_exist_ok=True)
+            pre = json.loads((tmp / "preprocessor_config.json").read_text())
+            (tmp / "preprocessor_config.json").write_text(json.dumps(_real_size(pre), indent=2) + "\n")
+            proc = json.loads((tmp / "processor_config.json").read_text())
+            proc["image_processor"] = _real_size(proc["image_processor"])
+            (tmp / "processor_config.json").write_text(json.dumps(proc, indent=2) + "\n")
+            (tmp / MARKER).write_text(json.dumps(want, indent=2) + "\n")
+            tmp.chmod(0o755)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+if __name__ == "__main__":
+    print(ensure_bench_model())
