@@ -23,7 +23,7 @@ from protocol.errors import AssetNotFound, AssetOutsideRoot, AssetTooLarge, Hash
 from protocol.images import sniff_media_type
 from protocol.refs import MM_HASH_RE, file_uri_to_path
 
-__all__ = ["DEFAULT_MAX_IMAGE_BYTES", "AssetStore", "StoredImage", "atomic_write"]
+__all__ = ["DEFAULT_MAX_IMAGE_BYTES", "AssetStore", "StoredImage", "atomic_write", "existing_asset_root"]
 
 DEFAULT_MAX_IMAGE_BYTES = 64 * 1024 * 1024
 """Largest image file read (bytes); larger files raise :class:`AssetTooLarge`."""
@@ -50,6 +50,18 @@ class StoredImage:
     def mm_hash(self) -> str:
         """``sha256[:32]``, the hash an ``mmraw`` ref carries."""
         return self.sha256[:32]
+
+
+def existing_asset_root(value: str | os.PathLike[str]) -> Path:
+    """``MMREF_ASSET_ROOT`` as an absolute, resolved path (settings validator of server and trainer).
+
+    Raises:
+        ValueError: not an existing folder.
+    """
+    resolved = Path(value).resolve()
+    if not resolved.is_dir():
+        raise ValueError(f"MMREF_ASSET_ROOT {str(value)!r} is not an existing folder")
+    return resolved
 
 
 def atomic_write(path: Path, data: bytes) -> bool:

@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
-from protocol.store import DEFAULT_MAX_IMAGE_BYTES
+from protocol.store import DEFAULT_MAX_IMAGE_BYTES, existing_asset_root
 
 __all__ = ["MaterializeConfig"]
 
@@ -32,13 +32,7 @@ class MaterializeConfig(BaseSettings):
     max_image_bytes: int = Field(default=DEFAULT_MAX_IMAGE_BYTES, ge=1)
     max_image_pixels: int = Field(default=DEFAULT_MAX_IMAGE_PIXELS, ge=1)
 
-    @field_validator("asset_root")
-    @classmethod
-    def _absolute_existing_dir(cls, value: Path) -> Path:
-        resolved = value.resolve()
-        if not resolved.is_dir():
-            raise ValueError(f"MMREF_ASSET_ROOT {str(value)!r} is not an existing folder")
-        return resolved
+    _absolute_existing_dir = field_validator("asset_root")(existing_asset_root)
 
     def materialize_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for :func:`trainer_lib.materialize` (everything but samples and adapter)."""

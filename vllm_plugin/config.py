@@ -8,7 +8,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
-from protocol.store import DEFAULT_MAX_IMAGE_BYTES
+from protocol.store import DEFAULT_MAX_IMAGE_BYTES, existing_asset_root
 
 __all__ = ["PluginConfig"]
 
@@ -39,10 +39,4 @@ class PluginConfig(BaseSettings):
     allowed_families: list[str] | None = None
     """If set (a JSON list, e.g. ``'["qwen2_vl"]'``), the served model's family must be among them."""
 
-    @field_validator("asset_root")
-    @classmethod
-    def _absolute_existing_dir(cls, value: Path) -> Path:
-        resolved = value.resolve()
-        if not resolved.is_dir():
-            raise ValueError(f"MMREF_ASSET_ROOT {str(value)!r} is not an existing folder")
-        return resolved
+    _absolute_existing_dir = field_validator("asset_root")(existing_asset_root)
