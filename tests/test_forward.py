@@ -461,3 +461,44 @@ def test_position_conventions_cover_every_registered_adapter():
             assert model_type in MROPE_MODEL_TYPES
         else:
             assert cls.__name__.startswith("Kimi") and model_type in KIMI_MODEL_TYPES, model_type
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dedup_runs_the_vision_tower_once_per_image_with_the_same_logprobs_and_grads(families, family):
+    """materialize(dedup=True): distinct images once + image_index; the packed forward repeats the
+    vision embeddings (transformers' mm_encoder_outputs) instead of re-encoding duplicates."""
+    fam = families[family]
+    r, t = fam.refs, fam.tok
+    group = [chat([r["coffee"]], "Describe.", f"answer {k}", t) for k in range(3)]
+    samples = [*group, chat([r["astronaut"], r["coffee"]], "Both?", "yes", t), chat([], "hi", "hello", t)]
+    prepare_model_for_packing(fam.model)
+    (mb,) = pack_samples(
+        samples, placeholder_token_id=t, seq_len=4096, num_placeholders=fam.adapter.num_placeholders
+    ).micro_batches
+
+    full = materialize_micro_batch(mb, fam.adapter, fam.root)
+    dedup = materialize_micro_batch(mb, fam.adapter, fam.root, dedup=True)
+    assert dedup.image_index.tolist() == [0, 0, 0, 1, 0]
+    assert len(dedup.features["image_grid_thw"]) == 2 and len(full.features["image_grid_thw"]) == 5
+    assert torch.equal(dedup.features["image_grid_thw"][dedup.image_index], full.features["image_grid_thw"])
+
+    calls = []
+    hook = fam.model.model.visual.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
+    try:
+        results = []
+        for m in (full, dedup):
+            fam.model.zero_grad()
+            inputs = packed_inputs(m.packed, m.features, fam.model, image_index=m.image_index)
+            out = packed_logprobs(fam.model, inputs)
+            (out.logprobs * out.loss_mask).sum().backward()
+            grad = torch.cat(
+                [p.grad.flatten() for p in fam.model.model.visual.parameters() if p.grad is not None]
+            )
+            results.append((out.logprobs.detach(), grad))
+    finally:
+        hook.remove()
+        fam.model.zero_grad()
+    rows = full.features["pixel_values"].shape[0], dedup.features["pixel_values"].shape[0]
+    assert calls == list(rows) and rows[1] < rows[0]  # the vision tower saw each image once
+    assert (results[0][0] - results[1][0]).abs().max().item() <= TOL
+    assert torch.allclose(results[0][1], results[1][1], rtol=1e-4, atol=1e-6)

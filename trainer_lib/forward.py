@@ -234,8 +234,10 @@ class MaterializedMicroBatch:
     """Loss mask zeroed for samples whose image was replaced (``placeholder_zero_loss``), re-accounted."""
     features: dict[str, torch.Tensor]
     """Qwen-VL: ``pixel_values`` float32 ``[sum(t*h*w), C*T*P*P]``, ``image_grid_thw`` int64 ``[N, 3]``;
-    empty without images."""
+    empty without images. With ``dedup`` each distinct image once (see :attr:`image_index`)."""
     stats: MaterializeStats
+    image_index: torch.Tensor | None = None
+    """int64 ``[num images of the micro-batch]`` with ``dedup``: row of ``image_grid_thw`` per image."""
 
 
 def materialize_micro_batch(
@@ -245,11 +247,15 @@ def materialize_micro_batch(
     *,
     policy: MissingPolicy = "placeholder_zero_loss",
     max_workers: int = 2,
+    dedup: bool = False,
 ) -> MaterializedMicroBatch:
     """Features for every image of the micro-batch, in pack order.
 
     Real images go through :func:`trainer_lib.materialize` (each distinct ref processed once);
     synthetic pad images (``ImageSpan.ref is None``) are ``adapter.synthesize_placeholder(grid)``.
+    ``dedup=True``: each distinct image's features once plus ``image_index`` (see
+    :func:`trainer_lib.materialize`); :func:`packed_logprobs` then runs the vision tower once per
+    distinct image and repeats its embeddings.
 
     Raises:
         MMRefError subclasses: see :func:`trainer_lib.materialize`.
@@ -260,11 +266,23 @@ def materialize_micro_batch(
         raise ValueError("synthetic pad images must follow every real image of the micro-batch")
     real_slots = [s for s in packed.slots if s.num_images and packed.images[s.first_image].ref is not None]
     batch = materialize(
-        [s.sample for s in real_slots], adapter, asset_root, policy=policy, max_workers=max_workers
+        [s.sample for s in real_slots],
+        adapter,
+        asset_root,
+        policy=policy,
+        max_workers=max_workers,
+        dedup=dedup,
     )
     parts: list[Mapping[str, torch.Tensor]] = [batch.features] if batch.features else []
-    parts += [adapter.synthesize_placeholder(im.grid).tensors for im in packed.images if im.ref is None]
+    synthetic = [adapter.synthesize_placeholder(im.grid).tensors for im in packed.images if im.ref is None]
+    parts += synthetic
     features = {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
+    image_index = None
+    if dedup and features:
+        real = batch.image_index if batch.image_index is not None else torch.empty(0, dtype=torch.int64)
+        n_unique_real = len(batch.features.get(adapter.grid_field, ())) if batch.features else 0
+        pads = torch.arange(n_unique_real, n_unique_real + len(synthetic), dtype=torch.int64)
+        image_index = torch.cat([real, pads])
     loss_mask = None
     for slot, sample in zip(real_slots, batch.samples, strict=True):
         if sample is not slot.sample:  # materialize zeroed this sample's loss mask
@@ -272,7 +290,9 @@ def materialize_micro_batch(
             loss_mask[slot.start : slot.start + slot.length] = sample.loss_mask
     if loss_mask is not None:
         packed = replace_loss_mask(packed, loss_mask)
-    return MaterializedMicroBatch(packed=packed, features=features, stats=batch.stats)
+    return MaterializedMicroBatch(
+        packed=packed, features=features, stats=batch.stats, image_index=image_index
+    )
 
 
 @dataclass(frozen=True)
@@ -291,6 +311,8 @@ class PackedInputs:
     seq_lens: list[int]
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    image_index: torch.Tensor | None = None
+    """int64 ``[num images]`` when ``pixel_values``/``image_grid_thw`` hold distinct images only."""
 
     def to(self, device: torch.device | str) -> PackedInputs:
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -305,11 +327,15 @@ class PackedInputs:
             seq_lens=self.seq_lens,
             pixel_values=move(self.pixel_values),
             image_grid_thw=move(self.image_grid_thw),
+            image_index=move(self.image_index),
         )
 
 
 def packed_inputs(
-    packed: PackedMicroBatch, features: Mapping[str, torch.Tensor], model_or_config: Any
+    packed: PackedMicroBatch,
+    features: Mapping[str, torch.Tensor],
+    model_or_config: Any,
+    image_index: torch.Tensor | None = None,
 ) -> PackedInputs:
     """Build the model inputs and run the placeholder tripwire.
 
@@ -318,6 +344,8 @@ def packed_inputs(
         features: its features in pack order (``{}`` without images).
         model_or_config: the HF model or its config (for ``get_rope_index``, ``image_token_id``
             and ``vision_config.spatial_merge_size``).
+        image_index: with deduplicated features (:func:`materialize_micro_batch` ``dedup=True``),
+            the row of ``image_grid_thw`` each image of the micro-batch shows.
 
     Raises:
         ValueError: placeholder tokens != feature rows (:func:`check_placeholder_alignment`),
@@ -330,14 +358,16 @@ def packed_inputs(
         if not features:
             raise ValueError(f"{len(packed.images)} images in the micro-batch but no features")
         grid = features["image_grid_thw"]
-        if grid.tolist() != [list(g) for g in packed.image_grids]:
+        per_image = grid if image_index is None else grid[image_index]
+        if per_image.tolist() != [list(g) for g in packed.image_grids]:
             raise ValueError(
-                f"feature grids {grid.tolist()} differ from the micro-batch's images {packed.image_grids}"
+                f"feature grids {per_image.tolist()} differ from the micro-batch's images "
+                f"{packed.image_grids}"
             )
         check_placeholder_alignment(
             ids,
             config.image_token_id,
-            features,
+            {"image_grid_thw": per_image},
             mm_token_type_ids=torch.as_tensor(packed.mm_token_type_ids).unsqueeze(0),
             merge_size=config.vision_config.spatial_merge_size,
         )
@@ -353,6 +383,7 @@ def packed_inputs(
         seq_lens=list(packed.seq_lens),
         pixel_values=pixel_values,
         image_grid_thw=grid,
+        image_index=image_index if pixel_values is not None else None,
     )
 
 
@@ -369,6 +400,22 @@ class ForwardResult:
     """bool ``[L]``: :attr:`PackedInputs.loss_mask`."""
     backend: str
     """The attention implementation that ran."""
+
+
+def _repeated_image_features(model: torch.nn.Module, pixels: torch.Tensor, inputs: PackedInputs) -> Any:
+    """Vision tower once per distinct image, embeddings repeated per image of the micro-batch.
+
+    Uses transformers' own ``get_image_features`` and its ``mm_encoder_outputs`` forward argument
+    (Qwen2-VL/2.5-VL/3-VL in 5.19): ``pooler_output`` is a tuple of per-image embeddings, and
+    Qwen3-VL's ``deepstack_features`` a list (per layer) of such tuples. Gradients of repeated
+    images accumulate into the one vision forward.
+    """
+    enc = model.model.get_image_features(pixels, inputs.image_grid_thw, return_dict=True)
+    index = inputs.image_index.tolist()
+    enc.pooler_output = tuple(enc.pooler_output[i] for i in index)
+    if getattr(enc, "deepstack_features", None) is not None:
+        enc.deepstack_features = [tuple(layer[i] for i in index) for layer in enc.deepstack_features]
+    return enc
 
 
 def packed_logprobs(
@@ -401,13 +448,18 @@ def packed_logprobs(
     if backend == VARLEN_ATTENTION:
         kwargs.update(mmref_cu_seqlens=inputs.cu_seqlens, mmref_max_seqlen=inputs.max_seqlen)
     dtype = next(model.parameters()).dtype
+    pixels = None if inputs.pixel_values is None else inputs.pixel_values.to(dtype)
+    grid = inputs.image_grid_thw
+    if pixels is not None and inputs.image_index is not None:
+        kwargs["mm_encoder_outputs"] = {"image": _repeated_image_features(model, pixels, inputs)}
+        pixels, grid = None, grid[inputs.image_index]
     out = model.model(
         input_ids=inputs.input_ids,
         position_ids=inputs.position_ids,
         attention_mask=None,
         use_cache=use_cache,
-        pixel_values=None if inputs.pixel_values is None else inputs.pixel_values.to(dtype),
-        image_grid_thw=inputs.image_grid_thw,
+        pixel_values=pixels,
+        image_grid_thw=grid,
         **kwargs,
     )
     hidden = out.last_hidden_state[0, :-1]  # position t predicts token t+1

@@ -63,7 +63,9 @@ class MaterializedBatch:
 
     ``features`` holds the family's HF tensors collated along dim 0 (Qwen-VL:
     ``pixel_values`` float32 ``[sum(t*h*w), C*T*P*P]``, ``image_grid_thw`` int64 ``[N, 3]``);
-    empty when no sample has images.
+    empty when no sample has images. With ``dedup=True`` they hold each distinct image once (in
+    first-seen order) and :attr:`image_index` maps every image slot to its row of
+    ``image_grid_thw``: slot ``k``'s grid is ``image_grid_thw[image_index[k]]``.
     """
 
     samples: list[TrainingSample]
@@ -73,6 +75,8 @@ class MaterializedBatch:
     placeholder_refs: list[str] = field(default_factory=list)
     """Refs replaced by zero features (each once, in first-seen order)."""
     stats: MaterializeStats = field(default_factory=MaterializeStats)
+    image_index: torch.Tensor | None = None
+    """int64 ``[N_slots]`` with ``dedup=True``: the distinct image each slot shows; else None."""
 
 
 def materialize(
@@ -86,6 +90,7 @@ def materialize(
     placeholder_token_id: int | None = None,
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    dedup: bool = False,
 ) -> MaterializedBatch:
     """Resolve every sample's refs into model-ready features.
 
@@ -103,6 +108,9 @@ def materialize(
             ``mm_token_type_ids`` when present, else by this id) must equal the sum of its refs'
             ``num_placeholders``: a misaligned sample raises instead of training on shifted features.
         max_image_bytes, max_image_pixels: the same limits the server applies.
+        dedup: return each distinct image's features once plus ``image_index`` instead of one
+            copy per slot (an RL group of 8 samples sharing an image: 8x fewer pixel bytes, and
+            :func:`trainer_lib.packed_logprobs` runs the vision tower once per distinct image).
 
     Raises:
         MMRefError subclasses: under ``"error"`` any ref that fails; under either policy a ref
@@ -147,6 +155,7 @@ def materialize(
     stats.processed = sum(isinstance(r, ProcessedImage) for r in results.values())
     placeholders: dict[str, ProcessedImage] = {}
     items: list[ProcessedImage] = []
+    slot_refs: list[str] = []
     out_samples: list[TrainingSample] = []
     for sample, refs in zip(samples, per_sample, strict=True):
         zero = False
@@ -160,6 +169,7 @@ def materialize(
                 zero = True
                 stats.placeholders += 1
             items.append(result)
+            slot_refs.append(ref)
         if zero:
             stats.zeroed_samples += 1
             sample = msgspec.structs.replace(sample, loss_mask=[False] * len(sample.loss_mask))
@@ -169,9 +179,18 @@ def materialize(
     metrics.IMAGE_SLOTS.inc(stats.images)
     metrics.PLACEHOLDER_FALLBACKS.inc(stats.placeholders)
     metrics.ZEROED_SAMPLES.inc(stats.zeroed_samples)
+    image_index = None
+    if dedup and items:
+        first_slot: dict[str, int] = {}
+        for k, ref in enumerate(slot_refs):
+            first_slot.setdefault(ref, k)
+        position = {ref: i for i, ref in enumerate(first_slot)}
+        image_index = torch.tensor([position[ref] for ref in slot_refs], dtype=torch.int64)
+        items = [items[k] for k in first_slot.values()]
     return MaterializedBatch(
         samples=out_samples,
         features=adapter.collate(items) if items else {},
+        image_index=image_index,
         images_per_sample=[len(refs) for refs in per_sample],
         placeholder_refs=list(placeholders),
         stats=stats,
