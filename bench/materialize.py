@@ -113,6 +113,8 @@ TIMED = (
     ("materialize, 1 worker", "materialize", 1, None),
     ("materialize, 2 workers", "materialize", 2, None),
     ("materialize, 2 workers, torch threads 1", "materialize", 2, 1),
+    ("materialize(dedup=True), 1 worker", "materialize-dedup", 1, None),
+    ("materialize(dedup=True), 2 workers", "materialize-dedup", 2, None),
     ("naive per-sample, 1 worker", "naive", 1, None),
     ("naive per-sample, 2 workers", "naive", 2, None),
     ("phases: materialize, 1 worker", "phases-dedup", 1, None),
@@ -144,7 +146,12 @@ def timing_child(repeat: int, profile: bool) -> dict:
                 out = naive(samples, adapter, BENCH_OUTPUTS, workers)
             else:
                 out = materialize(
-                    samples, adapter, BENCH_OUTPUTS, max_workers=workers, placeholder_token_id=pad
+                    samples,
+                    adapter,
+                    BENCH_OUTPUTS,
+                    max_workers=workers,
+                    placeholder_token_id=pad,
+                    dedup=kind == "materialize-dedup",
                 )
             times[name].append(time.perf_counter() - t0)
             del out
@@ -201,10 +208,20 @@ def rss_child(kind: str, workers: int, batch: int) -> dict:
     if kind == "naive":
         features = naive(samples, adapter, BENCH_OUTPUTS, workers)
     else:
-        features = materialize(samples, adapter, BENCH_OUTPUTS, max_workers=workers).features
+        features = materialize(
+            samples, adapter, BENCH_OUTPUTS, max_workers=workers, dedup=kind == "materialize-dedup"
+        ).features
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     pixels = features["pixel_values"]
-    return {"before": before, "peak": peak, "pixel_bytes": pixels.nbytes, "shape": list(pixels.shape)}
+    rows_per_image = pixels.shape[0] // len(features["image_grid_thw"])
+    batch_pixel_bytes = pixels.nbytes // pixels.shape[0] * rows_per_image * batch  # one image per sample
+    return {
+        "before": before,
+        "peak": peak,
+        "pixel_bytes": batch_pixel_bytes,
+        "output_bytes": pixels.nbytes,
+        "shape": list(pixels.shape),
+    }
 
 
 def run_child(args: list[str]) -> dict:
@@ -246,6 +263,7 @@ def main() -> None:
         ("materialize", 2, BATCH),
         ("naive", 2, BATCH),
         ("materialize", 2, 2 * BATCH),
+        ("materialize-dedup", 2, BATCH),
     ):
         rss[kind, batch] = run_child(["--rss-child", f"{kind},{workers},{batch}"])
         print(f"[materialize] RSS {kind} batch {batch}: done", flush=True)
@@ -286,8 +304,9 @@ def main() -> None:
             "batch",
             "peak RSS",
             "RSS before the call",
-            "pixel_values bytes",
-            "peak / pixel bytes",
+            "batch pixel bytes (one copy per sample)",
+            "output pixel_values",
+            "peak / batch pixel bytes",
         ),
         [
             (
@@ -296,12 +315,17 @@ def main() -> None:
                 fmt_bytes(r["peak"]),
                 fmt_bytes(r["before"]),
                 fmt_bytes(r["pixel_bytes"]),
+                fmt_bytes(r["output_bytes"]),
                 f"{r['peak'] / r['pixel_bytes']:.2f}x",
             )
             for (kind, batch), r in rss.items()
         ],
     )
 
+    dd = rss["materialize-dedup", BATCH]
+    dd_ratio = dd["peak"] / dd["pixel_bytes"]
+    unique2 = med("naive per-sample, 2 workers") / med("materialize(dedup=True), 2 workers")
+    unique_workers = med("materialize(dedup=True), 1 worker") / med("materialize(dedup=True), 2 workers")
     dedup2 = med("naive per-sample, 2 workers") / med("materialize, 2 workers")
     dedup1 = med("naive per-sample, 1 worker") / med("materialize, 1 worker")
     workers = med("materialize, 1 worker") / med("materialize, 2 workers")
@@ -328,6 +352,12 @@ def main() -> None:
                 f">= {DEDUP_TARGET}x",
                 verdict(dedup1, DEDUP_TARGET, higher_is_better=True),
             ),
+            (
+                "dedup: naive / materialize(dedup=True), 2 workers each",
+                f"{unique2:.2f}x",
+                f">= {DEDUP_TARGET}x",
+                verdict(unique2, DEDUP_TARGET, higher_is_better=True),
+            ),
             ("  processing phase only: naive / materialize, 2 workers", f"{pn / p2:.2f}x", "(info)", ""),
             ("  collate share of one materialize, 2 workers", f"{c2 / (p2 + c2) * 100:.0f}%", "(info)", ""),
             (
@@ -335,6 +365,12 @@ def main() -> None:
                 f"{workers:.2f}x",
                 f">= {WORKERS_TARGET}x",
                 verdict(workers, WORKERS_TARGET, higher_is_better=True),
+            ),
+            (
+                "materialize(dedup=True) 2 workers vs 1",
+                f"{unique_workers:.2f}x",
+                f">= {WORKERS_TARGET}x",
+                verdict(unique_workers, WORKERS_TARGET, higher_is_better=True),
             ),
             ("  2 workers with torch threads 1 vs 1 worker", f"{workers_t1:.2f}x", "(info)", ""),
             ("  processing phase only, 2 workers vs 1", f"{p1 / p2:.2f}x", "(info)", ""),
@@ -344,6 +380,12 @@ def main() -> None:
                 f"{ratio:.2f}x ({fmt_bytes(m['peak'])} / {fmt_bytes(m['pixel_bytes'])})",
                 f"<= {RSS_TARGET}x",
                 verdict(ratio, RSS_TARGET, higher_is_better=False),
+            ),
+            (
+                f"peak RSS / batch pixel bytes, materialize(dedup=True), batch {BATCH}",
+                f"{dd_ratio:.2f}x ({fmt_bytes(dd['peak'])} / {fmt_bytes(dd['pixel_bytes'])})",
+                f"<= {RSS_TARGET}x",
+                verdict(dd_ratio, RSS_TARGET, higher_is_better=False),
             ),
             (
                 "  RSS growth during the call / pixel bytes",
