@@ -204,6 +204,28 @@ def test_hostile_requests_get_stable_4xx_codes(server, bad, prompt):
                 "kwargs_data": {"image": [bad.good.ref]}}},
             422, "placeholder_mismatch",
         ),
+        "features: placeholder entries not objects": (
+            {"token_ids": prompt, "sampling_params": GREEDY, "features": {
+                "mm_hashes": {"image": ["c" * 64]},
+                "mm_placeholders": {"image": ["ab"]},
+                "kwargs_data": {"image": [bad.good.ref]}}},
+            400, "invalid_request",
+        ),
+        "features: hashes not strings": (
+            {"token_ids": prompt, "sampling_params": GREEDY, "features": {
+                "mm_hashes": {"image": [7]},
+                "mm_placeholders": {"image": [{"offset": 3, "length": n}]},
+                "kwargs_data": {"image": [None]}}},
+            400, "invalid_request",
+        ),
+        "features: overlapping ranges": (
+            {"token_ids": prompt, "sampling_params": GREEDY, "features": {
+                "mm_hashes": {"image": ["c" * 64, "d" * 64]},
+                "mm_placeholders": {"image": [{"offset": 3, "length": n}, {"offset": 4, "length": n}]},
+                "kwargs_data": {"image": [bad.good.ref, bad.good.ref]}}},
+            400, "invalid_request",
+        ),
+        "features is a list": ({"token_ids": prompt, "sampling_params": GREEDY, "features": [1]}, 400, "invalid_request"),
         "cache-only slot, unknown hash": (
             {"token_ids": prompt, "sampling_params": GREEDY, "features": {
                 "mm_hashes": {"image": ["e" * 64]},

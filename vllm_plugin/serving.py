@@ -293,22 +293,20 @@ class MMRefResolver:
             raise InvalidRef("RawMMRef sha256 and the ref's mm_hash disagree", ref=ref)
 
     async def _fill_ref_slots(self, features: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
-        try:
-            hashes = {m: list(v) for m, v in features["mm_hashes"].items()}
-            placeholders = {m: [dict(p) for p in v] for m, v in features["mm_placeholders"].items()}
-            kwargs_data = features.get("kwargs_data")
-            slots = {m: list(v) for m, v in kwargs_data.items()} if kwargs_data else None
-        except (KeyError, TypeError, AttributeError) as e:
-            raise InvalidRequest(f"features must carry mm_hashes and mm_placeholders: {e}") from e
+        from pydantic import ValidationError
+        from vllm.entrypoints.scale_out.token_in_token_out.protocol import MultiModalFeatures
+
+        try:  # vLLM's own schema: types, parallel lengths, non-overlapping ranges (refs are str slots)
+            MultiModalFeatures.model_validate(features)
+        except ValidationError as e:
+            raise InvalidRequest(f"invalid features: {e.errors()[0].get('msg', e)}") from e
+        hashes = {m: list(v) for m, v in features["mm_hashes"].items()}
+        placeholders = {m: [dict(p) for p in v] for m, v in features["mm_placeholders"].items()}
+        kwargs_data = features.get("kwargs_data")
+        slots = {m: list(v) for m, v in kwargs_data.items()} if kwargs_data else None
         if slots is None:
             slots = {m: [None] * len(v) for m, v in hashes.items()}
         for modality, modality_slots in slots.items():
-            if len(modality_slots) != len(hashes.get(modality, ())) or len(
-                placeholders.get(modality, ())
-            ) != len(modality_slots):
-                raise InvalidRequest(
-                    f"features.{modality}: kwargs_data, mm_hashes and mm_placeholders differ in length"
-                )
             jobs = {i: s for i, s in enumerate(modality_slots) if is_ref(s)}
             self._check_ref_count(len(jobs))
             resolved = await asyncio.gather(*(self.resolve(s) for s in jobs.values()))
