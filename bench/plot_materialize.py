@@ -80,17 +80,20 @@ def main() -> None:
 
     # interleaved: each round measures every (batch, dup) once; the machine's load drifts
     runs: dict[tuple[int, int], list[float]] = {(b, d): [] for b in BATCHES for d in DUPS}
+    runs_dedup: dict[tuple[int, int], list[float]] = {(b, d): [] for b in BATCHES for d in DUPS}
     for rnd in range(args.repeat):
         for batch in BATCHES:
             for dup in DUPS:
                 samples = batch_of(batch, dup, refs)
-                t0 = time.perf_counter()
-                out = materialize(samples, adapter, BENCH_OUTPUTS, max_workers=WORKERS)
-                runs[batch, dup].append(time.perf_counter() - t0)
-                del out
-                gc.collect()
+                for dedup, sink in ((False, runs), (True, runs_dedup)):
+                    t0 = time.perf_counter()
+                    out = materialize(samples, adapter, BENCH_OUTPUTS, max_workers=WORKERS, dedup=dedup)
+                    sink[batch, dup].append(time.perf_counter() - t0)
+                    del out
+                    gc.collect()
         print(f"[plot] round {rnd + 1}/{args.repeat} done", flush=True)
     times = {key: statistics.median(v) for key, v in runs.items()}
+    times_dedup = {key: statistics.median(v) for key, v in runs_dedup.items()}
 
     # phases of a 64-sample materialize: distinct images processed on the pool, then collate
     from concurrent.futures import ThreadPoolExecutor
@@ -118,19 +121,38 @@ def main() -> None:
         [(b, *(f"{times[b, d]:.3f}" for d in DUPS), f"{times[b, 1] / times[b, 8]:.2f}x") for b in BATCHES],
     )
     print_table(
+        f"materialize(dedup=True) seconds (max_workers={WORKERS})",
+        ("batch", *(f"dup {d}" for d in DUPS), "dup 1 / dup 8"),
+        [
+            (b, *(f"{times_dedup[b, d]:.3f}" for d in DUPS), f"{times_dedup[b, 1] / times_dedup[b, 8]:.2f}x")
+            for b in BATCHES
+        ],
+    )
+    print_table(
         f"phases of one {max(BATCHES)}-sample materialize (s)",
         ("dup", "process distinct images", "collate", "collate share"),
         [(d, f"{p:.3f}", f"{c:.3f}", f"{c / (p + c) * 100:.0f}%") for d, (p, c) in phases.items()],
     )
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5), dpi=110)
-    for dup in DUPS:
+    for k, dup in enumerate(DUPS):
+        color = f"C{k}"
         ax1.plot(
             BATCHES,
             [times[b, dup] for b in BATCHES],
             marker="o",
             linewidth=2,
+            color=color,
             label=f"{dup} sample{'s' if dup > 1 else ''} per image",
+        )
+        ax1.plot(
+            BATCHES,
+            [times_dedup[b, dup] for b in BATCHES],
+            marker="s",
+            linewidth=1.5,
+            linestyle="--",
+            color=color,
+            label=f"{dup} per image, dedup=True",
         )
     ax1.set_xscale("log", base=2)
     ax1.set_xticks(BATCHES, [str(b) for b in BATCHES])
