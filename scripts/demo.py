@@ -180,7 +180,7 @@ def main() -> None:
     n0 = served.shape[0]
     diff = (raw.features["pixel_values"][:n0].double() - served.double()).abs().max().item()
 
-    hf_model = AutoModelForImageTextToText.from_pretrained(model, torch_dtype=torch.float32).eval()
+    hf_model = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
     backend = prepare_model_for_packing(hf_model)
     t2 = time.monotonic()
     recomputed = recompute_logprobs(samples, hf_model, adapter, output_root, seq_len=2048)

@@ -64,7 +64,7 @@ def test_trainer_reproduces_server_logprobs_and_flags_a_swapped_image(
     with server.client() as c:
         samples = [rollout(c, tokenizer, refs, text, seed) for seed, (refs, text) in enumerate(plans)]
 
-    model = AutoModelForImageTextToText.from_pretrained(qwen2_vl_dir, torch_dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(qwen2_vl_dir, dtype=torch.float32)
     model.eval()
     assert prepare_model_for_packing(model) == "sdpa"
     results = recompute_logprobs(samples, model, qwen2_vl_adapter, output_root, seq_len=2048)
