@@ -329,3 +329,39 @@ def test_metrics_on_vllms_endpoint(server, tokenizer, photo_refs):
     assert after["mmref_cache_bytes"] > 0 and after["mmref_cache_entries"] >= 1
     assert after['mmref_resolve_seconds_count{kind="mmraw"}'] >= 1
     assert after["mmref_images_materialized_total"] >= 1
+
+
+def test_a_client_that_hangs_up_aborts_its_generation(server, tokenizer, photo_refs):
+    """Like vLLM's own route (with_cancellation): a disconnect aborts the request in the engine,
+    so far fewer tokens are generated than the request asked for."""
+    import re
+    import time
+
+    import httpx
+
+    def generated() -> float:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        return sum(
+            float(v) for v in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+        )
+
+    good = photo_refs["coffee"]
+    ids = prompt_ids(tokenizer, [good])
+    max_tokens = 2048 - len(ids) - 8
+    body = {
+        "token_ids": ids,
+        "mm_refs": as_json([good]),
+        "sampling_params": {"temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True},
+    }
+    before = generated()
+    with httpx.Client(base_url=server.url, timeout=1.0) as c, pytest.raises(httpx.ReadTimeout):
+        c.post("/inference/v1/generate", json=body)
+    settled, previous = None, -1.0
+    deadline = time.monotonic() + 120
+    while settled is None and time.monotonic() < deadline:
+        time.sleep(2)
+        now = generated()
+        settled = now if now == previous else None
+        previous = now
+    assert settled is not None, "generation never stopped"
+    assert 0 < settled - before < max_tokens / 2, (settled - before, max_tokens)

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from vllm.entrypoints.serve.utils.api_utils import load_aware_call, with_cancellation
 
 from protocol.errors import AssetTooLarge, InvalidRequest, MMRefError
 from vllm_plugin import metrics
@@ -85,6 +86,22 @@ def _resolver(request: Request):
 @router.post("/inference/v1/generate")
 async def generate(raw_request: Request) -> Response:
     """vLLM's token-in/token-out generate, with refs resolved first (see ``serving.py``)."""
+    try:
+        resolver = _resolver(raw_request)
+        body = await _read_body(raw_request, resolver.config.max_body_bytes)
+    except MMRefError as e:
+        return error_response(e)
+    return await _generate(body, raw_request)
+
+
+@with_cancellation  # as vLLM's own route: a client that hangs up aborts its generation
+@load_aware_call
+async def _generate(body: dict[str, Any], raw_request: Request) -> Response:
+    """Resolve, validate with vLLM's ``GenerateRequest``, run vLLM's ``serve_tokens``.
+
+    The body is read before this runs: ``with_cancellation`` listens to the request's remaining
+    messages for a disconnect (vllm/entrypoints/serve/utils/api_utils.py).
+    """
     from pydantic import ValidationError
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
         GenerateRequest,
@@ -92,9 +109,8 @@ async def generate(raw_request: Request) -> Response:
     )
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 
+    resolver = raw_request.app.state.mmref_resolver
     try:
-        resolver = _resolver(raw_request)
-        body = await _read_body(raw_request, resolver.config.max_body_bytes)
         body = await resolver.fill_features(body)
         try:
             request = GenerateRequest.model_validate(body)
