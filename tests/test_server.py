@@ -365,3 +365,17 @@ def test_a_client_that_hangs_up_aborts_its_generation(server, tokenizer, photo_r
         previous = now
     assert settled is not None, "generation never stopped"
     assert 0 < settled - before < max_tokens / 2, (settled - before, max_tokens)
+
+
+def test_streaming_with_refs_gives_the_same_tokens(server, tokenizer, photo_refs):
+    refs = [photo_refs["rocket"]]
+    ids = prompt_ids(tokenizer, refs)
+    with server.client() as c:
+        full = tokens_and_logprobs(generate(c, ids, refs))[0]
+        body = {"token_ids": ids, "mm_refs": as_json(refs), "sampling_params": GREEDY, "stream": True}
+        r = c.post("/inference/v1/generate", json=body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    streamed = [t for e in events[:-1] for ch in msgspec.json.decode(e)["choices"] for t in ch["token_ids"]]
+    assert streamed == full
