@@ -54,11 +54,12 @@ class ByteBudgetLRU(Generic[V]):
         return len(self._entries)
 
     def get(self, key: str) -> V | None:
-        """The cached value (marked most recently used), or None."""
+        """The cached value (marked most recently used and counted as a hit), or None."""
         entry = self._entries.get(key)
         if entry is None:
             return None
         self._entries.move_to_end(key)
+        self.stats.hits += 1
         return entry[0]
 
     async def get_or_compute(self, key: str, compute: Callable[[], Awaitable[V]]) -> V:
@@ -69,7 +70,6 @@ class ByteBudgetLRU(Generic[V]):
         """
         value = self.get(key)
         if value is not None:
-            self.stats.hits += 1
             return value
         task = self._inflight.get(key)
         if task is not None:

@@ -135,9 +135,8 @@ class MMRefResolver:
             MMRefError subclasses: see :meth:`protocol.adapters.ImageAdapter.resolve_raw`.
         """
         key = hashlib.sha256(ref.encode("utf-8", "surrogatepass")).hexdigest()
-        cached = self.cache.get(key)
+        cached = self.cache.get(key)  # fast path: no parse, no task (counted as a hit by the cache)
         if cached is not None:
-            self.cache.stats.hits += 1
             return cached
         parsed = parse_ref(ref)
         if isinstance(parsed, RawRefBody):
