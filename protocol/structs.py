@@ -165,6 +165,12 @@ class MicroBatch(msgspec.Struct, kw_only=True, array_like=True, gc=False, omit_d
     """Per packed sample: how many of ``mm_refs`` (and synthetic pad images) it owns, in order."""
     is_padding: list[bool] | None = None
     """Per packed sample: a zero-loss pad kept out of metrics."""
+    synthetic_grids: list[list[_PosInt]] | None = None
+    """Grids of the zero-feature pad images (no ref: ``adapter.synthesize_placeholder(grid)``),
+    in pack order; they follow every ref'd image. Counted in ``images_per_sample``."""
+    run_id: str = ""
+    lora_id: str | None = None
+    """The ``(run_id, lora_id)`` every packed sample shares (packing isolation)."""
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)
@@ -181,6 +187,15 @@ class MicroBatch(msgspec.Struct, kw_only=True, array_like=True, gc=False, omit_d
             raise ValueError(f"seq_lens sum to {sum(self.seq_lens)}, input_ids has {n}")
         if len(self.seq_lens) != self.sample_count:
             raise ValueError(f"{len(self.seq_lens)} seq_lens for sample_count {self.sample_count}")
+        n_synthetic = len(self.synthetic_grids or ())
+        if self.images_per_sample is not None:
+            if sum(self.images_per_sample) != len(self.mm_refs) + n_synthetic:
+                raise ValueError(
+                    f"images_per_sample sums to {sum(self.images_per_sample)}, but there are "
+                    f"{len(self.mm_refs)} mm_refs and {n_synthetic} synthetic_grids"
+                )
+        elif n_synthetic:
+            raise ValueError("synthetic_grids need images_per_sample (which sample owns each image)")
 
 
 _encoder = msgspec.msgpack.Encoder()

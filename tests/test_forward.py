@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from helpers import ensure_tiny_model, photo_bytes
 from protocol.adapters import load_adapter, offload_image
 from protocol.refs import format_mmraw, parse_ref
-from protocol.structs import MMRefs, TrainingSample
+from protocol.structs import MMRefs, TrainingSample, decode_microbatch, encode
 from trainer_lib import materialize
 from trainer_lib.forward import (
     VARLEN_ATTENTION,
@@ -34,7 +34,7 @@ from trainer_lib.forward import (
     prepare_model_for_packing,
     select_backend,
 )
-from trainer_lib.packing import pack_samples
+from trainer_lib.packing import pack_samples, rebuild_micro_batch
 from trainer_lib.padding import balance_micro_batches
 from trainer_lib.positions import build_position_ids, cu_seqlens, rope_index_fn, text_position_ids
 
@@ -372,6 +372,17 @@ def test_missing_image_zeroes_only_its_sample_and_synthetic_pads_run(families, t
     assert inputs.pixel_values.shape[0] == 16 and not inputs.pixel_values.any()  # grid (1, 4, 4) of zeros
     assert (out.logprobs[: len(ref)] - ref).abs().max().item() <= TOL  # the real sample is untouched
     assert int(out.loss_mask.sum()) == padded.num_loss_tokens == 3
+
+    # both micro-batches cross the wire (msgpack) and run the same on the receiving rank
+    for packed in (mb, padded):
+        back = rebuild_micro_batch(
+            decode_microbatch(encode(packed.micro_batch)),
+            placeholder_token_id=fam.tok,
+            num_placeholders=fam.adapter.num_placeholders,
+        )
+        with torch.no_grad():
+            here, there = run_packed(fam, packed)[1], run_packed(fam, back)[1]
+        assert torch.equal(here.logprobs, there.logprobs) and torch.equal(here.loss_mask, there.loss_mask)
 
 
 def test_packed_inputs_tripwire(families):

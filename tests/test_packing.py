@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from test_errors import _isort_style_key, _public_top_level_names
 
 from protocol.errors import PlaceholderMismatch
 from protocol.refs import RawRefBody, format_mmraw
-from protocol.structs import MMRefs, RawMMRef, TrainingSample
+from protocol.structs import MMRefs, RawMMRef, TrainingSample, decode_microbatch, encode
 from trainer_lib.packing import (
     NEUTRAL,
     PIXELS,
@@ -23,6 +25,7 @@ from trainer_lib.packing import (
     locate_image_runs,
     pack_samples,
     plan_bins,
+    rebuild_micro_batch,
     resolve_cap,
 )
 from trainer_lib.padding import (
@@ -306,9 +309,65 @@ def test_plan_step_pads_and_balances(samples, dp, mbs, critic, cap):
                 # pads come after the real samples; synthetic images after real ones
                 flags = [s.is_padding for s in mb.slots]
                 assert flags == sorted(flags)
+                assert_rebuilds(mb)
     assert sorted(seen) == list(range(len(samples)))
     assert plan.num_samples == len(samples)
     assert plan.num_loss_tokens == sum(sum(s.loss_mask) for s in samples)  # pads add no loss tokens
+
+
+def assert_rebuilds(mb, num_placeholders=count):
+    """msgpack round trip + rebuild_micro_batch gives back the same packed micro-batch."""
+    back = rebuild_micro_batch(
+        decode_microbatch(encode(mb.micro_batch)), placeholder_token_id=TOK, num_placeholders=num_placeholders
+    )
+    assert back.micro_batch == mb.micro_batch and back.images == mb.images
+    assert (back.run_id, back.lora_id, back.num_tokens, back.num_loss_tokens) == (
+        mb.run_id, mb.lora_id, mb.num_tokens, mb.num_loss_tokens
+    )  # fmt: skip
+    same = (
+        "start",
+        "length",
+        "num_images",
+        "first_image",
+        "num_loss_tokens",
+        "is_padding",
+        "stray_placeholders",
+    )
+    for a, b in zip(back.slots, mb.slots, strict=True):
+        assert {k: getattr(a, k) for k in same} == {k: getattr(b, k) for k in same}
+        assert a.sample.input_ids == b.sample.input_ids and a.sample.loss_mask == b.sample.loss_mask
+        assert list(a.sample.mm_refs.items if a.sample.mm_refs else []) == list(
+            b.sample.mm_refs.items if b.sample.mm_refs else []
+        )
+    assert [s.index for s in back.slots] == list(range(mb.sample_count))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(samples=samples_strategy(), cap=st.sampled_from([64, 400]))
+def test_micro_batches_survive_the_wire(samples, cap):
+    for mb in pack_samples(samples, placeholder_token_id=TOK, seq_len=cap).micro_batches:
+        assert_rebuilds(mb)
+
+
+def test_rebuild_refuses_a_tampered_micro_batch():
+    refs = [make_ref(2, 2), make_ref(1, 3, 1)]
+    samples = [make_sample([1] * 5, refs), make_sample([2] * 7), make_sample([3] * 4, refs[:1])]
+    (packed,) = pack_samples(samples, placeholder_token_id=TOK, seq_len=256).micro_batches
+    mb = packed.micro_batch
+    rebuild = functools.partial(rebuild_micro_batch, placeholder_token_id=TOK)
+    assert rebuild(mb).images == packed.images
+    types = list(mb.mm_token_type_ids)
+    first_image = types.index(1)
+    types[first_image], types[first_image - 1] = 0, 1  # the run shifted by one token
+    with pytest.raises(PlaceholderMismatch):
+        rebuild(msgspec.structs.replace(mb, mm_token_type_ids=types))
+    with pytest.raises(PlaceholderMismatch):  # refs dealt to the wrong samples
+        rebuild(msgspec.structs.replace(mb, images_per_sample=list(reversed(mb.images_per_sample))))
+    with pytest.raises(ValueError, match="grid"):  # a ref's grid/count no longer matches
+        bad_ref = msgspec.structs.replace(mb.mm_refs[0], grid=[1, 4, 6])
+        rebuild(msgspec.structs.replace(mb, mm_refs=[bad_ref, *mb.mm_refs[1:]]), num_placeholders=count)
+    with pytest.raises(ValueError, match="needs mm_token_type_ids"):
+        rebuild(msgspec.structs.replace(mb, mm_token_type_ids=None))
 
 
 # --- unit tests ---------------------------------------------------------------------------------------
@@ -487,6 +546,8 @@ def test_balance_gives_every_rank_a_vision_run_with_a_synthetic_pad(qwen2_vl_ada
     assert pad_slot.is_padding and pad_slot.index is None and pad_slot.num_loss_tokens == 0
     assert mm.images[-1].ref is None and mm.images[-1].grid == grid and mm.images[-1].length == 4
     assert mm.micro_batch.mm_refs == []  # synthetic images have no ref on the wire
+    assert mm.micro_batch.synthetic_grids == [list(grid)]
+    assert_rebuilds(mm, qwen2_vl_adapter.num_placeholders)
     assert not any(s.stray_placeholders for s in mm.slots)  # the stray sample's bin stayed text-only
     # rank 0's extra micro-batch is a text pad
     tail = out[0].micro_batches[1]

@@ -492,10 +492,20 @@ def test_microbatch_carries_image_facts_on_the_wire():
         mm_token_type_ids=[0, 1, 1, 0, 0],
         images_per_sample=[1, 0],
         is_padding=[False, True],
+        synthetic_grids=[[1, 2, 4]],
+        run_id="run_7",
+        lora_id="a",
     )
     back = decode_microbatch(encode(mb))
-    assert back.mm_token_type_ids == [0, 1, 1, 0, 0]
+    assert back == mb
+    assert back.mm_token_type_ids == [0, 1, 1, 0, 0] and back.synthetic_grids == [[1, 2, 4]]
     assert back.images_per_sample == [1, 0] and back.is_padding == [False, True]
+    assert (back.run_id, back.lora_id) == ("run_7", "a")
+    for bad in ({"synthetic_grids": []}, {"synthetic_grids": [[1, 2, 4]] * 2}, {"mm_refs": [raw_ref()]}):
+        with pytest.raises(ValueError, match="images_per_sample sums to 1"):
+            msgspec.structs.replace(mb, **bad)
+    with pytest.raises(ValueError, match="synthetic_grids need images_per_sample"):
+        msgspec.structs.replace(mb, images_per_sample=None)
     for bad in (
         {"mm_token_type_ids": [0, 1]},
         {"images_per_sample": [1]},

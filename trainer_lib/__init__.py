@@ -1,7 +1,8 @@
 """Trainer-side library: rematerialize features from refs, pack micro-batches, run the packed forward.
 
 - :func:`materialize` — features from refs (:mod:`trainer_lib.materialize`).
-- :func:`pack_samples`, :func:`check_placeholder_alignment` — micro-batches (:mod:`trainer_lib.packing`).
+- :func:`pack_samples`, :func:`check_placeholder_alignment`, :func:`rebuild_micro_batch` — micro-batches
+  (:mod:`trainer_lib.packing`).
 - :func:`plan_step`, :func:`pad_samples`, :func:`balance_micro_batches` — padding and dp balance
   (:mod:`trainer_lib.padding`).
 - :func:`build_position_ids`, :func:`cu_seqlens` — MRoPE / 1D positions (:mod:`trainer_lib.positions`).
@@ -38,6 +39,7 @@ from trainer_lib.packing import (
     check_placeholder_alignment,
     locate_image_runs,
     pack_samples,
+    rebuild_micro_batch,
 )
 from trainer_lib.padding import (
     StepPlan,
@@ -87,6 +89,7 @@ __all__ = [
     "padded_sample_count",
     "plan_step",
     "prepare_model_for_packing",
+    "rebuild_micro_batch",
     "recompute_logprobs",
     "register_varlen_attention",
     "select_backend",

@@ -15,9 +15,10 @@ longer than the cap gets a bin of its own. Three rules keep a bin runnable:
   :class:`protocol.errors.PlaceholderMismatch` naming the sample, the token id and both counts.
 
 The output wraps the wire struct :class:`protocol.structs.MicroBatch` in a trainer-side
-:class:`PackedMicroBatch`, which adds what ``MicroBatch`` has no field for: per-token
-``mm_token_type_ids``, per-sample slots (offsets, image counts, padding flags) and the image
-spans (placeholder offsets rebased onto the pack). Pure Python + numpy; no torch.
+:class:`PackedMicroBatch`, which adds derived views: per-sample slots (offsets, image counts,
+padding flags, the samples themselves) and the image spans (placeholder offsets rebased onto the
+pack). Everything those views derive from is on the wire, so a micro-batch shipped to another
+rank comes back whole with :func:`rebuild_micro_batch`. Pure Python + numpy; no torch.
 
 Example::
 
@@ -37,7 +38,7 @@ import msgspec
 import numpy as np
 
 from protocol.errors import PlaceholderMismatch
-from protocol.structs import MicroBatch, RawMMRef, TrainingSample
+from protocol.structs import MicroBatch, MMRefs, RawMMRef, TrainingSample
 
 __all__ = [
     "NEUTRAL",
@@ -53,6 +54,7 @@ __all__ = [
     "locate_image_runs",
     "pack_samples",
     "plan_bins",
+    "rebuild_micro_batch",
     "replace_loss_mask",
     "resolve_cap",
 ]
@@ -111,7 +113,7 @@ class PackedMicroBatch:
     """
 
     micro_batch: MicroBatch
-    """Carries ``mm_token_type_ids``, ``images_per_sample`` and ``is_padding`` on the wire too."""
+    """The wire struct; everything below can be rebuilt from it (:func:`rebuild_micro_batch`)."""
     slots: tuple[SampleSlot, ...]
     images: tuple[ImageSpan, ...]
     """Every image in pack order (sample order, then prompt order): the order the features are
@@ -611,7 +613,7 @@ def build_micro_batch(
         raise ValueError(
             f"samples of different (run_id, lora_id) in one micro-batch: {sorted(keys, key=str)}"
         )
-    kinds = {a.kind for a in analyses}
+    (run_id, lora_id), kinds = next(iter(keys)), {a.kind for a in analyses}
     if PIXELS in kinds and STRAY in kinds:
         raise ValueError(
             f"a text sample containing the placeholder token {placeholder_token_id} cannot share a "
@@ -672,8 +674,10 @@ def build_micro_batch(
         mm_token_type_ids=type_ids,
         images_per_sample=[s.num_images for s in slots],
         is_padding=[s.is_padding for s in slots],
+        synthetic_grids=[list(im.grid) for im in images if im.ref is None] or None,
+        run_id=run_id,
+        lora_id=lora_id,
     )
-    run_id, lora_id = next(iter(keys))
     return PackedMicroBatch(
         micro_batch=mb,
         slots=tuple(slots),
@@ -739,6 +743,79 @@ def pack_samples(
             )
         )
     return PackedStep(micro_batches=micro_batches, micro_batch_max_tokens=cap)
+
+
+def rebuild_micro_batch(
+    micro_batch: MicroBatch,
+    *,
+    placeholder_token_id: int,
+    num_placeholders: Callable[[Sequence[int]], int] | None = None,
+) -> PackedMicroBatch:
+    """The :class:`PackedMicroBatch` of a micro-batch that crossed the wire.
+
+    A packer (one process, or rank 0) ships ``encode(packed.micro_batch)``; the rank that runs
+    it calls ``rebuild_micro_batch(decode_microbatch(data), ...)`` and gets the slots, image spans
+    and accounting back. The samples are re-cut from the per-token arrays by ``seq_lens`` and
+    re-packed with :func:`build_micro_batch`, so every packing check runs again, and the result
+    must encode to the very micro-batch received. ``SampleSlot.index`` becomes the sample's
+    position in this micro-batch (the step-wide index is not on the wire).
+
+    Args:
+        micro_batch: as built by :func:`build_micro_batch` (``mm_token_type_ids``,
+            ``images_per_sample`` and ``is_padding`` set; ``synthetic_grids`` for pad images).
+        placeholder_token_id: the image placeholder id.
+        num_placeholders: ``adapter.num_placeholders``; required when ``synthetic_grids`` is set.
+
+    Raises:
+        ValueError: a field :func:`build_micro_batch` always sets is missing, a sample mixes ref'd
+            and synthetic images, or the rebuilt micro-batch differs from ``micro_batch`` (the
+            message names the first differing field).
+        PlaceholderMismatch: a sample's image tokens do not match its refs (see
+            :func:`locate_image_runs`).
+    """
+    mb = micro_batch
+    types = mb.mm_token_type_ids
+    if types is None or mb.images_per_sample is None or mb.is_padding is None:
+        raise ValueError(
+            "rebuilding needs mm_token_type_ids, images_per_sample and is_padding "
+            "(build_micro_batch sets them)"
+        )
+    refs, grids = iter(mb.mm_refs), iter(mb.synthetic_grids or ())
+    n_refs = len(mb.mm_refs)
+    entries, start, image = [], 0, 0
+    rows = zip(mb.seq_lens, mb.images_per_sample, mb.is_padding, strict=True)
+    for i, (length, n_images, pad) in enumerate(rows):
+        end = start + length
+        sample_types = types[start:end]
+        own_refs = [next(refs) for _ in range(min(n_images, max(n_refs - image, 0)))]
+        synthetic = [tuple(next(grids)) for _ in range(n_images - len(own_refs))]
+        image += n_images
+        if synthetic and (own_refs or len(synthetic) != 1):
+            raise ValueError(
+                f"sample {i}: a pad carries exactly one synthetic image and no refs, got "
+                f"{len(own_refs)} ref(s) and {len(synthetic)} synthetic image(s)"
+            )
+        sample = TrainingSample(
+            input_ids=mb.input_ids[start:end],
+            loss_mask=mb.loss_mask[start:end],
+            advantages=mb.advantages[start:end],
+            inference_logprobs=mb.inference_logprobs[start:end],
+            mm_refs=None if synthetic else MMRefs(items=own_refs, mm_token_type_ids=sample_types),
+            run_id=mb.run_id,
+            lora_id=mb.lora_id,
+            is_padding=pad,
+        )
+        entries.append(PackEntry(sample, i, synthetic[0] if synthetic else None))
+        start = end
+    if not entries:
+        raise ValueError("a micro-batch needs at least one sample")
+    packed = build_micro_batch(
+        entries, placeholder_token_id=placeholder_token_id, num_placeholders=num_placeholders
+    )
+    for name in MicroBatch.__struct_fields__:
+        if name != "position_ids" and getattr(packed.micro_batch, name) != getattr(mb, name):
+            raise ValueError(f"the micro-batch does not rebuild to itself: {name} differs")
+    return dataclasses.replace(packed, micro_batch=mb)
 
 
 def _spread_bins(
