@@ -9,6 +9,7 @@ against code that is not ours. The reference for adjacent images is vLLM's
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 import types
@@ -262,31 +263,50 @@ def test_adjacent_images_forward_matches_one_sample_at_a_time(families):
     assert (packed.logprobs - torch.cat([a.logprobs for a in alone])).abs().max().item() <= TOL
 
 
-def test_varlen_backend_plumbing_on_cpu(families, monkeypatch):
+def _segments_sdpa(q, k, v, cu, scale=None, enable_gqa=False):
+    """Causal sdpa per ``cu`` segment: what FlashAttention varlen computes, on CPU."""
+    out = []
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        o = F.scaled_dot_product_attention(
+            *(x[a:b].transpose(0, 1)[None] for x in (q, k, v)),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out)
+
+
+def varlen_current(
+    q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1), enable_gqa=False,
+    seqused_k=None, block_table=None, num_splits=None,
+):  # fmt: skip
+    """torch 2.13's ``varlen_attn`` signature (torch/nn/attention/varlen.py)."""
+    assert window_size == (-1, 0) and num_splits == 1 and q.ndim == 3 and cu_q.dtype == torch.int32
+    assert torch.equal(cu_q, cu_k) and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+    return _segments_sdpa(q, k, v, cu_q, scale, enable_gqa)
+
+
+def varlen_older(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+    """The earlier ``varlen_attn`` signature: ``is_causal``, no scale, no GQA."""
+    assert is_causal and q.shape[1] == k.shape[1] and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
+    return _segments_sdpa(q, k, v, cu_q)
+
+
+@pytest.mark.parametrize("kernel", [varlen_current, varlen_older])
+def test_varlen_backend_plumbing_on_cpu(families, monkeypatch, kernel):
     """The CUDA backend's transformers wiring (AttentionInterface + AttentionMaskInterface, cu_seqlens
-    passed once, GQA, [1,H,L,D] <-> [L,H,D] layouts) on CPU, a CPU kernel in place of varlen_attn."""
+    passed once, GQA, [1,H,L,D] <-> [L,H,D] layouts) on CPU, a CPU kernel in place of varlen_attn,
+    for both ``varlen_attn`` signatures torch has shipped."""
     import trainer_lib.forward as fw
 
     calls = []
 
-    def reference_varlen(
-        q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
-    ):
-        assert (
-            window_size == (-1, 0) and q.ndim == 3 and cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
-        )
+    def reference_varlen(q, k, v, cu_q, *args, **kwargs):
         calls.append(cu_q.tolist())
-        out = []
-        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
-            o = F.scaled_dot_product_attention(
-                *(x[a:b].transpose(0, 1)[None] for x in (q, k, v)),
-                is_causal=True,
-                scale=scale,
-                enable_gqa=enable_gqa,
-            )
-            out.append(o[0].transpose(0, 1))
-        return torch.cat(out)
+        return kernel(q, k, v, cu_q, *args, **kwargs)
 
+    reference_varlen.__signature__ = inspect.signature(kernel)
     monkeypatch.setattr(fw, "_varlen_kernel", lambda: reference_varlen)
     fam = families["qwen3_vl"]  # 4 heads / 2 kv heads: GQA
     samples = fam.samples()
@@ -302,8 +322,25 @@ def test_varlen_backend_plumbing_on_cpu(families, monkeypatch):
     n_layers = fam.model.config.text_config.num_hidden_layers
     assert calls == [cu_seqlens(mb.seq_lens).tolist()] * n_layers
     worst = (out.logprobs - ref).abs().max().item()
-    print(f"\n{VARLEN_ATTENTION} wiring (CPU kernel), qwen3_vl: max |dlogprob| = {worst:.2e}")
+    print(f"\n{VARLEN_ATTENTION} wiring ({kernel.__name__} on CPU), qwen3_vl: max |dlogprob| = {worst:.2e}")
     assert worst <= TOL
+
+
+def test_varlen_refuses_a_scale_the_kernel_cannot_take(monkeypatch):
+    import trainer_lib.forward as fw
+
+    monkeypatch.setattr(fw, "_varlen_kernel", lambda: varlen_older)
+    q = torch.zeros(1, 2, 5, 32)
+    module = types.SimpleNamespace(is_causal=True)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    out, _ = fw._varlen_attention_forward(
+        module, q, q, q, None, scaling=32**-0.5, mmref_cu_seqlens=cu, mmref_max_seqlen=3
+    )
+    assert out.shape == (1, 5, 2, 32)
+    with pytest.raises(PackingUnsupported, match="takes no scale"):
+        fw._varlen_attention_forward(
+            module, q, q, q, None, scaling=0.5, mmref_cu_seqlens=cu, mmref_max_seqlen=3
+        )
 
 
 def test_linear_attention_models_refuse_to_pack():

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -97,7 +98,11 @@ def _varlen_attention_forward(
 
     Causal (text) calls run ``varlen_attn`` over ``kwargs["mmref_cu_seqlens"]`` (else derived
     from the zeros of ``kwargs["position_ids"]``); non-causal calls (one vision chunk each) go to
-    transformers' ``sdpa_attention_forward``.
+    transformers' ``sdpa_attention_forward``. The kernel's keywords are read from its signature,
+    which changed across torch releases: ``is_causal`` (older) or ``window_size=(-1, 0)``; ``scale``
+    and ``enable_gqa`` where present (else a non-default scale is refused and KV heads are
+    repeated); ``num_splits=1`` where present (torch/nn/attention/varlen.py: disables split-KV, so
+    a sample's logprobs are bit-identical packed or alone).
     """
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not causal:
@@ -128,6 +133,12 @@ def _varlen_attention_forward(
     kw: dict[str, Any] = {}
     if "scale" in params:
         kw["scale"] = scaling
+    elif scaling is not None and not math.isclose(scaling, q.shape[-1] ** -0.5, rel_tol=1e-6):
+        raise PackingUnsupported(
+            f"varlen kernel {kernel} takes no scale and the model scales by {scaling}, not 1/sqrt(head_dim)"
+        )
+    if "num_splits" in params:
+        kw["num_splits"] = 1  # no split-KV: a sample's output does not depend on what it is packed with
     if "window_size" in params:
         kw["window_size"] = (-1, 0)  # causal
     elif "is_causal" in params:
