@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue 8's GPU half, in one command on the lent GPU machine (docs/PACKING.md, "GPU measurements"):
+# packed varlen vs one sample at a time (bf16, must be bit-identical) and bench/packed_forward.py
+# (Qwen2-VL-2B shapes, fwd+bwd tokens/s, peak memory at caps 16k/8k). Logs go to $OUT (or /tmp).
+# Prepare here first: `bash scripts/gpu_wheels.sh` and `make_tiny_models.py --family all`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+LOGS=${OUT:-/tmp/mmref-gpu}
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+} 2>&1 | tee "$LOGS/machine.txt"
+"$PY" -m pytest -m gpu -p no:cacheprovider -q -s -rA tests/test_forward.py 2>&1 | tee "$LOGS/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+"$PY" bench/packed_forward.py "$@" 2>&1 | tee "$LOGS/packed_forward.md"
+bench_rc=${PIPESTATUS[0]}
+echo "gpu tests rc=$tests_rc, bench rc=$bench_rc"
+exit $((tests_rc || bench_rc))

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Download, into ./.whl (ignored), the wheels the GPU checks need and the lent GPU machine lacks
+# (it has torch, transformers, torchvision, pillow, numpy, httpx, pytest, hypothesis, scikit-image;
+# Python 3.12; no internet). Versions are the ones installed in ./.venv, so both sides agree.
+# Then one device `run` with carry [".whl", ".cache/tiny_models"]: `bash scripts/gpu_check.sh`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PKGS=(msgspec pydantic pydantic_core pydantic-settings annotated-types typing-inspection python-dotenv typing_extensions)
+mkdir -p .whl
+for p in "${PKGS[@]}"; do
+  v=$(.venv/bin/python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p")
+  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$p==$v"
+done
+ls -la .whl
