@@ -1,4 +1,4 @@
-"""Fuzzing of ref-string parsing and envelope decoding (hypothesis).
+"""Fuzzing of ref-string parsing, envelope decoding and micro-batch rebuilding (hypothesis).
 
 Every input either parses or raises the module's typed error: never another exception. CI runs
 ``MMREF_FUZZ_EXAMPLES`` (default 1500) examples per target; ``scripts/fuzz.py`` runs the same
@@ -13,11 +13,14 @@ import os
 import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_packing import TOK, FakeAdapter, count, make_ref, make_sample
 
 from protocol.errors import InvalidRef, MMRefError
 from protocol.features import feature_path, read_feature_item, run_asset_root, write_feature_item
 from protocol.refs import FileRef, RawRefBody, file_uri_to_path, format_mmraw, parse_ref
-from protocol.structs import decode_microbatch, decode_sample
+from protocol.structs import MicroBatch, decode_microbatch, decode_sample
+from trainer_lib.packing import PackEntry, build_micro_batch, rebuild_micro_batch
+from trainer_lib.padding import image_pad_entry
 
 EXAMPLES = int(os.environ.get("MMREF_FUZZ_EXAMPLES", "1500"))
 FUZZ = settings(
@@ -102,6 +105,70 @@ def test_training_sample_and_microbatch_decoding(data):
             decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             pass
+
+
+MB_FIELDS = list(MicroBatch.__struct_fields__)
+
+
+@st.composite
+def tampered_micro_batches(draw):
+    """A real packed micro-batch (images, text, stray placeholders, a synthetic pad), then 1-3 of
+    its wire fields replaced by drawn values: shuffled/edited lists, moved boundaries, other grids."""
+    refs = [make_ref(2, 2), make_ref(1, 3, 1), make_ref(3, 2, 2)]
+    samples = [
+        make_sample([1] * 4, refs[:2], adjacent=draw(st.booleans()), typed=draw(st.booleans())),
+        make_sample([2] * 6),
+        make_sample([3] * 3, refs[2:]),
+    ]
+    entries = [PackEntry(s, i) for i, s in enumerate(samples)]
+    if draw(st.booleans()):
+        entries.append(
+            image_pad_entry(FakeAdapter(), grid=(1, 4, 4), pad_token_id=256, placeholder_token_id=TOK)
+        )
+    wire = msgspec.to_builtins(
+        build_micro_batch(entries, placeholder_token_id=TOK, num_placeholders=count).micro_batch
+    )
+    wire += [None] * (len(MB_FIELDS) - len(wire))  # omitted trailing defaults
+    for name in draw(st.lists(st.sampled_from(MB_FIELDS), min_size=1, max_size=3, unique=True)):
+        i, value = MB_FIELDS.index(name), wire[MB_FIELDS.index(name)]
+        small = (
+            st.integers(0, 3) if name in ("mm_token_type_ids", "images_per_sample") else st.integers(0, 300)
+        )
+        if isinstance(value, list) and value and not isinstance(value[0], list | dict):
+            edited = list(value)
+            k = draw(st.integers(0, len(edited) - 1))
+            edited[k] = draw(small | st.booleans() | st.just(TOK)) if draw(st.booleans()) else edited[-1 - k]
+            value = draw(
+                st.sampled_from([edited, draw(st.permutations(value)), value[:-1], value + value[-1:]])
+            )
+        elif name in ("synthetic_grids", "mm_refs"):
+            value = draw(st.sampled_from([None, [], [[1, 4, 4]], [[1, 4, 6]], [[1, 2]], [[1, 4, 4]] * 2]))
+            if name == "mm_refs":
+                value = [msgspec.to_builtins(r) for r in draw(st.permutations(refs))][
+                    : draw(st.integers(0, 3))
+                ]
+        else:
+            value = draw(st.none() | small | st.text(max_size=3))
+        wire[i] = value
+    while wire and wire[-1] is None:
+        wire.pop()
+    return msgspec.msgpack.encode(wire)
+
+
+@FUZZ
+@given(tampered_micro_batches())
+def test_rebuilding_a_tampered_micro_batch(data):
+    """A received micro-batch is refused at decode (msgspec) or at rebuild (ValueError, which
+    PlaceholderMismatch is), or it rebuilds to itself: never another exception."""
+    try:
+        mb = decode_microbatch(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return
+    try:
+        packed = rebuild_micro_batch(mb, placeholder_token_id=TOK, num_placeholders=count)
+    except ValueError:
+        return
+    assert packed.micro_batch == mb and sum(s.length for s in packed.slots) == len(mb.input_ids)
 
 
 def test_invalid_utf8_in_a_sample_is_a_decode_error():

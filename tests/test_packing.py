@@ -368,6 +368,9 @@ def test_rebuild_refuses_a_tampered_micro_batch():
         rebuild(msgspec.structs.replace(mb, mm_refs=[bad_ref, *mb.mm_refs[1:]]), num_placeholders=count)
     with pytest.raises(ValueError, match="needs mm_token_type_ids"):
         rebuild(msgspec.structs.replace(mb, mm_token_type_ids=None))
+    with pytest.raises(PlaceholderMismatch, match=r"grid \[1, 4\] gives no placeholder count"):
+        bad_ref = msgspec.structs.replace(mb.mm_refs[0], grid=[1, 4])  # not a (t, h, w) grid
+        rebuild(msgspec.structs.replace(mb, mm_refs=[bad_ref, *mb.mm_refs[1:]]), num_placeholders=count)
 
 
 # --- unit tests ---------------------------------------------------------------------------------------

@@ -462,6 +462,22 @@ def _as_array(x: Any) -> Any:
     return x if hasattr(x, "shape") else np.asarray(x)
 
 
+def _grid_count(
+    num_placeholders: Callable[[Sequence[int]], int],
+    grid: Sequence[int],
+    position: int | None,
+    ref: RawMMRef | None = None,
+) -> int:
+    """``num_placeholders(grid)``; a grid the adapter cannot read is a :class:`PlaceholderMismatch`."""
+    try:
+        return int(num_placeholders(grid))
+    except (TypeError, ValueError) as e:
+        raise PlaceholderMismatch(
+            f"sample {position}: grid {list(grid)} gives no placeholder count ({e})",
+            ref=None if ref is None else ref.ref,
+        ) from e
+
+
 def _analyze(
     entry: PackEntry,
     placeholder_token_id: int,
@@ -476,9 +492,9 @@ def _analyze(
         if refs:
             raise ValueError("a synthetic pad image cannot be combined with refs")
         grid = tuple(entry.synthetic_grid)
-        count = num_placeholders(grid) if num_placeholders is not None else None
-        if count is None:
+        if num_placeholders is None:
             raise ValueError("a synthetic pad image needs num_placeholders (the adapter's)")
+        count = _grid_count(num_placeholders, grid, position)
         ids = np.asarray(s.input_ids, dtype=np.int64)
         runs = locate_image_runs(ids, [], placeholder_token_id, counts=[count], sample=position)
         types = (ids == placeholder_token_id).astype(np.int8).tolist()
@@ -494,7 +510,7 @@ def _analyze(
     counts = [r.num_placeholders for r in refs]
     if num_placeholders is not None:
         for r in refs:
-            want = num_placeholders(r.grid)
+            want = _grid_count(num_placeholders, r.grid, position, r)
             if want != r.num_placeholders:
                 raise PlaceholderMismatch(
                     f"sample {position}: ref claims {r.num_placeholders} placeholders, its grid "
