@@ -252,8 +252,6 @@ class PackEntry:
 class _Analysis:
     length: int
     kind: int
-    type_ids: list[int] | None
-    """Per token (0 text, 1 image); None for text-only (all zeros)."""
     spans: list[tuple[int, int, tuple[int, ...], RawMMRef | None]]
     """(start in sample, length, grid, ref) per image, in prompt order."""
 
@@ -497,8 +495,7 @@ def _analyze(
         count = _grid_count(num_placeholders, grid, position)
         ids = np.asarray(s.input_ids, dtype=np.int64)
         runs = locate_image_runs(ids, [], placeholder_token_id, counts=[count], sample=position)
-        types = (ids == placeholder_token_id).astype(np.int8).tolist()
-        return _Analysis(n, PIXELS, types, [(runs[0][0], runs[0][1], grid, None)])
+        return _Analysis(n, PIXELS, [(runs[0][0], runs[0][1], grid, None)])
     if not refs:
         if type_ids is not None and any(type_ids):
             raise PlaceholderMismatch(
@@ -506,7 +503,7 @@ def _analyze(
                 f"sample has no images"
             )
         stray = placeholder_token_id in s.input_ids
-        return _Analysis(n, STRAY if stray else NEUTRAL, None, [])
+        return _Analysis(n, STRAY if stray else NEUTRAL, [])
     counts = [r.num_placeholders for r in refs]
     if num_placeholders is not None:
         for r in refs:
@@ -525,11 +522,8 @@ def _analyze(
         counts=counts,
         sample=position,
     )
-    types = [0] * n
-    for start, length in runs:
-        types[start : start + length] = [1] * length
     spans = [(start, length, tuple(r.grid), r) for (start, length), r in zip(runs, refs, strict=True)]
-    return _Analysis(n, PIXELS, types, spans)
+    return _Analysis(n, PIXELS, spans)
 
 
 def plan_bins(
@@ -639,7 +633,6 @@ def build_micro_batch(
     loss_mask: list[bool] = []
     advantages: list[float] = []
     logprobs: list[float] = []
-    type_ids: list[int] = []
     seq_lens: list[int] = []
     refs: list[RawMMRef] = []
     slots: list[SampleSlot] = []
@@ -652,10 +645,6 @@ def build_micro_batch(
         loss_mask.extend(s.loss_mask)
         advantages.extend(s.advantages)
         logprobs.extend(s.inference_logprobs)
-        if a.type_ids is None:
-            type_ids.extend([0] * a.length)
-        else:
-            type_ids.extend(a.type_ids)
         seq_lens.append(a.length)
         sample_loss = s.loss_mask.count(True)
         n_loss += sample_loss
@@ -679,6 +668,9 @@ def build_micro_batch(
                 sample=s,
             )
         )
+    type_ids = [0] * len(input_ids)  # 0 text, 1 image placeholder
+    for im in images:
+        type_ids[im.start : im.start + im.length] = [1] * im.length
     mb = MicroBatch(
         input_ids=input_ids,
         loss_mask=loss_mask,
