@@ -311,6 +311,10 @@ def test_plan_step_pads_and_balances(samples, dp, mbs, critic, cap):
                 assert flags == sorted(flags)
                 assert_rebuilds(mb)
     assert sorted(seen) == list(range(len(samples)))
+    real = [sum(r.num_samples for r in ranks) for ranks in plan.mini_batches]
+    assert max(real) - min(real) <= 1  # real samples spread evenly: no optimizer step of pads only
+    assert min(real) >= 1 or len(samples) < len(plan.mini_batches)
+    assert sum(plan.num_loss_tokens_per_mini_batch) == plan.num_loss_tokens
     assert plan.num_samples == len(samples)
     assert plan.num_loss_tokens == sum(sum(s.loss_mask) for s in samples)  # pads add no loss tokens
 
@@ -489,6 +493,38 @@ def test_padded_sample_count_and_pads():
         assert (pad.run_id, pad.lora_id) == ("r", "l") and pad.advantages == [0.0, 0.0]
     with pytest.raises(ValueError):
         padded_sample_count(3, dp_size=0, mini_batch_size=1)
+
+
+def test_padding_never_makes_an_optimizer_step_of_pads_alone():
+    """lcm(8, 256, 96) = 768: 1024 samples pad to 1536 = 6 mini-batches; each gets 170-171 real
+    samples (not 4 full ones and 2 of pads), in input order, pads keyed like their neighbours."""
+    samples = [make_sample([i % 200] * 3, lora_id="ab"[i // 512]) for i in range(1024)]
+    plan = plan_step(
+        samples,
+        dp_size=8,
+        mini_batch_size=256,
+        critic_mini_batch_size=96,
+        seq_len=64,
+        placeholder_token_id=TOK,
+        pad_token_id=PAD,
+    )
+    assert plan.num_padding_samples == 512 and len(plan.mini_batches) == 6
+    real = [
+        sorted(i for r in ranks for mb in r.micro_batches for i in mb.sample_indices)
+        for ranks in plan.mini_batches
+    ]
+    assert [len(r) for r in real] == [171, 171, 171, 171, 170, 170]
+    assert [i for r in real for i in r] == list(range(1024))
+    assert all(n > 0 for n in plan.num_loss_tokens_per_mini_batch)
+    for ranks, idx in zip(plan.mini_batches, real, strict=True):  # pads keyed like the last sample
+        pad_loras = {
+            mb.lora_id for r in ranks for mb in r.micro_batches for sl in mb.slots if (sl.index or 0) >= 1024
+        }
+        assert pad_loras == {samples[idx[-1]].lora_id}
+    one = plan_step(
+        samples[:1], dp_size=3, mini_batch_size=4, seq_len=64, placeholder_token_id=TOK, pad_token_id=PAD
+    )
+    assert one.num_loss_tokens_per_mini_batch == [3, 0, 0]  # fewer real samples than steps: skip the zeros
 
 
 def test_split_micro_batches_deals_pixels_first_and_balances_tokens():

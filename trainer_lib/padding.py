@@ -16,9 +16,10 @@ group, so group-relative advantages computed elsewhere never see them):
    placeholder sample, or as a micro-batch of its own; then ranks with fewer micro-batches get
    text-pad micro-batches.
 
-:func:`plan_step` runs the whole chain: pad, split into mini-batches, pack each mini-batch
-(first-fit-decreasing, bins spread to a multiple of ``dp_size``), deal the micro-batches to the
-ranks (:func:`split_micro_batches`), balance.
+:func:`plan_step` runs the whole chain: pad, split into mini-batches (real samples spread
+evenly, so no optimizer step is pads alone), pack each mini-batch (first-fit-decreasing, bins
+spread to a multiple of ``dp_size``), deal the micro-batches to the ranks
+(:func:`split_micro_batches`), balance.
 """
 
 from __future__ import annotations
@@ -309,6 +310,25 @@ class StepPlan:
         """Real samples (padding excluded)."""
         return sum(s.num_samples for mb in self.mini_batches for s in mb)
 
+    @property
+    def num_loss_tokens_per_mini_batch(self) -> list[int]:
+        """Loss tokens of each optimizer step, all ranks together (a per-step loss normalizer)."""
+        return [sum(s.num_loss_tokens for s in ranks) for ranks in self.mini_batches]
+
+
+def _mini_batch_indices(num_real: int, num_padded: int, mini_batch_size: int) -> list[list[int]]:
+    """Indices of each mini-batch: the real samples in order, spread as evenly as possible
+    (``floor`` or ``ceil`` of ``num_real / k`` each), each topped up with pads (indices
+    ``>= num_real``). Only with fewer real samples than mini-batches is one all padding."""
+    k = num_padded // mini_batch_size
+    q, r = divmod(num_real, k) if k else (0, 0)
+    out, real, pad = [], 0, num_real
+    for j in range(k):
+        n = q + (j < r)
+        out.append([*range(real, real + n), *range(pad, pad + mini_batch_size - n)])
+        real, pad = real + n, pad + mini_batch_size - n
+    return out
+
 
 def plan_step(
     samples: Sequence[TrainingSample],
@@ -326,27 +346,35 @@ def plan_step(
 ) -> StepPlan:
     """Pad, split into mini-batches, pack each, deal its micro-batches to the ranks, balance.
 
-    Sample ``i`` of the input is ``slot.index == i`` wherever it lands; pads have indices
-    ``>= len(samples)`` (sample-count pads) or None (micro-batch pads).
+    The real samples keep their order and are spread evenly over the mini-batches; the
+    sample-count pads top each one up to ``mini_batch_size``, so no optimizer step is made of
+    pads alone unless there are fewer real samples than mini-batches (then
+    :attr:`StepPlan.num_loss_tokens_per_mini_batch` shows a 0: skip that ``optimizer.step()``;
+    every rank computes the same plan, so they agree). Sample ``i`` of the input is
+    ``slot.index == i`` wherever it lands; pads have indices ``>= len(samples)`` (sample-count
+    pads) or None (micro-batch pads). ``critic_mini_batch_size`` only enters the padded count
+    (a critic cuts its own mini-batches from the same padded samples).
 
     Raises:
         ValueError, PlaceholderMismatch: see :func:`pack_samples` and :func:`balance_micro_batches`.
     """
     cap = resolve_cap(seq_len, micro_batch_max_tokens)
-    padded = pad_samples(
-        samples,
-        dp_size=dp_size,
-        mini_batch_size=mini_batch_size,
-        critic_mini_batch_size=critic_mini_batch_size,
-        pad_token_id=pad_token_id,
-        pad_tokens=pad_tokens,
+    n = len(samples)
+    target = padded_sample_count(
+        n, dp_size=dp_size, mini_batch_size=mini_batch_size, critic_mini_batch_size=critic_mini_batch_size
     )
     counter = adapter.num_placeholders if adapter is not None else None
     mini_batches = []
-    for lo in range(0, len(padded), mini_batch_size):
-        chunk = range(lo, min(lo + mini_batch_size, len(padded)))
+    for chunk in _mini_batch_indices(n, target, mini_batch_size):
+        last = samples[max((i for i in chunk if i < n), default=n - 1)] if n else None
+        pad = make_pad_sample(  # keyed like the chunk's last sample: pads never open a bin for isolation
+            pad_token_id=pad_token_id,
+            num_tokens=pad_tokens,
+            run_id=last.run_id if last else "",
+            lora_id=last.lora_id if last else None,
+        )
         packed = pack_samples(
-            [PackEntry(padded[i], i) for i in chunk],
+            [PackEntry(samples[i] if i < n else pad, i) for i in chunk],
             placeholder_token_id=placeholder_token_id,
             seq_len=seq_len,
             micro_batch_max_tokens=cap,
@@ -363,4 +391,4 @@ def plan_step(
                 pad_tokens=pad_tokens,
             )
         )
-    return StepPlan(mini_batches=mini_batches, num_padding_samples=len(padded) - len(samples))
+    return StepPlan(mini_batches=mini_batches, num_padding_samples=target - n)
