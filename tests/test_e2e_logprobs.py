@@ -19,14 +19,14 @@ from trainer_lib.mismatch import logprob_mismatch, recompute_logprobs
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
 
-def rollout(client, tokenizer, refs, text, seed) -> TrainingSample:
+def rollout(client, tokenizer, refs, text, seed, temperature=1.0) -> TrainingSample:
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     chat = [{"role": "user", "content": [{"type": "image"}] * len(refs) + [{"type": "text", "text": text}]}]
     ids = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"])
     prompt = expand_image_placeholders(ids, refs, pad)
     body = {
         "token_ids": prompt,
-        "sampling_params": {"temperature": 1.0, "max_tokens": 12, "logprobs": 0, "seed": seed},
+        "sampling_params": {"temperature": temperature, "max_tokens": 12, "logprobs": 0, "seed": seed},
     }
     if refs:
         body["mm_refs"] = [msgspec.to_builtins(r) for r in refs]
@@ -83,3 +83,24 @@ def test_trainer_reproduces_server_logprobs_and_flags_a_swapped_image(
     bad = logprob_mismatch(lp, torch.tensor(samples[1].inference_logprobs), m)
     print(f"swapped image: {bad}")
     assert bad.mean_abs > 100 * max(stats.mean_abs, 1e-7)
+
+    # temperature 0.7: the server (--logprobs-mode processed_logprobs) returns the tempered
+    # distribution's logprobs; the trainer reproduces them only when given the same temperature
+    with server.client() as c:
+        hot = [
+            rollout(c, tokenizer, refs, text, 10 + k, temperature=0.7)
+            for k, (refs, text) in enumerate(plans[:3])
+        ]
+    inference = torch.cat([torch.tensor(s.inference_logprobs) for s in hot])
+    for temperature, check in (
+        (0.7, lambda s: s.mean_abs <= 1e-4 and s.k3_kl <= 1e-7),
+        (1.0, lambda s: s.mean_abs > 1e-2),
+    ):
+        results = recompute_logprobs(
+            hot, model, qwen2_vl_adapter, output_root, seq_len=2048, temperature=temperature
+        )
+        stats_t = logprob_mismatch(
+            torch.cat([lp for lp, _ in results]), inference, torch.cat([m for _, m in results])
+        )
+        print(f"T=0.7 rollouts, trainer temperature {temperature}: {stats_t}")
+        assert check(stats_t), stats_t

@@ -444,8 +444,11 @@ def packed_logprobs(
     (float32 log-softmax; no ``[L, vocab]`` tensor at once). Gradients flow when enabled.
 
     Args:
-        temperature: logits are divided by it (vLLM's sampled-token logprobs use the sampling
-            temperature).
+        temperature: logits are divided by it. To compare with a vLLM server's logprobs, match
+            its ``--logprobs-mode``: ``processed_logprobs`` (the sampling distribution, what an
+            importance ratio needs; valid with top_p=1 and top_k off) are after temperature, so
+            pass the sampling temperature; vLLM's default ``raw_logprobs`` are before it
+            (vllm/v1/sample/sampler.py), so pass 1.0.
         use_cache: must stay False; True exists only so tests can show the cross-sample leak.
 
     Raises:

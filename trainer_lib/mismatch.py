@@ -68,7 +68,9 @@ def recompute_logprobs(
     """Materialize, pack, run the packed forward; per sample ``(logprobs fp32 [len], loss_mask bool [len])``.
 
     ``logprobs[t]`` is the trainer's logprob of ``input_ids[t]`` given the sample's earlier tokens
-    (0 at t=0), aligned with ``TrainingSample.inference_logprobs``. The loss mask is the sample's,
+    (0 at t=0), aligned with ``TrainingSample.inference_logprobs``. ``temperature``: the sampling
+    temperature for a server run with ``--logprobs-mode processed_logprobs``, 1.0 for vLLM's
+    default ``raw_logprobs`` (see :func:`trainer_lib.packed_logprobs`). The loss mask is the sample's,
     zeroed if one of its images was replaced by a placeholder, without its first token.
     The model must already be prepared (:func:`trainer_lib.prepare_model_for_packing`).
 
