@@ -92,8 +92,9 @@ class MMRefs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     items: list[RawMMRef]
     mm_token_type_ids: list[Annotated[int, Meta(ge=0, le=1)]] | None = None
-    """Per prompt token: 0 text, 1 image placeholder. Locates image runs without trusting
-    raw token ids (a text token equal to the placeholder id is not an image)."""
+    """Per token of the sample (prompt and completion; a sample's ``input_ids`` length): 0 text,
+    1 image placeholder. Locates image runs without trusting raw token ids (a text token equal
+    to the placeholder id is not an image)."""
 
 
 class EncodedTensor(msgspec.Struct, frozen=True, array_like=True, gc=False):

@@ -103,6 +103,7 @@ def make_sample(
     types += [0] * completion
     n = len(ids)
     loss = [False] * (n - completion) + [not is_padding] * completion
+    loss[0] = False  # a sample's first token has no logprob: packing refuses a loss on it
     mm = MMRefs(items=list(refs), mm_token_type_ids=types if typed else None) if (refs or typed) else None
     return TrainingSample(
         input_ids=ids,
@@ -378,6 +379,18 @@ def test_rebuild_refuses_a_tampered_micro_batch():
 
 
 # --- unit tests ---------------------------------------------------------------------------------------
+
+
+def test_empty_samples_and_a_loss_on_the_first_token_are_refused():
+    """The forward has no logprob for a sample's first token; counting a loss there would make
+    num_loss_tokens disagree with the loss mask the forward returns."""
+    ok = make_sample([1, 2])
+    empty = TrainingSample(input_ids=[], loss_mask=[], advantages=[], inference_logprobs=[])
+    with pytest.raises(ValueError, match="sample 1 is empty"):
+        pack_samples([ok, empty], placeholder_token_id=TOK, seq_len=64)
+    first = msgspec.structs.replace(ok, loss_mask=[True] * len(ok.input_ids))
+    with pytest.raises(ValueError, match=r"sample 0: loss_mask\[0\] is True"):
+        pack_samples([first], placeholder_token_id=TOK, seq_len=64)
 
 
 def test_cap_defaults_to_seq_len_and_may_not_exceed_it():

@@ -484,6 +484,13 @@ def _analyze(
 ) -> _Analysis:
     s = entry.sample
     n = len(s.input_ids)
+    if not n:
+        raise ValueError(f"sample {position} is empty")
+    if s.loss_mask[0]:
+        raise ValueError(
+            f"sample {position}: loss_mask[0] is True, but a sample's first token has no logprob "
+            f"(nothing precedes it); the prompt's tokens take no loss"
+        )
     refs = list(s.mm_refs.items) if s.mm_refs is not None else []
     type_ids = s.mm_refs.mm_token_type_ids if s.mm_refs is not None else None
     if entry.synthetic_grid is not None:
@@ -611,7 +618,8 @@ def build_micro_batch(
 
     Raises:
         ValueError: entries of different ``(run_id, lora_id)``, pixels mixed with a stray
-            placeholder sample, or misaligned per-token arrays.
+            placeholder sample, misaligned per-token arrays, an empty sample, or a loss on a
+            sample's first token (it has no logprob).
         PlaceholderMismatch: see :func:`locate_image_runs`.
     """
     if not entries:
@@ -726,7 +734,8 @@ def pack_samples(
         A :class:`PackedStep`; each sample lands in exactly one micro-batch.
 
     Raises:
-        ValueError: a bad cap (see :func:`resolve_cap`).
+        ValueError: a bad cap (see :func:`resolve_cap`), an empty sample, or a loss on a
+            sample's first token (it has no logprob).
         PlaceholderMismatch: a sample whose image tokens do not match its refs.
     """
     cap = resolve_cap(seq_len, micro_batch_max_tokens)
