@@ -15,10 +15,11 @@ import torch.multiprocessing as mp
 
 from helpers import photo_bytes
 from protocol.adapters import offload_image
-from protocol.errors import AssetNotFound
+from protocol.errors import AssetNotFound, PlaceholderMismatch
 from protocol.refs import format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample
 from trainer_lib.distributed import RankFailed, check_all_ranks, fail_fast
+from trainer_lib.packing import pack_samples
 
 TIMEOUT_S = 120
 
@@ -86,6 +87,21 @@ def _worker(
         except Exception as e:
             _record(out_dir, "missing", rank, e)
 
+        # 2b. a packing error on rank 1 (its ids lack the image's placeholder tokens): same
+        tok = 261  # <|image_pad|> of the tiny models
+        ids = [1, 2, *([tok] * good.num_placeholders), 3] if rank == 0 else [1, 2, 3]
+        bad = msgspec.structs.replace(
+            sample([good]), input_ids=ids, loss_mask=[False] * len(ids), advantages=[0.0] * len(ids),
+            inference_logprobs=[0.0] * len(ids),
+        )  # fmt: skip
+        try:
+            with fail_fast():
+                pack_samples([bad], placeholder_token_id=tok, seq_len=4096)
+            dist.all_reduce(torch.ones(1))
+            _record(out_dir, "packing", rank, None)
+        except Exception as e:
+            _record(out_dir, "packing", rank, e)
+
         # 3. both ranks fail differently: everyone raises the lowest rank's error
         try:
             check_all_ranks(ValueError(f"bad batch on rank {rank}"))
@@ -142,6 +158,11 @@ def test_one_rank_error_fails_both_ranks_without_hanging(refs, qwen2_vl_dir, tmp
     assert r1["notes"] == [] and r0["notes"] == [
         "raised on rank 1; re-raised on rank 0 by trainer_lib.distributed"
     ]
+
+    r0, r1 = read("packing")
+    name = f"{PlaceholderMismatch.__module__}.{PlaceholderMismatch.__qualname__}"
+    assert r0 is not None and r0["type"] == r1["type"] == name and r0["message"] == r1["message"]
+    assert "0 image placeholder tokens" in r0["message"] and r0["ref"] == good.ref
 
     r0, r1 = read("both")
     assert r0["message"] == r1["message"] == "bad batch on rank 0"

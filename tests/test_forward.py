@@ -9,6 +9,7 @@ against code that is not ours. The reference for adjacent images is vLLM's
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import time
@@ -434,6 +435,18 @@ def test_packed_inputs_tripwire(families):
         packed_inputs(m.packed, short, fam.model)
     with pytest.raises(ValueError, match="no features"):
         packed_inputs(m.packed, {}, fam.model)
+    # a text token turned into the placeholder id behind the packer's back (what a stray
+    # <|image_pad|> would do): N+1 placeholder tokens for N feature rows, caught before masked_scatter
+    ids = list(m.packed.micro_batch.input_ids)
+    ids[-2] = fam.tok
+    forged = dataclasses.replace(
+        m.packed, micro_batch=msgspec.structs.replace(m.packed.micro_batch, input_ids=ids)
+    )
+    n = m.packed.placeholder_count
+    with pytest.raises(
+        ValueError, match=rf"placeholder token id {fam.tok}: {n + 1} tokens .* but {n} feature rows"
+    ):
+        packed_inputs(forged, m.features, fam.model)
 
 
 # --- GPU (skipped without CUDA) -------------------------------------------------------------------------
