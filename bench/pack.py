@@ -15,7 +15,7 @@ The mix (GRPO-style steps; every number is a flag-free constant below, so runs c
 - 1% of text-only samples carry a literal ``<|image_pad|>`` (stray placeholder).
 
 Reported per scenario: micro-batches, mean sample length, **waste** = 1 - real tokens /
-(micro-batches x cap) (empty room plus padding samples), **sync idle** for data-parallel rows
+``sum(max(cap, len(mb)))`` (empty room plus padding samples), **sync idle** for data-parallel rows
 (the idle share when ranks synchronize every micro-batch, as FSDP does, and cost ~ tokens),
 **plan** samples/s (first-fit-decreasing bin assignment, ``plan_bins``, from lengths/kinds/keys)
 and **pack** samples/s (``pack_samples`` end to end: image runs located, ``MicroBatch`` lists
@@ -220,9 +220,9 @@ def main() -> None:
             f"{r['real'] / r['samples']:,.0f} | {waste:.2%} | {idle} | {plan} | {np.median(r['pack']):,.0f} |"
         )
     print(
-        "\nwaste = 1 - real tokens / (micro-batches x cap); sync idle (dp rows) = idle share when ranks sync "
-        "every micro-batch and cost ~ tokens;\nplan = plan_bins (first-fit-decreasing assignment); pack = "
-        "pack_samples end to end (dp rows: plan_step = pad + pack + deal + balance)."
+        "\nwaste = 1 - real tokens / sum(max(cap, len(mb))); sync idle (dp rows) = idle share when ranks "
+        "sync every micro-batch and cost ~ tokens;\nplan = plan_bins (first-fit-decreasing assignment); "
+        "pack = pack_samples end to end (dp rows: plan_step = pad + pack + deal + balance)."
     )
 
 
