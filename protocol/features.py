@@ -25,8 +25,6 @@ from typing import Literal
 import msgspec
 
 from protocol.errors import (
-    AssetNotFound,
-    AssetTooLarge,
     CorruptFeature,
     FingerprintMismatch,
     HashMismatch,
@@ -149,14 +147,8 @@ def read_feature_item(
             f"mmfile ref fingerprint {ref.fingerprint} != layout fingerprint {fingerprint}", ref=ref_string
         )
     store = AssetStore(output_root)
-    path = store.confine(feature_path(run_asset_root(output_root, ref.run_id), ref), ref=ref_string)
-    size = path.stat().st_size
-    if size > max_bytes:
-        raise AssetTooLarge(f"feature file is {size} bytes, limit {max_bytes}", ref=ref_string)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError as e:  # swept between confine() and the read
-        raise AssetNotFound(f"feature file {str(path)!r} disappeared", ref=ref_string) from e
+    path = feature_path(run_asset_root(output_root, ref.run_id), ref)
+    data = store.read_confined(path, max_bytes=max_bytes, ref=ref_string)  # swept meanwhile: not found
     try:
         item = _decoder.decode(data)
     except (msgspec.DecodeError, UnicodeDecodeError) as e:  # msgspec raises the latter for bad UTF-8

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,14 +124,49 @@ class AssetStore:
             AssetOutsideRoot: the resolved path is outside the root.
             AssetNotFound: the path does not exist.
         """
-        resolved = Path(os.path.realpath(path))
-        if resolved != self.root and self.root not in resolved.parents:
-            raise AssetOutsideRoot(
-                f"{str(path)[:200]!r} resolves outside the asset root {str(self.root)!r}", ref=ref
-            )
-        if not resolved.is_file():
-            raise AssetNotFound(f"no file at {str(path)[:200]!r}", ref=ref)
+        shown = repr(str(path)[:200])  # messages name the ref's own path, never the root or realpath
+        try:
+            resolved = Path(os.path.realpath(path))
+            outside = resolved != self.root and self.root not in resolved.parents
+            exists = not outside and resolved.is_file()
+        except (OSError, ValueError) as e:  # ENAMETOOLONG, ELOOP, ...
+            raise AssetNotFound(f"no file at {shown}: {e.strerror or e}", ref=ref) from e
+        if outside:
+            raise AssetOutsideRoot(f"{shown} resolves outside the asset root", ref=ref)
+        if not exists:
+            raise AssetNotFound(f"no file at {shown}", ref=ref)
         return resolved
+
+    def read_confined(self, path: str | os.PathLike[str], *, max_bytes: int, ref: str | None = None) -> bytes:
+        """Read a regular file inside the root, at most ``max_bytes``.
+
+        :meth:`confine` first; then ``open(O_NOFOLLOW | O_NONBLOCK)`` on the resolved path and
+        ``fstat`` of the open descriptor: a symlink, FIFO or device swapped in after the check is
+        refused instead of followed or blocked on, and the size limit holds for what is read.
+
+        Raises:
+            AssetOutsideRoot, AssetNotFound: see :meth:`confine`; also a path that changed
+                into a symlink (outside) or into something that is not a regular file (not found).
+            AssetTooLarge: the file exceeds ``max_bytes``.
+        """
+        resolved = self.confine(path, ref=ref)
+        shown = repr(str(path)[:200])
+        try:
+            fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError as e:
+            raise AssetNotFound(f"no file at {shown}", ref=ref) from e
+        except OSError as e:  # a symlink swapped in after confine(): ELOOP
+            raise AssetOutsideRoot(f"{shown} changed while being opened: {e.strerror}", ref=ref) from e
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise AssetNotFound(f"{shown} is not a regular file", ref=ref)
+            if st.st_size > max_bytes:
+                raise AssetTooLarge(f"file is {st.st_size} bytes, limit {max_bytes}", ref=ref)
+            data = f.read(max_bytes + 1)
+        if len(data) > max_bytes:  # grew after fstat
+            raise AssetTooLarge(f"file is over {max_bytes} bytes", ref=ref)
+        return data
 
     def read_verified(
         self,
@@ -155,18 +191,7 @@ class AssetStore:
         """
         if not MM_HASH_RE.fullmatch(mm_hash):
             raise InvalidRef(f"mm_hash {mm_hash[:80]!r} does not match {MM_HASH_RE.pattern}", ref=ref)
-        path = self.confine(file_uri_to_path(uri, ref=ref), ref=ref)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError as e:
-            raise AssetNotFound(f"no file at {str(path)!r}", ref=ref) from e
-        except OSError as e:  # a symlink swapped in after confine(): ELOOP
-            raise AssetOutsideRoot(f"{str(path)!r} changed while being opened: {e}", ref=ref) from e
-        with os.fdopen(fd, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > max_bytes:
-                raise AssetTooLarge(f"file is {size} bytes, limit {max_bytes}", ref=ref)
-            data = f.read(max_bytes + 1)
+        data = self.read_confined(file_uri_to_path(uri, ref=ref), max_bytes=max_bytes, ref=ref)
         digest = hashlib.sha256(data).hexdigest()
         if len(mm_hash) > len(digest) or not digest.startswith(mm_hash):
             raise HashMismatch(f"file sha256 {digest[: len(mm_hash)]} != ref hash {mm_hash}", ref=ref)

@@ -325,3 +325,29 @@ def test_read_verified_rejects_non_file_uris(store, jpeg, uri):
     stored = store.put_image(jpeg)
     with pytest.raises(InvalidRef):
         store.read_verified(uri, stored.mm_hash)
+
+
+@pytest.mark.timeout(30)
+def test_fifos_long_names_and_messages_never_block_crash_or_leak(store, jpeg):
+    """A FIFO in the root (a reader would block forever on it), a 300-character file name
+    (ENAMETOOLONG) and an escaping path: typed errors, and no message names the asset root."""
+    fifo = store.images_dir / "feedfeedfeedfeed.jpg"
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    with pytest.raises(AssetNotFound):
+        store.read_confined(fifo, max_bytes=1024)
+    with pytest.raises(AssetNotFound):
+        store.read_verified(fifo.as_uri(), "a" * 16)
+    with pytest.raises(AssetNotFound) as long_name:
+        store.read_verified((store.images_dir / ("a" * 300 + ".jpg")).as_uri(), "a" * 16)
+    with pytest.raises(AssetOutsideRoot) as outside:
+        store.confine(store.root / ".." / "elsewhere.jpg")
+    assert "File name too long" in str(long_name.value)
+    message = str(outside.value)  # the ref's own path, not the root nor where it resolves to
+    assert (
+        "resolves outside the asset root" in message
+        and str(store.root.parent / "elsewhere.jpg") not in message
+    )
+    assert message.count(str(store.root)) == 1  # once, inside the given path ".../assets/../elsewhere.jpg"
+    with pytest.raises(AssetTooLarge):
+        store.read_confined(store.put_image(jpeg).path, max_bytes=10)
