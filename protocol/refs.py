@@ -143,7 +143,7 @@ def _parse_mmraw(ref: str) -> RawRefBody:
             raise InvalidRef(f"mmraw body is not valid base64url: {e}", ref=ref) from e
     try:
         return _raw_decoder.decode(raw)
-    except (msgspec.DecodeError, UnicodeError) as e:
+    except (msgspec.DecodeError, UnicodeError, RecursionError) as e:  # deep nesting: RecursionError
         raise InvalidRef(f"mmraw body: {e}", ref=ref) from e
 
 

@@ -86,6 +86,9 @@ def prompt(bad) -> list[int]:
     return [1, 2, 3, *([PAD] * bad.good.num_placeholders), 4, 5]
 
 
+RESERVED = "mmref-" + "a" * 64  # the namespace of the hashes the server gives resolved refs
+
+
 def ref_cases(bad: Bad) -> dict[str, tuple[str, int, str]]:
     root_dir = os.path.dirname(file_uri_to_path(bad.body.raw_image_uri))
     outside = bad.tmp / "outside.jpg"
@@ -131,6 +134,8 @@ def ref_cases(bad: Bad) -> dict[str, tuple[str, int, str]]:
         "decompression bomb": (bad.stored(png_bomb(20000, 20000), ".png"), 413, "asset_too_large"),
         "extreme aspect ratio": (bad.stored(wide.getvalue(), ".png", grid=(1, 2, 288)), 422, "image_unreadable"),
         "missing file": (bad.ref(raw_image_uri=(bad.asset_root / "images" / "feedfacefeedface.jpg").as_uri()), 404, "asset_not_found"),
+        "file name too long": (bad.ref(raw_image_uri=(bad.asset_root / "images" / ("f" * 300 + ".jpg")).as_uri()), 404, "asset_not_found"),
+        "deeply nested payload": ("mmraw:" + bad.raw_json(payload={"image_grid_thw": "X"})[6:].replace('"X"', "[" * 1500 + "]" * 1500), 400, "invalid_ref"),
         "missing mmfile": ("mmfile:v1:1:" + "a" * 32 + ":image:" + "b" * 32, 409, "fingerprint_mismatch"),
     }  # fmt: skip
 
@@ -233,6 +238,26 @@ def test_hostile_requests_get_stable_4xx_codes(server, bad, prompt):
                 "kwargs_data": {"image": [None]}}},
             404, "not_cached",
         ),
+        "inline item under a reserved hash": (
+            {"token_ids": prompt, "sampling_params": GREEDY, "features": {
+                "mm_hashes": {"image": [RESERVED]},
+                "mm_placeholders": {"image": [{"offset": 3, "length": n}]},
+                "kwargs_data": {"image": ["AAAA"]}}},
+            400, "invalid_request",
+        ),
+        "content_parts uuid in the reserved namespace": (
+            {"token_ids": prompt, "sampling_params": GREEDY,
+             "content_parts": [{"type": "image_url", "url": bad.body.raw_image_uri, "uuid": RESERVED}]},
+            400, "invalid_request",
+        ),
+        "refs over several modalities beyond the limit": (
+            {"token_ids": prompt, "sampling_params": GREEDY, "features": {
+                "mm_hashes": {m: ["c" * 64] * 33 for m in ("image", "video")},
+                "mm_placeholders": {m: [{"offset": 0, "length": 1}] * 33 for m in ("image", "video")},
+                "kwargs_data": {m: [bad.good.ref] * 33 for m in ("image", "video")}}},
+            400, "invalid_request",
+        ),
+        "max_tokens below 1 (vLLM's own check)": ({**base, "sampling_params": {"max_tokens": 0}}, 400, "invalid_request"),
         "token id beyond the vocabulary": ({**base, "token_ids": [10**9, *prompt]}, 400, "engine_rejected"),
         "prompt longer than max_model_len": ({**base, "token_ids": [1] * 5000 + prompt}, 400, "engine_rejected"),
     }  # fmt: skip
@@ -244,10 +269,32 @@ def test_hostile_requests_get_stable_4xx_codes(server, bad, prompt):
             "JSON array body": (b"[1, 2, 3]", "application/json"),
             "malformed msgpack": (b"\xc1\xff\x00", "application/msgpack"),
             "msgpack non-map": (msgspec.msgpack.encode([1, 2]), "application/msgpack"),
+            "nesting 1500 deep": (b'{"token_ids": ' + b"[" * 1500 + b"]" * 1500 + b"}", "application/json"),
         }
         for name, (content, ctype) in raw_cases.items():
             r = c.post("/inference/v1/generate", content=content, headers={"content-type": ctype})
             check_error(r, 400, "invalid_request", name)
+        # mm_metadata at a ref slot (vLLM merges it over the item) is dropped, never merged:
+        # garbage there would otherwise fail vLLM's decoder or override the resolved tensors
+        slot_body = {"token_ids": prompt, "sampling_params": GREEDY, "features": {
+            "mm_hashes": {"image": ["c" * 64]},
+            "mm_placeholders": {"image": [{"offset": 3, "length": n}]},
+            "kwargs_data": {"image": [bad.good.ref]},
+            "mm_metadata": {"image": ["AAAA"]}}}  # fmt: skip
+        assert c.post("/inference/v1/resolve", json=slot_body).json()["features"]["mm_metadata"] == {
+            "image": [None]
+        }
+        r = c.post("/inference/v1/generate", json=slot_body)
+        assert r.status_code == 200, r.text
+        # msgpack types JSON cannot carry, inside a RawMMRef: typed refusals, not 500s
+        for name, value in (
+            ("sha256 as bytes", bytes.fromhex(bad.good.sha256)),
+            ("Ext", msgspec.msgpack.Ext(1, b"x")),
+        ):
+            hostile = {**base, "mm_refs": [{**good, "sha256": value}]}
+            r = c.post("/inference/v1/generate", content=msgspec.msgpack.encode(hostile),
+                       headers={"content-type": "application/msgpack"})  # fmt: skip
+            check_error(r, 400, "invalid_ref", f"msgpack: {name}")
         # a valid msgpack body works like JSON
         r = c.post(
             "/inference/v1/generate",

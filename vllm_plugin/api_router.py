@@ -68,7 +68,7 @@ async def _read_body(request: Request, limit: int) -> dict[str, Any]:
             body = msgspec.msgpack.decode(bytes(raw))
         else:
             body = msgspec.json.decode(bytes(raw))
-    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:  # ~1000 nested levels
         kind = "msgpack" if content_type in _MSGPACK_TYPES else "JSON"
         raise InvalidRequest(f"body is not valid {kind}: {e}") from e
     if not isinstance(body, dict):
@@ -108,6 +108,7 @@ async def _generate(body: dict[str, Any], raw_request: Request) -> Response:
         GenerateResponseBase,
     )
     from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.exceptions import VLLMClientError
 
     resolver = raw_request.app.state.mmref_resolver
     try:
@@ -116,6 +117,8 @@ async def _generate(body: dict[str, Any], raw_request: Request) -> Response:
             request = GenerateRequest.model_validate(body)
         except ValidationError as e:
             raise InvalidRequest(_summarize(e)) from e
+        except VLLMClientError as e:  # vLLM's own checks (e.g. max_tokens < 1, temperature < 0)
+            raise InvalidRequest(str(e)) from e
     except MMRefError as e:
         logger.info("mmref refused a generate request: %s %s", e.code, e.message)
         return error_response(e)

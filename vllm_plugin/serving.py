@@ -9,8 +9,13 @@ Differences from upstream ``vllm/entrypoints/scale_out/token_in_token_out/servin
 - Each ref is read from the confined asset root, hash-checked, decoded like vLLM,
   processed by the model's own HF image processor (the instance vLLM itself uses),
   grid-checked, and encoded the way vLLM's ``encode_mm_kwargs_item`` does; the item's hash
-  for vLLM's caches is ``sha256("mmref:v1:" + mm_hash + ":" + fingerprint + ":" + pixel mode)``
-  (content-bound, never a client uuid).
+  for vLLM's caches is ``"mmref-" + sha256("mmref:v1:" + mm_hash + ":" + fingerprint + ":" + pixel
+  mode)`` (content-bound, never a client uuid). The ``mmref-`` namespace is reserved: a client
+  item (inline data, a ``content_parts`` uuid) may not claim such a hash, so nobody can put their
+  own pixels into vLLM's caches under a resolved ref's hash; a ``null`` (cache-only) slot may name
+  one, since its item is whatever this server resolved. ``mm_metadata`` (which vLLM merges over
+  the item; vLLM's render route emits it, so the renderers client sends it back) is dropped at
+  those positions: the resolved item is complete.
 - Placeholder ranges are located (``mm_refs``) or checked (``features``) against the
   prompt: expanded ``<|image_pad|>`` runs of exactly ``num_placeholders`` each.
 - A ``null`` slot whose hash vLLM's processor cache does not hold is a 404, not a 500.
@@ -49,8 +54,13 @@ from vllm_plugin.config import PluginConfig
 
 __all__ = ["MMRefResolver", "ResolvedItem", "locate_placeholders"]
 
-_raw_ref_decoder = msgspec.json.Decoder(RawMMRef)
 _codecs = threading.local()
+ENGINE_HASH_PREFIX = "mmref-"
+"""Namespace of the hashes this server gives vLLM for resolved refs (reserved: see the module doc)."""
+
+
+def _engine_hash(key: str) -> str:
+    return ENGINE_HASH_PREFIX + hashlib.sha256(key.encode()).hexdigest()
 
 
 def _thread_codec() -> tuple[Any, Any]:
@@ -78,7 +88,7 @@ class ResolvedItem:
     """One ref, resolved: what goes into a ``features`` slot."""
 
     engine_hash: str
-    """Hash given to vLLM (``mm_hashes``), 64 hex."""
+    """Hash given to vLLM (``mm_hashes``): ``"mmref-"`` + 64 hex."""
     encoded: str
     """vLLM's base64 msgpack ``MultiModalKwargsItem``."""
     grid: tuple[int, ...]
@@ -171,9 +181,7 @@ class MMRefResolver:
         hf_inputs = BatchFeature(dict(processed.tensors))
         items = MultiModalKwargsItems.from_hf_inputs(hf_inputs, self.fields_config(hf_inputs))
         (item,) = items[self.adapter.vllm_modality]
-        engine_hash = hashlib.sha256(
-            f"mmref:v1:{body.mm_hash}:{self.adapter.fingerprint}:{self.pixel_mode}".encode()
-        ).hexdigest()
+        engine_hash = _engine_hash(f"mmref:v1:{body.mm_hash}:{self.adapter.fingerprint}:{self.pixel_mode}")
         encoded = _encode_item(item)
         return ResolvedItem(
             engine_hash=engine_hash,
@@ -198,6 +206,8 @@ class MMRefResolver:
             item = _thread_codec()[1].decode(item_file.payload)
             pixels = item["pixel_values"].data
             grid = tuple(int(g) for g in item[self.adapter.grid_field].data.reshape(-1).tolist())
+            if len(grid) != self.adapter.grid_len or min(grid) < 1:
+                raise ValueError(f"grid {list(grid)} is not {self.adapter.grid_len} positive ints")
         except Exception as e:  # any decode failure of untrusted bytes is the file's fault
             raise CorruptFeature(
                 f"feature payload is not a valid {self.adapter.family} item: {e}", ref=ref
@@ -215,9 +225,9 @@ class MMRefResolver:
                 f"from the item's grid {list(grid)}",
                 ref=ref,
             )
-        engine_hash = hashlib.sha256(
-            f"mmref:v1:file:{item_file.envelope.payload_sha256}:{self.adapter.fingerprint}".encode()
-        ).hexdigest()
+        engine_hash = _engine_hash(
+            f"mmref:v1:file:{item_file.envelope.payload_sha256}:{self.adapter.fingerprint}"
+        )
         return ResolvedItem(
             engine_hash=engine_hash,
             encoded=pybase64.b64encode(item_file.payload).decode("ascii"),
@@ -236,6 +246,9 @@ class MMRefResolver:
             PlaceholderMismatch: the prompt's placeholder tokens do not fit the refs.
         """
         body = dict(body)
+        for part in body.get("content_parts") or ():
+            if isinstance(part, dict) and str(part.get("uuid") or "").startswith(ENGINE_HASH_PREFIX):
+                raise InvalidRequest(f"content_parts uuids starting with {ENGINE_HASH_PREFIX!r} are reserved")
         mm_refs = body.pop("mm_refs", None)
         token_ids = body.get("token_ids")
         if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
@@ -271,24 +284,29 @@ class MMRefResolver:
         if isinstance(raw, str):
             return raw
         if isinstance(raw, dict):
-            try:
-                return _raw_ref_decoder.decode(msgspec.json.encode(raw)).ref
-            except msgspec.ValidationError as e:
-                raise InvalidRef(f"mm_refs entry is not a RawMMRef: {e}") from e
+            return self._raw_ref(raw).ref
         raise InvalidRequest(
             f"mm_refs entries must be ref strings or RawMMRef objects, got {type(raw).__name__}"
         )
 
+    @staticmethod
+    def _raw_ref(raw: dict[str, Any]) -> RawMMRef:
+        try:
+            return msgspec.convert(raw, RawMMRef)
+        except msgspec.ValidationError as e:
+            raise InvalidRef(f"mm_refs entry is not a RawMMRef: {e}") from e
+
     def _check_declared(self, raw: dict[str, Any], item: ResolvedItem) -> None:
-        ref = raw["ref"]
-        if list(item.grid) != list(raw["grid"]) or item.num_placeholders != raw["num_placeholders"]:
+        declared = self._raw_ref(raw)
+        ref = declared.ref
+        if list(item.grid) != list(declared.grid) or item.num_placeholders != declared.num_placeholders:
             raise PlaceholderMismatch(
-                f"RawMMRef declares grid {raw['grid']} / {raw['num_placeholders']} placeholders, "
+                f"RawMMRef declares grid {declared.grid} / {declared.num_placeholders} placeholders, "
                 f"the image gives {list(item.grid)} / {item.num_placeholders}",
                 ref=ref,
             )
         body = parse_ref(ref)
-        if isinstance(body, RawRefBody) and not raw["sha256"].startswith(body.mm_hash):
+        if isinstance(body, RawRefBody) and not declared.sha256.startswith(body.mm_hash):
             raise InvalidRef("RawMMRef sha256 and the ref's mm_hash disagree", ref=ref)
 
     async def _fill_ref_slots(self, features: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
@@ -305,9 +323,20 @@ class MMRefResolver:
         slots = {m: list(v) for m, v in kwargs_data.items()} if kwargs_data else None
         if slots is None:
             slots = {m: [None] * len(v) for m, v in hashes.items()}
+        self._check_ref_count(sum(is_ref(x) for v in slots.values() for x in v))
+        for modality, modality_slots in slots.items():
+            for i, slot in enumerate(modality_slots):
+                if (
+                    slot is not None
+                    and not is_ref(slot)
+                    and hashes[modality][i].startswith(ENGINE_HASH_PREFIX)
+                ):
+                    raise InvalidRequest(
+                        f"{modality} item {i}: hashes starting with {ENGINE_HASH_PREFIX!r} are reserved "
+                        "for refs this server resolves; send the ref, or a null slot"
+                    )
         for modality, modality_slots in slots.items():
             jobs = {i: s for i, s in enumerate(modality_slots) if is_ref(s)}
-            self._check_ref_count(len(jobs))
             resolved = await asyncio.gather(*(self.resolve(s) for s in jobs.values()))
             for (i, ref), item in zip(jobs.items(), resolved, strict=True):
                 check_range(
@@ -322,6 +351,12 @@ class MMRefResolver:
             for i, slot in enumerate(modality_slots):
                 if slot is None:
                     self._require_cached(hashes[modality][i])
+        metadata = features.get("mm_metadata")
+        if metadata:  # vLLM merges it over the item: a resolved ref's item is complete and authoritative
+            metadata = {
+                m: [None if hashes[m][i].startswith(ENGINE_HASH_PREFIX) else x for i, x in enumerate(v)]
+                for m, v in metadata.items()
+            }
         if self.adapter.vllm_modality in placeholders:
             total = sum(int(p.get("length", 0)) for p in placeholders[self.adapter.vllm_modality])
             found = sum(1 for t in token_ids if t == self.placeholder_token_id)
@@ -330,7 +365,10 @@ class MMRefResolver:
                     f"prompt has {found} image placeholder tokens (id {self.placeholder_token_id}), "
                     f"mm_placeholders cover {total}"
                 )
-        return {**features, "mm_hashes": hashes, "mm_placeholders": placeholders, "kwargs_data": slots}
+        out = {**features, "mm_hashes": hashes, "mm_placeholders": placeholders, "kwargs_data": slots}
+        if metadata:
+            out["mm_metadata"] = metadata
+        return out
 
     def _check_ref_count(self, n: int) -> None:
         if n > self.config.max_refs_per_request:
