@@ -245,6 +245,20 @@ def test_hostile_requests_get_stable_4xx_codes(server, bad, prompt):
                 "kwargs_data": {"image": ["AAAA"]}}},
             400, "invalid_request",
         ),
+        "inline item that is not a vLLM item": (
+            {"token_ids": prompt, "sampling_params": GREEDY, "features": {
+                "mm_hashes": {"image": ["c" * 64]},
+                "mm_placeholders": {"image": [{"offset": 3, "length": n}]},
+                "kwargs_data": {"image": ["AAAA"]}}},
+            400, "invalid_request",
+        ),
+        "inline item that is not base64": (
+            {"token_ids": prompt, "sampling_params": GREEDY, "features": {
+                "mm_hashes": {"image": ["c" * 64]},
+                "mm_placeholders": {"image": [{"offset": 3, "length": n}]},
+                "kwargs_data": {"image": ["!!not base64!!"]}}},
+            400, "invalid_request",
+        ),
         "content_parts uuid in the reserved namespace": (
             {"token_ids": prompt, "sampling_params": GREEDY,
              "content_parts": [{"type": "image_url", "url": bad.body.raw_image_uri, "uuid": RESERVED}]},

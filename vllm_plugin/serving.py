@@ -83,6 +83,24 @@ def _encode_item(item: Any) -> str:
     return pybase64.b64encode(buf).decode("ascii")
 
 
+def _check_item(data: str) -> None:
+    """Decode a client's inline item the way vLLM will (``mm_serde.decode_mm_kwargs_item``).
+
+    Raises:
+        InvalidRequest: not base64, not msgpack, or not a ``MultiModalKwargsItem``.
+    """
+    import pybase64
+
+    try:
+        item = _thread_codec()[1].decode(pybase64.b64decode(data, validate=True))
+        if not item or not all(hasattr(v, "data") for v in item.values()):
+            raise ValueError("no tensor fields")
+    except Exception as e:  # untrusted bytes: any failure is the client's
+        raise InvalidRequest(
+            f"an inline features item is not a valid vLLM item: {type(e).__name__}: {e}"
+        ) from e
+
+
 @dataclass(frozen=True)
 class ResolvedItem:
     """One ref, resolved: what goes into a ``features`` slot."""
@@ -335,6 +353,16 @@ class MMRefResolver:
                         f"{modality} item {i}: hashes starting with {ENGINE_HASH_PREFIX!r} are reserved "
                         "for refs this server resolves; send the ref, or a null slot"
                     )
+        inline = [x for v in slots.values() for x in v if x is not None and not is_ref(x)]
+        inline += [  # metadata at a ref's position is dropped below, never decoded
+            x
+            for m, v in (features.get("mm_metadata") or {}).items()
+            for i, x in enumerate(v)
+            if x is not None and not is_ref(slots[m][i]) and not hashes[m][i].startswith(ENGINE_HASH_PREFIX)
+        ]
+        if inline:  # vLLM decodes them in its handler, where a malformed one is a 500
+            loop = asyncio.get_running_loop()
+            await asyncio.gather(*(loop.run_in_executor(self._pool, _check_item, x) for x in inline))
         for modality, modality_slots in slots.items():
             jobs = {i: s for i, s in enumerate(modality_slots) if is_ref(s)}
             resolved = await asyncio.gather(*(self.resolve(s) for s in jobs.values()))
