@@ -290,6 +290,21 @@ def test_mmfile_refs_match_mmraw_and_tampered_files_are_refused(
         assert code_for(truncated) == (422, "corrupt_feature")
         not_an_item, _ = write("a4" * 32, data=b"\x93\x01\x02\x03")
         assert code_for(not_an_item) == (422, "corrupt_feature")
+        # a valid vLLM item whose pixel rows do not fit its grid, and one with an extra field:
+        # vLLM would accept both and fail inside the engine
+        from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import (
+            decode_mm_kwargs_item,
+            encode_mm_kwargs_item,
+        )
+
+        item = decode_mm_kwargs_item(resolved["features"]["kwargs_data"]["image"][0])
+        pixels = item["pixel_values"]
+        short = type(item)({**item, "pixel_values": type(pixels)(data=pixels.data[:3], field=pixels.field)})
+        extra = type(item)({**item, "image_embeds": item["pixel_values"]})
+        for i, tampered in enumerate((short, extra)):
+            data = pybase64.b64decode(encode_mm_kwargs_item(tampered))
+            ref, _ = write(hashlib.sha256(data).hexdigest(), data=data)
+            assert code_for(ref) == (422, "corrupt_feature"), i
         # an envelope whose placeholder length lies about the grid
         lying, _ = write("a5" * 32, placeholder_length=good.num_placeholders + 1)
         assert code_for(lying) == (422, "grid_mismatch")

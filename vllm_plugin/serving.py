@@ -230,6 +230,7 @@ class MMRefResolver:
             raise CorruptFeature(
                 f"feature payload is not a valid {self.adapter.family} item: {e}", ref=ref
             ) from e
+        self._check_layout(item, grid, ref)
         want_dtype = "torch.uint8" if self.device_normalize else "torch.float32"
         if str(pixels.dtype) != want_dtype:
             raise FingerprintMismatch(
@@ -252,6 +253,35 @@ class MMRefResolver:
             grid=grid,
             num_placeholders=expected,
         )
+
+    def _check_layout(self, item: Any, grid: tuple[int, ...], ref: str) -> None:
+        """The item must have exactly the fields, field kinds, shapes and (but for the pixels,
+        whose dtype follows the pixel mode) dtypes of the served model's item for ``grid``, built
+        from ``adapter.synthesize_placeholder(grid)`` with the model's own field config: vLLM does
+        not check rows against the grid, and a mismatch would fail inside the engine.
+
+        Raises:
+            CorruptFeature: naming the first field that differs.
+        """
+        from transformers import BatchFeature
+        from vllm.multimodal.inputs import MultiModalKwargsItems
+
+        hf_inputs = BatchFeature(dict(self.adapter.synthesize_placeholder(grid).tensors))
+        (expected,) = MultiModalKwargsItems.from_hf_inputs(hf_inputs, self.fields_config(hf_inputs))[
+            self.adapter.vllm_modality
+        ]
+        if set(item) != set(expected):
+            raise CorruptFeature(f"feature item fields {sorted(item)} != {sorted(expected)}", ref=ref)
+        for key, want in expected.items():
+            got = item[key]
+            same = tuple(got.data.shape) == tuple(want.data.shape) and type(got.field) is type(want.field)
+            if not same or (key != "pixel_values" and got.data.dtype != want.data.dtype):
+                raise CorruptFeature(
+                    f"feature item field {key!r} is {type(got.field).__name__} {got.data.dtype}"
+                    f"{list(got.data.shape)}; grid {list(grid)} needs {type(want.field).__name__} "
+                    f"{want.data.dtype}{list(want.data.shape)}",
+                    ref=ref,
+                )
 
     # --- one request -----------------------------------------------------------------
 
