@@ -68,3 +68,27 @@ def test_server_refuses_to_start_with_bad_settings(qwen2_vl_dir, tmp_path):
         )
     message = str(info.value)
     assert "exited" in message and "MMREF_ASSET_ROOT" in message and "max_workers" in message
+
+
+@pytest.mark.server
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("extra_args", "extra_env", "match"),
+    [
+        (
+            ("--mm-processor-kwargs", '{"max_pixels": 200704}'),
+            {},
+            "does not apply --mm-processor-kwargs ['max_pixels']",
+        ),
+        ((), {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}, "refuses VLLM_ALLOW_INSECURE_SERIALIZATION=1"),
+    ],
+)
+def test_server_refuses_settings_that_make_refs_unsafe_or_wrong(
+    qwen2_vl_dir, tmp_path, extra_args, extra_env, match
+):
+    """Processor kwargs the plugin cannot apply, and pickling decoders, stop the server at start-up."""
+    with pytest.raises(RuntimeError) as info:
+        start_server(
+            qwen2_vl_dir, tmp_path, tmp_path / "server.log", extra_args=extra_args, extra_env=extra_env
+        )
+    assert match in str(info.value)

@@ -35,6 +35,8 @@ class MMRefEndpointPlugin:
         Raises:
             pydantic.ValidationError: bad ``MMREF_*`` settings (e.g. no ``MMREF_ASSET_ROOT``).
             UnsupportedFamily: the served model has no adapter.
+            RuntimeError: settings under which refs would be unsafe or silently processed
+                differently from vLLM (see :func:`_refuse_unsafe_settings`).
         """
         if engine_client is None:  # vLLM's CPU-only render server: no engine, no route
             state.mmref_resolver = None
@@ -46,6 +48,7 @@ class MMRefEndpointPlugin:
 
         config = PluginConfig()
         model_config = engine_client.vllm_config.model_config
+        _refuse_unsafe_settings(model_config)
         hf_config = model_config.hf_config
         renderer = engine_client.renderer
         mm_processor = renderer.get_mm_processor()
@@ -72,4 +75,33 @@ class MMRefEndpointPlugin:
             "raw" if device_normalize else "normalized",
             adapter.backend,
             config.asset_root,
+        )
+
+
+def _refuse_unsafe_settings(model_config: Any) -> None:
+    """Stop start-up where serving refs would be unsafe or silently wrong.
+
+    - ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: vLLM's msgpack decoder would unpickle objects,
+      and ``mmfile`` payloads come from a shared store (code execution for anyone who can write it).
+    - ``--mm-processor-kwargs`` other than ``device``: vLLM passes them per call
+      (``vllm/transformers_utils/processor.py``), the plugin calls the processor without them and
+      the fingerprint cannot see them, so refs would be processed unlike vLLM's own path. Put such
+      settings in the model's ``preprocessor_config.json``, which both sides read.
+
+    Raises:
+        RuntimeError: naming the setting.
+    """
+    import vllm.envs as envs
+
+    if envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
+        raise RuntimeError(
+            "mmref refuses VLLM_ALLOW_INSECURE_SERIALIZATION=1: mmfile feature payloads from the "
+            "shared store would be unpickled"
+        )
+    kwargs = dict(getattr(model_config.multimodal_config, "mm_processor_kwargs", None) or {})
+    kwargs.pop("device", None)
+    if kwargs:
+        raise RuntimeError(
+            f"mmref does not apply --mm-processor-kwargs {sorted(kwargs)}: refs would be processed "
+            "unlike vLLM's own path; set them in the model's preprocessor_config.json instead"
         )
