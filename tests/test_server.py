@@ -394,3 +394,22 @@ def test_streaming_with_refs_gives_the_same_tokens(server, tokenizer, photo_refs
     assert events[-1] == "[DONE]"
     streamed = [t for e in events[:-1] for ch in msgspec.json.decode(e)["choices"] for t in ch["token_ids"]]
     assert streamed == full
+
+
+def test_engine_hash_is_bound_to_the_full_image_bytes(server, tokenizer, photo_refs):
+    """Refs to the same bytes with a 16- or 32-hex mm_hash give vLLM one hash (sha256 of the bytes,
+    in the reserved ``mmref-`` namespace); another image gives another."""
+    good, other = photo_refs["coffee"], photo_refs["rocket"]
+    short = forged(good, mm_hash=good.sha256[:16])
+    ids = prompt_ids(tokenizer, [good])
+
+    def engine_hash(ref: str) -> str:
+        r = server.client().post("/inference/v1/resolve", json={"token_ids": ids, "mm_refs": [ref]})
+        assert r.status_code == 200, r.text
+        return r.json()["features"]["mm_hashes"]["image"][0]
+
+    full = engine_hash(good.ref)
+    assert full.startswith("mmref-") and len(full) == len("mmref-") + 64
+    assert engine_hash(short) == full
+    ids = prompt_ids(tokenizer, [other])
+    assert engine_hash(other.ref) != full

@@ -9,8 +9,8 @@ Differences from upstream ``vllm/entrypoints/scale_out/token_in_token_out/servin
 - Each ref is read from the confined asset root, hash-checked, decoded like vLLM,
   processed by the model's own HF image processor (the instance vLLM itself uses),
   grid-checked, and encoded the way vLLM's ``encode_mm_kwargs_item`` does; the item's hash
-  for vLLM's caches is ``"mmref-" + sha256("mmref:v1:" + mm_hash + ":" + fingerprint + ":" + pixel
-  mode)`` (content-bound, never a client uuid). The ``mmref-`` namespace is reserved: a client
+  for vLLM's caches is ``"mmref-" + sha256("mmref:v1:" + sha256(image bytes) + ":" + fingerprint +
+  ":" + pixel mode)`` (content-bound, never a client uuid). The ``mmref-`` namespace is reserved: a client
   item (inline data, a ``content_parts`` uuid) may not claim such a hash, so nobody can put their
   own pixels into vLLM's caches under a resolved ref's hash; a ``null`` (cache-only) slot may name
   one, since its item is whatever this server resolved. ``mm_metadata`` (which vLLM merges over
@@ -199,7 +199,10 @@ class MMRefResolver:
         hf_inputs = BatchFeature(dict(processed.tensors))
         items = MultiModalKwargsItems.from_hf_inputs(hf_inputs, self.fields_config(hf_inputs))
         (item,) = items[self.adapter.vllm_modality]
-        engine_hash = _engine_hash(f"mmref:v1:{body.mm_hash}:{self.adapter.fingerprint}:{self.pixel_mode}")
+        # the full sha256 of the bytes read, not the ref's (possibly 16-hex) mm_hash prefix
+        engine_hash = _engine_hash(
+            f"mmref:v1:{processed.sha256}:{self.adapter.fingerprint}:{self.pixel_mode}"
+        )
         encoded = _encode_item(item)
         return ResolvedItem(
             engine_hash=engine_hash,

@@ -10,6 +10,8 @@ Imports torch and transformers (unlike the rest of :mod:`protocol`).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -48,6 +50,8 @@ class ProcessedImage:
     tensors: Mapping[str, torch.Tensor]
     grid: tuple[int, ...]
     num_placeholders: int
+    sha256: str | None = None
+    """Full hex sha256 of the raw image bytes, set by :meth:`ImageAdapter.resolve_raw`."""
 
     @property
     def nbytes(self) -> int:
@@ -226,7 +230,7 @@ class ImageAdapter(ABC):
                 f"ref claims {self.grid_field} {list(claimed)}, processor gives {list(processed.grid)}",
                 ref=ref,
             )
-        return processed
+        return dataclasses.replace(processed, sha256=hashlib.sha256(data).hexdigest())
 
     def offload(self, image: bytes | os.PathLike[str] | str, store: AssetStore) -> RawMMRef:
         """Store a raw image and return its ``mmraw`` :class:`RawMMRef` (grid from its decoded size).
