@@ -176,7 +176,21 @@ class AssetStore:
         max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
         ref: str | None = None,
     ) -> bytes:
+        """:meth:`read_hashed` without the digest."""
+        return self.read_hashed(uri, mm_hash, max_bytes=max_bytes, ref=ref)[0]
+
+    def read_hashed(
+        self,
+        uri: str,
+        mm_hash: str,
+        *,
+        max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+        ref: str | None = None,
+    ) -> tuple[bytes, str]:
         """Read the file a ``file://`` URI names, confined to the root, and check its hash.
+
+        Returns:
+            The bytes and their full hex sha256 (computed once, for the check and the caller).
 
         Args:
             uri: absolute ``file://`` URI.
@@ -195,4 +209,4 @@ class AssetStore:
         digest = hashlib.sha256(data).hexdigest()
         if len(mm_hash) > len(digest) or not digest.startswith(mm_hash):
             raise HashMismatch(f"file sha256 {digest[: len(mm_hash)]} != ref hash {mm_hash}", ref=ref)
-        return data
+        return data, digest

@@ -11,7 +11,6 @@ Imports torch and transformers (unlike the rest of :mod:`protocol`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -214,12 +213,12 @@ class ImageAdapter(ABC):
         Raises:
             UnsupportedFamily, FingerprintMismatch, InvalidRef: see :meth:`check_ref`.
             AssetOutsideRoot, AssetNotFound, AssetTooLarge, HashMismatch: see
-                :meth:`protocol.store.AssetStore.read_verified`.
+                :meth:`protocol.store.AssetStore.read_hashed`.
             ImageUnreadable, AssetTooLarge: see :func:`protocol.images.load_image`.
             GridMismatch: the processor's grid differs from the ref's payload.
         """
         claimed = self.check_ref(body, ref=ref)
-        data = store.read_verified(body.raw_image_uri, body.mm_hash, max_bytes=max_bytes, ref=ref)
+        data, sha256 = store.read_hashed(body.raw_image_uri, body.mm_hash, max_bytes=max_bytes, ref=ref)
         image = load_image(data, max_pixels=max_pixels, ref=ref)
         try:
             processed = self.process(image, device_normalize=device_normalize)
@@ -230,7 +229,7 @@ class ImageAdapter(ABC):
                 f"ref claims {self.grid_field} {list(claimed)}, processor gives {list(processed.grid)}",
                 ref=ref,
             )
-        return dataclasses.replace(processed, sha256=hashlib.sha256(data).hexdigest())
+        return dataclasses.replace(processed, sha256=sha256)
 
     def offload(self, image: bytes | os.PathLike[str] | str, store: AssetStore) -> RawMMRef:
         """Store a raw image and return its ``mmraw`` :class:`RawMMRef` (grid from its decoded size).
