@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -798,15 +799,13 @@ def rebuild_micro_batch(
             "(build_micro_batch sets them)"
         )
     refs, grids = iter(mb.mm_refs), iter(mb.synthetic_grids or ())
-    n_refs = len(mb.mm_refs)
-    entries, start, image = [], 0, 0
+    entries, start = [], 0
     rows = zip(mb.seq_lens, mb.images_per_sample, mb.is_padding, strict=True)
     for i, (length, n_images, pad) in enumerate(rows):
         end = start + length
         sample_types = types[start:end]
-        own_refs = [next(refs) for _ in range(min(n_images, max(n_refs - image, 0)))]
-        synthetic = [tuple(next(grids)) for _ in range(n_images - len(own_refs))]
-        image += n_images
+        own_refs = list(itertools.islice(refs, n_images))  # refs first, then the synthetic grids
+        synthetic = [tuple(g) for g in itertools.islice(grids, n_images - len(own_refs))]
         if synthetic and (own_refs or len(synthetic) != 1):
             raise ValueError(
                 f"sample {i}: a pad carries exactly one synthetic image and no refs, got "
