@@ -4,8 +4,9 @@ Two kinds of padding, both **zero-loss and out of metrics** (``is_padding=True``
 ``loss_mask`` all False, advantages 0, own token ids — never a copy of a real sample, and no
 group, so group-relative advantages computed elsewhere never see them):
 
-1. **Sample-count padding** (:func:`pad_samples`): the step's sample count is rounded up to a
-   multiple of ``lcm(dp_size, mini_batch_size[, critic_mini_batch_size])`` with minimal text
+1. **Sample-count padding** (:func:`padded_sample_count`; :func:`pad_samples` appends the pads,
+   :func:`plan_step` tops up each mini-batch with them): the step's sample count is rounded up to
+   a multiple of ``lcm(dp_size, mini_batch_size[, critic_mini_batch_size])`` with minimal text
    samples of ``pad_tokens`` pad ids (verl's scheme: 2 tokens, independent ids).
 2. **Micro-batch balancing** (:func:`balance_micro_batches`): every rank must run the same
    number of forward/backward passes, and with a sharded model (FSDP) micro-batch ``k`` must
