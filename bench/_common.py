@@ -191,6 +191,19 @@ def verdict(value: float, target: float, *, higher_is_better: bool) -> str:
     return f"MISS by {miss * 100:.0f}%"
 
 
+def ratio_row(
+    label: str, value: float, target: float, *, higher_is_better: bool = True, detail: str = ""
+) -> tuple[str, str, str, str]:
+    """A targets-table row for a ratio: ``(label, "1.23x<detail>", ">= 2.5x", verdict)``."""
+    sign = ">=" if higher_is_better else "<="
+    return (
+        label,
+        f"{value:.2f}x{detail}",
+        f"{sign} {target}x",
+        verdict(value, target, higher_is_better=higher_is_better),
+    )
+
+
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     """A plain, aligned, markdown-compatible table."""
     cells = [[str(c) for c in header], *[[str(c) for c in r] for r in rows]]

@@ -43,8 +43,8 @@ from _common import (
     fmt_bytes,
     print_facts,
     print_table,
+    ratio_row,
     unique_photos,
-    verdict,
 )
 from _models import ensure_bench_model
 
@@ -340,52 +340,29 @@ def main() -> None:
         "targets",
         ("measure", "value", "target", "verdict"),
         [
-            (
-                "dedup: naive / materialize, 2 workers each",
-                f"{dedup2:.2f}x",
-                f">= {DEDUP_TARGET}x",
-                verdict(dedup2, DEDUP_TARGET, higher_is_better=True),
-            ),
-            (
-                "dedup: naive / materialize, 1 worker each",
-                f"{dedup1:.2f}x",
-                f">= {DEDUP_TARGET}x",
-                verdict(dedup1, DEDUP_TARGET, higher_is_better=True),
-            ),
-            (
-                "dedup: naive / materialize(dedup=True), 2 workers each",
-                f"{unique2:.2f}x",
-                f">= {DEDUP_TARGET}x",
-                verdict(unique2, DEDUP_TARGET, higher_is_better=True),
-            ),
+            ratio_row("dedup: naive / materialize, 2 workers each", dedup2, DEDUP_TARGET),
+            ratio_row("dedup: naive / materialize, 1 worker each", dedup1, DEDUP_TARGET),
+            ratio_row("dedup: naive / materialize(dedup=True), 2 workers each", unique2, DEDUP_TARGET),
             ("  processing phase only: naive / materialize, 2 workers", f"{pn / p2:.2f}x", "(info)", ""),
             ("  collate share of one materialize, 2 workers", f"{c2 / (p2 + c2) * 100:.0f}%", "(info)", ""),
-            (
-                "materialize 2 workers vs 1",
-                f"{workers:.2f}x",
-                f">= {WORKERS_TARGET}x",
-                verdict(workers, WORKERS_TARGET, higher_is_better=True),
-            ),
-            (
-                "materialize(dedup=True) 2 workers vs 1",
-                f"{unique_workers:.2f}x",
-                f">= {WORKERS_TARGET}x",
-                verdict(unique_workers, WORKERS_TARGET, higher_is_better=True),
-            ),
+            ratio_row("materialize 2 workers vs 1", workers, WORKERS_TARGET),
+            ratio_row("materialize(dedup=True) 2 workers vs 1", unique_workers, WORKERS_TARGET),
             ("  2 workers with torch threads 1 vs 1 worker", f"{workers_t1:.2f}x", "(info)", ""),
             ("  processing phase only, 2 workers vs 1", f"{p1 / p2:.2f}x", "(info)", ""),
             ("  collate, 2 workers run vs 1 worker run (same op)", f"{c1 / c2:.2f}x", "(info)", ""),
-            (
+            ratio_row(
                 f"peak RSS / batch pixel bytes, batch {BATCH}",
-                f"{ratio:.2f}x ({fmt_bytes(m['peak'])} / {fmt_bytes(m['pixel_bytes'])})",
-                f"<= {RSS_TARGET}x",
-                verdict(ratio, RSS_TARGET, higher_is_better=False),
+                ratio,
+                RSS_TARGET,
+                higher_is_better=False,
+                detail=f" ({fmt_bytes(m['peak'])} / {fmt_bytes(m['pixel_bytes'])})",
             ),
-            (
+            ratio_row(
                 f"peak RSS / batch pixel bytes, materialize(dedup=True), batch {BATCH}",
-                f"{dd_ratio:.2f}x ({fmt_bytes(dd['peak'])} / {fmt_bytes(dd['pixel_bytes'])})",
-                f"<= {RSS_TARGET}x",
-                verdict(dd_ratio, RSS_TARGET, higher_is_better=False),
+                dd_ratio,
+                RSS_TARGET,
+                higher_is_better=False,
+                detail=f" ({fmt_bytes(dd['peak'])} / {fmt_bytes(dd['pixel_bytes'])})",
             ),
             (
                 "  RSS growth during the call / pixel bytes",
@@ -393,11 +370,12 @@ def main() -> None:
                 "(info)",
                 "",
             ),
-            (
+            ratio_row(
                 f"  peak RSS / pixel bytes, batch {2 * BATCH}",
-                f"{big_ratio:.2f}x ({fmt_bytes(big['peak'])} / {fmt_bytes(big['pixel_bytes'])})",
-                f"<= {RSS_TARGET}x",
-                verdict(big_ratio, RSS_TARGET, higher_is_better=False),
+                big_ratio,
+                RSS_TARGET,
+                higher_is_better=False,
+                detail=f" ({fmt_bytes(big['peak'])} / {fmt_bytes(big['pixel_bytes'])})",
             ),
         ],
     )

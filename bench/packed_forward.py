@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt_bytes, machine_facts, print_table, verdict
+from _common import fmt_bytes, machine_facts, print_table, ratio_row
 from pack import make_ref
 
 from protocol.structs import MMRefs, TrainingSample
@@ -263,14 +263,7 @@ def main() -> None:
         print_table(
             "target",
             ("measure", "value", "target", "verdict"),
-            [
-                (
-                    "packed (cap 16k) vs one sample per forward",
-                    f"{ratio:.2f}x",
-                    f">= {TARGET}x",
-                    verdict(ratio, TARGET, higher_is_better=True),
-                )
-            ],
+            [ratio_row("packed (cap 16k) vs one sample per forward", ratio, TARGET)],
         )
     else:
         print("\n(no CUDA: smoke run only; the >= 2.5x target is measured on a GPU)")

@@ -43,6 +43,7 @@ from _common import (
     percentile,
     print_facts,
     print_table,
+    ratio_row,
     timeit,
     unique_photos,
     verdict,
@@ -491,14 +492,7 @@ def part_c(
             )
         ratio = refs.throughput / urls.throughput
         target = UNIQUE_TARGET if k == 1 else GROUP_TARGET
-        targets.append(
-            (
-                f"(c) throughput refs / data URLs, {scenario}",
-                f"{ratio:.2f}x",
-                f">= {target:.1f}x",
-                verdict(ratio, target, higher_is_better=True),
-            )
-        )
+        targets.append(ratio_row(f"(c) throughput refs / data URLs, {scenario}", ratio, target))
         targets.append(
             (
                 f"    API-server CPU per request, refs vs data URLs, {scenario}",
