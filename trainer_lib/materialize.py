@@ -128,10 +128,10 @@ def materialize(
     per_sample = [[r.ref for r in s.mm_refs.items] if s.mm_refs else [] for s in samples]
     unique = list(dict.fromkeys(ref for refs in per_sample for ref in refs))
     bodies = {ref: _raw_body(ref) for ref in unique}
-    for ref, body in bodies.items():  # family, fingerprint and payload: before any file is read
-        adapter.check_ref(body, ref=ref)
+    # family, fingerprint and payload, before any file is read; check_ref returns the claimed grid
+    grids = {ref: adapter.check_ref(body, ref=ref) for ref, body in bodies.items()}
     for i, sample in enumerate(samples):
-        _check_sample(i, sample, adapter, bodies, placeholder_token_id)
+        _check_sample(i, sample, adapter, grids, placeholder_token_id)
 
     def work(ref: str) -> ProcessedImage | MMRefError:
         try:
@@ -163,8 +163,7 @@ def materialize(
             result = results[ref]
             if isinstance(result, MMRefError):
                 if ref not in placeholders:
-                    grid = adapter.grid_from_payload(bodies[ref].payload, ref=ref)
-                    placeholders[ref] = adapter.synthesize_placeholder(grid)
+                    placeholders[ref] = adapter.synthesize_placeholder(grids[ref])
                 result = placeholders[ref]
                 zero = True
                 stats.placeholders += 1
@@ -201,12 +200,12 @@ def _check_sample(
     index: int,
     sample: TrainingSample,
     adapter: ImageAdapter,
-    bodies: dict[str, RawRefBody],
+    grids: dict[str, tuple[int, ...]],
     placeholder_token_id: int | None,
 ) -> None:
     refs = sample.mm_refs.items if sample.mm_refs else []
     for r in refs:
-        grid = adapter.grid_from_payload(bodies[r.ref].payload, ref=r.ref)
+        grid = grids[r.ref]
         if tuple(r.grid) != grid:
             raise GridMismatch(
                 f"sample {index}: RawMMRef grid {r.grid} != its ref's grid {list(grid)}", ref=r.ref
