@@ -176,16 +176,6 @@ def split_micro_batches(step: PackedStep, dp_size: int) -> list[PackedStep]:
     return [PackedStep(micro_batches=r, micro_batch_max_tokens=step.micro_batch_max_tokens) for r in ranks]
 
 
-def _entries(mb: PackedMicroBatch) -> list[PackEntry]:
-    out = []
-    for s in mb.slots:
-        synthetic = None
-        if s.num_images and mb.images[s.first_image].ref is None:
-            synthetic = mb.images[s.first_image].grid
-        out.append(PackEntry(s.sample, s.index, synthetic))
-    return out
-
-
 def balance_micro_batches(
     per_rank: Sequence[PackedStep],
     *,
@@ -216,6 +206,22 @@ def balance_micro_batches(
     cap = caps.pop()
     n_pix = max((sum(mb.has_pixels for mb in s.micro_batches) for s in per_rank), default=0)
     grid = None
+
+    def with_image_pad(entries: list[PackEntry], run_id: str, lora_id: str | None) -> PackedMicroBatch:
+        pad = image_pad_entry(
+            adapter,
+            grid=grid,
+            pad_token_id=pad_token_id,
+            placeholder_token_id=placeholder_token_id,
+            run_id=run_id,
+            lora_id=lora_id,
+        )
+        return build_micro_batch(
+            [*entries, pad],
+            placeholder_token_id=placeholder_token_id,
+            num_placeholders=adapter.num_placeholders,
+        )
+
     out_lists: list[list[PackedMicroBatch]] = []
     for rank, step in enumerate(per_rank):
         pix = [mb for mb in step.micro_batches if mb.has_pixels]
@@ -241,41 +247,17 @@ def balance_micro_batches(
                     and mb.num_tokens + pad_len <= cap
                     and not any(s.stray_placeholders for s in mb.slots)
                 ):
-                    pad = image_pad_entry(
-                        adapter,
-                        grid=grid,
-                        pad_token_id=pad_token_id,
-                        placeholder_token_id=placeholder_token_id,
-                        run_id=mb.run_id,
-                        lora_id=mb.lora_id,
-                    )
+                    # a text micro-batch: its slots carry no images
                     pix.append(
-                        build_micro_batch(
-                            [*_entries(mb), pad],
-                            placeholder_token_id=placeholder_token_id,
-                            num_placeholders=adapter.num_placeholders,
+                        with_image_pad(
+                            [PackEntry(s.sample, s.index) for s in mb.slots], mb.run_id, mb.lora_id
                         )
                     )
                     deficit -= 1
                 else:
                     kept.append(mb)
             text = kept
-            for _ in range(deficit):
-                pad = image_pad_entry(
-                    adapter,
-                    grid=grid,
-                    pad_token_id=pad_token_id,
-                    placeholder_token_id=placeholder_token_id,
-                    run_id=key[0],
-                    lora_id=key[1],
-                )
-                pix.append(
-                    build_micro_batch(
-                        [pad],
-                        placeholder_token_id=placeholder_token_id,
-                        num_placeholders=adapter.num_placeholders,
-                    )
-                )
+            pix += [with_image_pad([], *key) for _ in range(deficit)]
         out_lists.append(pix + text)
     total = max((len(mbs) for mbs in out_lists), default=0)
     steps = []
