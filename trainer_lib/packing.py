@@ -501,8 +501,7 @@ def _analyze(
         if num_placeholders is None:
             raise ValueError("a synthetic pad image needs num_placeholders (the adapter's)")
         count = _grid_count(num_placeholders, grid, position)
-        ids = np.asarray(s.input_ids, dtype=np.int64)
-        runs = locate_image_runs(ids, [], placeholder_token_id, counts=[count], sample=position)
+        runs = locate_image_runs(s.input_ids, [], placeholder_token_id, counts=[count], sample=position)
         return _Analysis(n, PIXELS, [(runs[0][0], runs[0][1], grid, None)])
     if not refs:
         if type_ids is not None and any(type_ids):
@@ -569,7 +568,6 @@ def plan_bins(
         room = {kind: np.full(m, -1, dtype=np.int64) for kind in (NEUTRAL, PIXELS, STRAY)}
         has_pix = [False] * m
         has_stray = [False] * m
-        rooms: list[int] = []
         bins: list[list[int]] = []
         max_room = -1  # upper bound on any open bin's room (refreshed when a search fails)
         for i in order:
@@ -586,13 +584,11 @@ def plan_bins(
             if j == nb:
                 bins.append([i])
                 left = cap - size if size <= cap else -1  # an oversized item closes its bin
-                rooms.append(left)
                 room[NEUTRAL][j] = room[PIXELS][j] = room[STRAY][j] = left
                 max_room = max(max_room, left)
             else:
                 bins[j].append(i)
-                left = rooms[j] - size
-                rooms[j] = left
+                left = int(room[NEUTRAL][j]) - size  # NEUTRAL room is the bin's true room
                 room[NEUTRAL][j] = left
                 if not has_stray[j]:
                     room[PIXELS][j] = left
