@@ -319,7 +319,6 @@ class PackedInputs:
     max_seqlen: int
     loss_mask: torch.Tensor
     """bool ``[L]``: the micro-batch's loss mask without each sample's first token (no prefix)."""
-    seq_lens: list[int]
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
     image_index: torch.Tensor | None = None
@@ -335,7 +334,6 @@ class PackedInputs:
             cu_seqlens=move(self.cu_seqlens),
             max_seqlen=self.max_seqlen,
             loss_mask=move(self.loss_mask),
-            seq_lens=self.seq_lens,
             pixel_values=move(self.pixel_values),
             image_grid_thw=move(self.image_grid_thw),
             image_index=move(self.image_index),
@@ -391,7 +389,6 @@ def packed_inputs(
         cu_seqlens=cu_seqlens(packed.seq_lens),
         max_seqlen=max(packed.seq_lens),
         loss_mask=torch.as_tensor(packed.micro_batch.loss_mask, dtype=torch.bool) & ~starts,
-        seq_lens=list(packed.seq_lens),
         pixel_values=pixel_values,
         image_grid_thw=grid,
         image_index=image_index if pixel_values is not None else None,
