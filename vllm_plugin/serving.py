@@ -317,11 +317,11 @@ class MMRefResolver:
         if not isinstance(mm_refs, list) or not mm_refs:
             raise InvalidRequest("mm_refs must be a non-empty list of refs")
         self._check_ref_count(len(mm_refs))
-        refs = [self._ref_string(r) for r in mm_refs]
-        resolved = await asyncio.gather(*(self.resolve(r) for r in refs))
-        for raw, item in zip(mm_refs, resolved, strict=True):
-            if isinstance(raw, dict):
-                self._check_declared(raw, item)
+        entries = [self._ref_entry(r) for r in mm_refs]
+        resolved = await asyncio.gather(*(self.resolve(e if isinstance(e, str) else e.ref) for e in entries))
+        for entry, item in zip(entries, resolved, strict=True):
+            if isinstance(entry, RawMMRef):
+                self._check_declared(entry, item)
         counts = [item.num_placeholders for item in resolved]
         ranges = locate_placeholders(token_ids, self.placeholder_token_id, counts)
         modality = self.adapter.vllm_modality
@@ -331,24 +331,21 @@ class MMRefResolver:
             "kwargs_data": {modality: [item.encoded for item in resolved]},
         }
 
-    def _ref_string(self, raw: Any) -> str:
+    @staticmethod
+    def _ref_entry(raw: Any) -> str | RawMMRef:
+        """An ``mm_refs`` entry: a ref string as is, an object converted (once) to a RawMMRef."""
         if isinstance(raw, str):
             return raw
         if isinstance(raw, dict):
-            return self._raw_ref(raw).ref
+            try:
+                return msgspec.convert(raw, RawMMRef)
+            except msgspec.ValidationError as e:
+                raise InvalidRef(f"mm_refs entry is not a RawMMRef: {e}") from e
         raise InvalidRequest(
             f"mm_refs entries must be ref strings or RawMMRef objects, got {type(raw).__name__}"
         )
 
-    @staticmethod
-    def _raw_ref(raw: dict[str, Any]) -> RawMMRef:
-        try:
-            return msgspec.convert(raw, RawMMRef)
-        except msgspec.ValidationError as e:
-            raise InvalidRef(f"mm_refs entry is not a RawMMRef: {e}") from e
-
-    def _check_declared(self, raw: dict[str, Any], item: ResolvedItem) -> None:
-        declared = self._raw_ref(raw)
+    def _check_declared(self, declared: RawMMRef, item: ResolvedItem) -> None:
         ref = declared.ref
         if list(item.grid) != list(declared.grid) or item.num_placeholders != declared.num_placeholders:
             raise PlaceholderMismatch(
