@@ -65,9 +65,9 @@ async def _read_body(request: Request, limit: int) -> dict[str, Any]:
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     try:
         if content_type in _MSGPACK_TYPES:
-            body = msgspec.msgpack.decode(bytes(raw))
+            body = msgspec.msgpack.decode(raw)  # msgspec reads the bytearray: no copy of the body
         else:
-            body = msgspec.json.decode(bytes(raw))
+            body = msgspec.json.decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:  # ~1000 nested levels
         kind = "msgpack" if content_type in _MSGPACK_TYPES else "JSON"
         raise InvalidRequest(f"body is not valid {kind}: {e}") from e
