@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from protocol.features import DEFAULT_MAX_FEATURE_BYTES
 from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
 from protocol.store import DEFAULT_MAX_IMAGE_BYTES, existing_asset_root
 
@@ -30,7 +31,7 @@ class PluginConfig(BaseSettings):
     """Threads that read and process images."""
     max_image_bytes: int = Field(default=DEFAULT_MAX_IMAGE_BYTES, ge=1)
     max_image_pixels: int = Field(default=DEFAULT_MAX_IMAGE_PIXELS, ge=1)
-    max_feature_bytes: int = Field(default=512 << 20, ge=1)
+    max_feature_bytes: int = Field(default=DEFAULT_MAX_FEATURE_BYTES, ge=1)
     """Largest ``mmfile`` feature file read."""
     max_body_bytes: int = Field(default=32 << 20, ge=1024)
     """Largest request body accepted (413 beyond)."""
