@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,7 +74,9 @@ def sweep_features(
                 except FileNotFoundError:
                     continue
                 report.scanned += 1
-                if now - st.st_mtime <= ttl_s or not path.is_file() or path.is_symlink():
+                if now - st.st_mtime <= ttl_s or not stat.S_ISREG(
+                    st.st_mode
+                ):  # lstat: a symlink is not S_ISREG
                     report.kept += 1
                     continue
                 if not dry_run:
