@@ -74,9 +74,8 @@ def sweep_features(
                 except FileNotFoundError:
                     continue
                 report.scanned += 1
-                if now - st.st_mtime <= ttl_s or not stat.S_ISREG(
-                    st.st_mode
-                ):  # lstat: a symlink is not S_ISREG
+                # lstat: a symlink (or anything but a regular file) is kept, never followed
+                if now - st.st_mtime <= ttl_s or not stat.S_ISREG(st.st_mode):
                     report.kept += 1
                     continue
                 if not dry_run:
