@@ -124,6 +124,16 @@ class EncodedTensor(msgspec.Struct, frozen=True, array_like=True, gc=False):
         return np.frombuffer(self.data, dtype=dtype).reshape(self.shape)
 
 
+def _check_token_arrays(obj: Any) -> int:
+    """``len(obj.input_ids)``, after checking ``loss_mask``/``advantages``/``inference_logprobs``
+    have that many entries (ValueError naming the first that does not)."""
+    n = len(obj.input_ids)
+    for name in ("loss_mask", "advantages", "inference_logprobs"):
+        if len(getattr(obj, name)) != n:
+            raise ValueError(f"{name} has {len(getattr(obj, name))} entries, input_ids {n}")
+    return n
+
+
 class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, omit_defaults=True):
     """One rollout sample as the trainer receives it. Per-token lists have one length."""
 
@@ -137,10 +147,7 @@ class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, om
     is_padding: bool = False
 
     def __post_init__(self) -> None:
-        n = len(self.input_ids)
-        for name in ("loss_mask", "advantages", "inference_logprobs"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"{name} has {len(getattr(self, name))} entries, input_ids {n}")
+        n = _check_token_arrays(self)
         if self.mm_refs is not None and self.mm_refs.mm_token_type_ids is not None:
             if len(self.mm_refs.mm_token_type_ids) != n:
                 raise ValueError("mm_token_type_ids must have one entry per input id")
@@ -174,10 +181,7 @@ class MicroBatch(msgspec.Struct, kw_only=True, array_like=True, gc=False, omit_d
     """The ``(run_id, lora_id)`` every packed sample shares (packing isolation)."""
 
     def __post_init__(self) -> None:
-        n = len(self.input_ids)
-        for name in ("loss_mask", "advantages", "inference_logprobs"):
-            if len(getattr(self, name)) != n:
-                raise ValueError(f"{name} has {len(getattr(self, name))} entries, input_ids {n}")
+        n = _check_token_arrays(self)
         if self.mm_token_type_ids is not None and len(self.mm_token_type_ids) != n:
             raise ValueError(f"mm_token_type_ids has {len(self.mm_token_type_ids)} entries, input_ids {n}")
         for name in ("images_per_sample", "is_padding"):
