@@ -24,6 +24,7 @@ Differences from upstream ``vllm/entrypoints/scale_out/token_in_token_out/servin
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import threading
 import time
@@ -153,6 +154,7 @@ class MMRefResolver:
         metrics.register_cache(self.cache)
         self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="mmref-resolve")
         self.pixel_mode = "raw" if device_normalize else "normalized"
+        self._layout = functools.lru_cache(maxsize=256)(self._layout)  # type: ignore[method-assign]
 
     # --- one ref ---------------------------------------------------------------------
 
@@ -257,32 +259,38 @@ class MMRefResolver:
             num_placeholders=expected,
         )
 
-    def _check_layout(self, item: Any, grid: tuple[int, ...], ref: str) -> None:
-        """The item must have exactly the fields, field kinds, shapes and (but for the pixels,
-        whose dtype follows the pixel mode) dtypes of the served model's item for ``grid``, built
-        from ``adapter.synthesize_placeholder(grid)`` with the model's own field config: vLLM does
-        not check rows against the grid, and a mismatch would fail inside the engine.
-
-        Raises:
-            CorruptFeature: naming the first field that differs.
-        """
+    def _layout(self, grid: tuple[int, ...]) -> dict[str, tuple[type, tuple[int, ...], Any]]:
+        """``{field: (field kind, shape, dtype)}`` of the served model's item for ``grid``, built from
+        ``adapter.synthesize_placeholder(grid)`` with the model's own field config (memoized per
+        grid in ``__init__``: it depends on nothing else)."""
         from transformers import BatchFeature
         from vllm.multimodal.inputs import MultiModalKwargsItems
 
         hf_inputs = BatchFeature(dict(self.adapter.synthesize_placeholder(grid).tensors))
-        (expected,) = MultiModalKwargsItems.from_hf_inputs(hf_inputs, self.fields_config(hf_inputs))[
+        (item,) = MultiModalKwargsItems.from_hf_inputs(hf_inputs, self.fields_config(hf_inputs))[
             self.adapter.vllm_modality
         ]
+        return {key: (type(e.field), tuple(e.data.shape), e.data.dtype) for key, e in item.items()}
+
+    def _check_layout(self, item: Any, grid: tuple[int, ...], ref: str) -> None:
+        """The item must have exactly the fields, field kinds, shapes and (but for the pixels,
+        whose dtype follows the pixel mode) dtypes of :meth:`_layout` for its grid: vLLM does not
+        check rows against the grid, and a mismatch would fail inside the engine.
+
+        Raises:
+            CorruptFeature: naming the first field that differs.
+        """
+        expected = self._layout(grid)
         if set(item) != set(expected):
             raise CorruptFeature(f"feature item fields {sorted(item)} != {sorted(expected)}", ref=ref)
-        for key, want in expected.items():
+        for key, (kind, shape, dtype) in expected.items():
             got = item[key]
-            same = tuple(got.data.shape) == tuple(want.data.shape) and type(got.field) is type(want.field)
-            if not same or (key != "pixel_values" and got.data.dtype != want.data.dtype):
+            same = tuple(got.data.shape) == shape and type(got.field) is kind
+            if not same or (key != "pixel_values" and got.data.dtype != dtype):
                 raise CorruptFeature(
                     f"feature item field {key!r} is {type(got.field).__name__} {got.data.dtype}"
-                    f"{list(got.data.shape)}; grid {list(grid)} needs {type(want.field).__name__} "
-                    f"{want.data.dtype}{list(want.data.shape)}",
+                    f"{list(got.data.shape)}; grid {list(grid)} needs {kind.__name__} "
+                    f"{dtype}{list(shape)}",
                     ref=ref,
                 )
 
