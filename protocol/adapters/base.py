@@ -150,6 +150,16 @@ class ImageAdapter(ABC):
 
     # --- shared behaviour -------------------------------------------------------------
 
+    def _processed(self, pixel_values: torch.Tensor, grid_tensor: torch.Tensor) -> ProcessedImage:
+        """One image's :class:`ProcessedImage` from its pixels and its ``[1, grid_len]`` int grid
+        tensor (stored under :attr:`grid_field`, as the HF processor names it)."""
+        grid = tuple(int(g) for g in grid_tensor[0])
+        return ProcessedImage(
+            tensors={"pixel_values": pixel_values, self.grid_field: grid_tensor},
+            grid=grid,
+            num_placeholders=self.num_placeholders(grid),
+        )
+
     def payload(self, grid: Sequence[int]) -> dict[str, list[int]]:
         """The adapter-owned ref payload for ``grid``."""
         return {self.grid_field: [int(g) for g in grid]}

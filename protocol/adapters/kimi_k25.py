@@ -138,25 +138,15 @@ class KimiK25Adapter(ImageAdapter):
             do_rescale=not device_normalize,
             do_normalize=not device_normalize,
         )
-        grid_thws = out["grid_thws"]
-        grid = tuple(int(g) for g in grid_thws[0])
-        return ProcessedImage(
-            tensors={"pixel_values": out["pixel_values"], "grid_thws": grid_thws},
-            grid=grid,
-            num_placeholders=self.num_placeholders(grid),
-        )
+        return self._processed(out["pixel_values"], out["grid_thws"])
 
     def synthesize_placeholder(self, grid: Sequence[int]) -> ProcessedImage:
         """Zero features for ``grid``: float32 pixels (the trainer's, normalized layout)."""
         p = int(self.cfg["patch_size"])
         t, h, w = (int(g) for g in grid)
-        return ProcessedImage(
-            tensors={
-                "pixel_values": torch.zeros((t * h * w, 3, p, p), dtype=torch.float32),
-                "grid_thws": torch.tensor([[t, h, w]], dtype=torch.int64),
-            },
-            grid=(t, h, w),
-            num_placeholders=self.num_placeholders((t, h, w)),
+        return self._processed(
+            torch.zeros((t * h * w, 3, p, p), dtype=torch.float32),
+            torch.tensor([[t, h, w]], dtype=torch.int64),
         )
 
     def placeholder_token_id(self, hf_config: Any) -> int:

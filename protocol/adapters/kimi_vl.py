@@ -252,24 +252,13 @@ class KimiVLAdapter(ImageAdapter):
                 "Kimi-VL has no mm_device_do_normalize in vLLM 0.32: pixels are always normalized"
             )
         out = self.image_processor.preprocess([image], return_tensors="pt")
-        grid_hws = out["image_grid_hws"]
-        grid = tuple(int(g) for g in grid_hws[0])
-        return ProcessedImage(
-            tensors={"pixel_values": out["pixel_values"], "image_grid_hws": grid_hws},
-            grid=grid,
-            num_placeholders=self.num_placeholders(grid),
-        )
+        return self._processed(out["pixel_values"], out["image_grid_hws"])
 
     def synthesize_placeholder(self, grid: Sequence[int]) -> ProcessedImage:
         p = self.image_processor.patch_size
         h, w = (int(g) for g in grid)
-        return ProcessedImage(
-            tensors={
-                "pixel_values": torch.zeros((h * w, 3, p, p), dtype=torch.float32),
-                "image_grid_hws": torch.tensor([[h, w]], dtype=torch.int64),
-            },
-            grid=(h, w),
-            num_placeholders=self.num_placeholders((h, w)),
+        return self._processed(
+            torch.zeros((h * w, 3, p, p), dtype=torch.float32), torch.tensor([[h, w]], dtype=torch.int64)
         )
 
     def placeholder_token_id(self, hf_config: Any) -> int:

@@ -78,25 +78,14 @@ class QwenVLAdapter(ImageAdapter):
         if self.backend == "torchvision":
             kwargs["device"] = self.device
         out = self.image_processor(images=[image], **kwargs)
-        grid_thw = out["image_grid_thw"]
-        grid = tuple(int(g) for g in grid_thw[0])
-        return ProcessedImage(
-            tensors={"pixel_values": out["pixel_values"], "image_grid_thw": grid_thw},
-            grid=grid,
-            num_placeholders=self.num_placeholders(grid),
-        )
+        return self._processed(out["pixel_values"], out["image_grid_thw"])
 
     def synthesize_placeholder(self, grid: Sequence[int]) -> ProcessedImage:
         p = self.image_processor
         t, h, w = (int(g) for g in grid)
         dim = 3 * p.temporal_patch_size * p.patch_size**2
-        return ProcessedImage(
-            tensors={
-                "pixel_values": torch.zeros((t * h * w, dim), dtype=torch.float32),
-                "image_grid_thw": torch.tensor([[t, h, w]], dtype=torch.int64),
-            },
-            grid=(t, h, w),
-            num_placeholders=self.num_placeholders(grid),
+        return self._processed(
+            torch.zeros((t * h * w, dim), dtype=torch.float32), torch.tensor([[t, h, w]], dtype=torch.int64)
         )
 
     def placeholder_token_id(self, hf_config: Any) -> int:
