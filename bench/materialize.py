@@ -59,7 +59,7 @@ COMPLETION = 16
 def make_batch(batch: int, group: int, adapter) -> list:
     """``batch`` samples; each run of ``group`` consecutive samples shares one distinct photo."""
     from protocol.adapters import offload_image
-    from protocol.prompt import expand_image_placeholders
+    from protocol.placeholders import expand_image_placeholders
     from protocol.structs import MMRefs, TrainingSample
 
     pad = adapter.placeholder_token_id(_hf_config())

@@ -37,7 +37,7 @@ WORKERS = 2
 
 
 def batch_of(batch: int, dup: int, refs: list) -> list:
-    from protocol.prompt import expand_image_placeholders
+    from protocol.placeholders import expand_image_placeholders
     from protocol.structs import MMRefs, TrainingSample
 
     samples = []

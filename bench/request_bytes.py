@@ -46,7 +46,7 @@ def main() -> None:
     from vllm.entrypoints.scale_out.token_in_token_out.mm_features import extract_mm_features
 
     from protocol.adapters import load_adapter, offload_image
-    from protocol.prompt import expand_image_placeholders
+    from protocol.placeholders import expand_image_placeholders
     from protocol.refs import parse_ref
 
     model = ensure_bench_model()

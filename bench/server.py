@@ -87,7 +87,7 @@ def build_resolver(model: Path, *, device_normalize: bool):
 
 def part_a(model: Path) -> list[tuple]:
     from protocol.adapters import offload_image
-    from protocol.prompt import expand_image_placeholders
+    from protocol.placeholders import expand_image_placeholders
 
     resolver, _, _ = build_resolver(model, device_normalize=True)
     refs = [offload_image(jpeg, bench_asset_root(), resolver.adapter) for jpeg in unique_photos(8)]
@@ -366,7 +366,7 @@ def part_c(
     from transformers import AutoTokenizer
 
     from protocol.adapters import load_adapter, offload_image
-    from protocol.prompt import expand_image_placeholders
+    from protocol.placeholders import expand_image_placeholders
     from vllm_server import start_server
 
     adapter = load_adapter(model)

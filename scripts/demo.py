@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from make_tiny_models import ensure_tiny_model
 from protocol.adapters import load_adapter, offload_image
-from protocol.prompt import expand_image_placeholders
+from protocol.placeholders import expand_image_placeholders
 from protocol.refs import file_uri_to_path, parse_ref
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
 from trainer_lib import materialize

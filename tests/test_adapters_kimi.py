@@ -43,10 +43,9 @@ from protocol.adapters import (
 from protocol.adapters.kimi_vl import kimi_vl_target_size
 from protocol.errors import ImageUnreadable, InvalidRef
 from protocol.images import load_image
-from protocol.prompt import expand_image_placeholders
+from protocol.placeholders import expand_image_placeholders, locate_image_runs
 from protocol.refs import RawRefBody, format_mmraw, parse_ref
 from protocol.store import AssetStore
-from vllm_plugin.serving import locate_placeholders
 
 MEDIA_PAD = "<|media_pad|>"
 
@@ -250,7 +249,7 @@ def check_against_vllm(
     assert ref.num_placeholders == placeholder.length
     expanded = expand_image_placeholders(prompt, [ref], token_id)
     assert expanded == list(out["prompt_token_ids"])
-    assert locate_placeholders(expanded, token_id, [ref.num_placeholders]) == [
+    assert locate_image_runs(expanded, [], token_id, counts=[ref.num_placeholders]) == [
         (placeholder.offset, placeholder.length)
     ]
 
@@ -294,7 +293,8 @@ def test_k25_three_images_in_one_prompt(k25_default, k25_trainer, k25_dir, tmp_p
     expanded = expand_image_placeholders(prompt, refs, token_id)
     assert expanded == list(out["prompt_token_ids"])
     counts = [r.num_placeholders for r in refs]
-    assert locate_placeholders(expanded, token_id, counts) == [(p.offset, p.length) for p in placeholders]
+    ranges = locate_image_runs(expanded, [], token_id, counts=counts)
+    assert ranges == [(p.offset, p.length) for p in placeholders]
 
 
 @pytest.mark.parametrize("size", GRID_SIZES, ids=[f"{w}x{h}" for w, h in GRID_SIZES])

@@ -36,10 +36,9 @@ from protocol.adapters import (
 )
 from protocol.errors import FingerprintMismatch, ImageUnreadable, InvalidRef, UnsupportedFamily
 from protocol.images import load_image
-from protocol.prompt import expand_image_placeholders
+from protocol.placeholders import expand_image_placeholders, locate_image_runs
 from protocol.refs import RawRefBody, format_mmraw, parse_ref
 from protocol.store import AssetStore
-from vllm_plugin.serving import locate_placeholders
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 IMAGE_PAD = "<|image_pad|>"
@@ -245,7 +244,7 @@ def test_process_matches_vllm(case, family, oracle, trainer_adapter, tokenizer, 
     assert ref.num_placeholders == placeholder.length
     expanded = expand_image_placeholders(prompt, [ref], image_token_id)
     assert expanded == list(out["prompt_token_ids"])
-    assert locate_placeholders(expanded, image_token_id, [ref.num_placeholders]) == [
+    assert locate_image_runs(expanded, [], image_token_id, counts=[ref.num_placeholders]) == [
         (placeholder.offset, placeholder.length)
     ]
 
@@ -269,7 +268,7 @@ def test_four_images_in_one_prompt_match_vllm(oracle, trainer_adapter, tokenizer
     expanded = expand_image_placeholders(prompt, refs, image_token_id)
     assert expanded == list(out["prompt_token_ids"])
     counts = [r.num_placeholders for r in refs]
-    assert locate_placeholders(expanded, image_token_id, counts) == [
+    assert locate_image_runs(expanded, [], image_token_id, counts=counts) == [
         (p.offset, p.length) for p in placeholders
     ]
 
@@ -283,7 +282,7 @@ def test_adjacent_images_match_vllm(default_oracle, trainer_adapter, image_token
     refs = [offload_image(d, tmp_path, trainer_adapter) for d in datas]
     expanded = expand_image_placeholders(prompt, refs, image_token_id)
     assert expanded == list(out["prompt_token_ids"])
-    ranges = locate_placeholders(expanded, image_token_id, [r.num_placeholders for r in refs])
+    ranges = locate_image_runs(expanded, [], image_token_id, counts=[r.num_placeholders for r in refs])
     assert ranges == [(p.offset, p.length) for p in out["mm_placeholders"]["image"]]
     assert ranges[0][0] + ranges[0][1] == ranges[1][0]  # one run, two images
 

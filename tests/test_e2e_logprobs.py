@@ -11,7 +11,7 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from helpers import photo_bytes
 from protocol.adapters import offload_image
-from protocol.prompt import expand_image_placeholders
+from protocol.placeholders import expand_image_placeholders
 from protocol.structs import MMRefs, TrainingSample
 from trainer_lib import prepare_model_for_packing
 from trainer_lib.mismatch import logprob_mismatch, recompute_logprobs

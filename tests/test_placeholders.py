@@ -1,5 +1,5 @@
 """Placeholder arithmetic: ``vllm_plugin.serving.locate_placeholders`` / ``check_range`` and
-``protocol.prompt.expand_image_placeholders``."""
+``protocol.placeholders.expand_image_placeholders``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.errors import InvalidRequest, PlaceholderMismatch
-from protocol.prompt import expand_image_placeholders
+from protocol.placeholders import check_range, expand_image_placeholders, locate_image_runs
 from protocol.structs import RawMMRef
-from vllm_plugin.serving import check_range, locate_placeholders
 
 P = 261  # <|image_pad|> of the tiny Qwen models
 T = 7  # some text token
@@ -28,29 +27,29 @@ def ref(n: int) -> RawMMRef:
     )
 
 
-# --- locate_placeholders ----------------------------------------------------------------------
+# --- locate_image_runs --------------------------------------------------------------------------
 
 
 def test_adjacent_images_in_one_run_are_split_by_counts():
     ids = [T, P, P, P, P, P, T]
-    assert locate_placeholders(ids, P, [2, 3]) == [(1, 2), (3, 3)]
-    assert locate_placeholders(ids, P, [3, 2]) == [(1, 3), (4, 2)]
-    assert locate_placeholders(ids, P, [1, 1, 1, 1, 1]) == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
+    assert locate_image_runs(ids, [], P, counts=[2, 3]) == [(1, 2), (3, 3)]
+    assert locate_image_runs(ids, [], P, counts=[3, 2]) == [(1, 3), (4, 2)]
+    assert locate_image_runs(ids, [], P, counts=[1, 1, 1, 1, 1]) == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1)]
 
 
 def test_images_in_separate_runs():
     ids = [P, P, T, T, P, P, P, T, P]
-    assert locate_placeholders(ids, P, [2, 3, 1]) == [(0, 2), (4, 3), (8, 1)]
+    assert locate_image_runs(ids, [], P, counts=[2, 3, 1]) == [(0, 2), (4, 3), (8, 1)]
 
 
 def test_mixed_runs():
     ids = [T, P, P, P, T, P, P]
-    assert locate_placeholders(ids, P, [1, 2, 2]) == [(1, 1), (2, 2), (5, 2)]
+    assert locate_image_runs(ids, [], P, counts=[1, 2, 2]) == [(1, 1), (2, 2), (5, 2)]
 
 
 def test_no_images_no_placeholders():
-    assert locate_placeholders([T, T, T], P, []) == []
-    assert locate_placeholders([], P, []) == []
+    assert locate_image_runs([T, T, T], [], P, counts=[]) == []
+    assert locate_image_runs([], [], P, counts=[]) == []
 
 
 @pytest.mark.parametrize(
@@ -64,10 +63,10 @@ def test_no_images_no_placeholders():
 )
 def test_count_mismatch_names_token_and_counts(ids, counts, found):
     with pytest.raises(PlaceholderMismatch) as info:
-        locate_placeholders(ids, P, counts)
+        locate_image_runs(ids, [], P, counts=counts)
     message = str(info.value)
     assert f"id {P}" in message
-    assert f"{found} placeholder" in message
+    assert f"{found} image placeholder" in message
     assert str(sum(counts)) in message
     assert info.value.code == "placeholder_mismatch"
     assert info.value.http_status == 422
@@ -85,7 +84,7 @@ def test_count_mismatch_names_token_and_counts(ids, counts, found):
 def test_image_spanning_two_runs_is_refused(ids, counts):
     assert sum(1 for t in ids if t == P) == sum(counts)  # totals agree; only the split is wrong
     with pytest.raises(PlaceholderMismatch, match="placeholder tokens"):
-        locate_placeholders(ids, P, counts)
+        locate_image_runs(ids, [], P, counts=counts)
 
 
 # --- check_range ------------------------------------------------------------------------------
@@ -198,7 +197,7 @@ def test_expand_then_locate_round_trips(counts, texts):
 
     expanded = expand_image_placeholders(prompt, [ref(n) for n in counts], P)
     assert len(expanded) == expanded_len
-    ranges = locate_placeholders(expanded, P, counts)
+    ranges = locate_image_runs(expanded, [], P, counts=counts)
 
     assert ranges == list(zip(where, counts, strict=True))
     assert [n for _, n in ranges] == list(counts)

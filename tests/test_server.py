@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from protocol.prompt import expand_image_placeholders
+from protocol.placeholders import expand_image_placeholders
 from protocol.refs import file_uri_to_path, format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample
 from trainer_lib import materialize

@@ -12,6 +12,7 @@
 - :class:`MaterializeConfig` — ``MMREF_*`` settings (:mod:`trainer_lib.config`).
 """
 
+from protocol.placeholders import locate_image_runs
 from trainer_lib.config import MaterializeConfig
 from trainer_lib.distributed import RankFailed, check_all_ranks, fail_fast
 from trainer_lib.forward import (
@@ -37,7 +38,6 @@ from trainer_lib.packing import (
     PackEntry,
     SampleSlot,
     check_placeholder_alignment,
-    locate_image_runs,
     pack_samples,
     rebuild_micro_batch,
 )

@@ -39,6 +39,7 @@ import msgspec
 import numpy as np
 
 from protocol.errors import PlaceholderMismatch
+from protocol.placeholders import locate_image_runs
 from protocol.structs import MicroBatch, MMRefs, RawMMRef, TrainingSample
 
 __all__ = [
@@ -52,7 +53,6 @@ __all__ = [
     "SampleSlot",
     "build_micro_batch",
     "check_placeholder_alignment",
-    "locate_image_runs",
     "pack_samples",
     "plan_bins",
     "rebuild_micro_batch",
@@ -273,126 +273,6 @@ def resolve_cap(seq_len: int, micro_batch_max_tokens: int | None = None) -> int:
             f"micro_batch_max_tokens {cap} is larger than seq_len {seq_len}; it must be <= seq_len"
         )
     return cap
-
-
-def locate_image_runs(
-    input_ids: Sequence[int],
-    refs: Sequence[RawMMRef],
-    placeholder_token_id: int,
-    *,
-    mm_token_type_ids: Sequence[int] | None = None,
-    counts: Sequence[int] | None = None,
-    sample: int | None = None,
-) -> list[tuple[int, int]]:
-    """Find each image's placeholder run in one sample: ``[(start, length)]`` in prompt order.
-
-    Image tokens are where ``mm_token_type_ids == 1`` when given (a text token that happens to
-    equal the placeholder id is not an image), else where ``input_ids == placeholder_token_id``.
-    Each contiguous run is split by the images' counts in order, so adjacent images sharing one
-    run are separated (vLLM's placeholder ranges do the same).
-
-    Args:
-        counts: placeholder tokens per image; default ``ref.num_placeholders``.
-        sample: the sample's position, for error messages.
-
-    Raises:
-        PlaceholderMismatch: typed positions that are not the placeholder token, placeholder
-            tokens typed as text in a sample with images (the model would scatter into them),
-            or runs that do not split into the counts. The message names the token id and
-            both counts; ``ref`` is the first image's ref.
-    """
-    counts = [r.num_placeholders for r in refs] if counts is None else list(counts)
-    fast = _runs_fast(input_ids, mm_token_type_ids, placeholder_token_id, counts)
-    if fast is not None:
-        return fast
-    where = f"sample {sample}: " if sample is not None else ""
-    first_ref = refs[0].ref if refs else None
-    ids = np.asarray(input_ids, dtype=np.int64)
-    is_tok = ids == placeholder_token_id
-    if mm_token_type_ids is not None:
-        types = np.asarray(mm_token_type_ids, dtype=np.int8)
-        if types.shape != ids.shape:
-            raise PlaceholderMismatch(
-                f"{where}{types.size} mm_token_type_ids for {ids.size} input ids", ref=first_ref
-            )
-        mask = types == 1
-        bad = np.flatnonzero(mask & ~is_tok)
-        if bad.size:
-            raise PlaceholderMismatch(
-                f"{where}mm_token_type_ids marks position {int(bad[0])} as image but its id is "
-                f"{int(ids[bad[0]])}, not the placeholder token {placeholder_token_id}",
-                ref=first_ref,
-            )
-        stray = np.flatnonzero(is_tok & ~mask)
-        if stray.size and refs:
-            raise PlaceholderMismatch(
-                f"{where}{stray.size} placeholder token(s) (id {placeholder_token_id}) typed as text "
-                f"(first at {int(stray[0])}) in a sample with images: the model locates images by "
-                f"token id and would scatter {int(is_tok.sum())} rows for {int(mask.sum())} image tokens",
-                ref=first_ref,
-            )
-    else:
-        mask = is_tok
-    n_image = int(mask.sum())
-    if n_image != sum(counts):
-        raise PlaceholderMismatch(
-            f"{where}{n_image} image placeholder tokens (id {placeholder_token_id}) for {len(counts)} "
-            f"image(s) needing {sum(counts)} ({counts})",
-            ref=first_ref,
-        )
-    if not counts:
-        return []
-    edges = np.flatnonzero(np.diff(np.concatenate(([False], mask, [False])).astype(np.int8)))
-    spans: list[tuple[int, int]] = []
-    k = 0
-    for run_start, run_end in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
-        pos = run_start
-        while pos < run_end:
-            c = counts[k]
-            if pos + c > run_end:
-                raise PlaceholderMismatch(
-                    f"{where}a run of {run_end - run_start} placeholder tokens (id {placeholder_token_id}) "
-                    f"at {run_start} does not split into the images' counts {counts}",
-                    ref=refs[k].ref if k < len(refs) else first_ref,
-                )
-            spans.append((pos, c))
-            pos += c
-            k += 1
-    return spans
-
-
-def _runs_fast(
-    input_ids: Sequence[int], types: Sequence[int] | None, tok: int, counts: list[int]
-) -> list[tuple[int, int]] | None:
-    """:func:`locate_image_runs` for well-formed list inputs with C-level list operations; None
-    when anything is off (the numpy path then finds and names the problem).
-
-    Each image takes the first unconsumed image token and the ``count`` tokens after it, which
-    must all be image tokens; with the totals equal, the blocks tile every run exactly.
-    """
-    if not isinstance(input_ids, list) or (types is not None and not isinstance(types, list)):
-        return None
-    total = sum(counts)
-    if types is None:
-        mask, on = input_ids, tok
-    else:
-        if len(types) != len(input_ids) or input_ids.count(tok) != total:
-            return None
-        mask, on = types, 1
-    if mask.count(on) != total:
-        return None
-    spans = []
-    pos = 0
-    for c in counts:
-        try:
-            i = mask.index(on, pos)
-        except ValueError:
-            return None
-        if mask[i : i + c].count(on) != c or (types is not None and input_ids[i : i + c].count(tok) != c):
-            return None
-        spans.append((i, c))
-        pos = i + c
-    return spans
 
 
 def check_placeholder_alignment(

@@ -28,7 +28,6 @@ import functools
 import hashlib
 import threading
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +45,7 @@ from protocol.errors import (
     PlaceholderMismatch,
 )
 from protocol.features import read_feature_item
+from protocol.placeholders import check_range, locate_image_runs
 from protocol.refs import FileRef, RawRefBody, is_ref, parse_ref
 from protocol.store import AssetStore
 from protocol.structs import RawMMRef
@@ -53,7 +53,7 @@ from vllm_plugin import metrics
 from vllm_plugin.cache import ByteBudgetLRU
 from vllm_plugin.config import PluginConfig
 
-__all__ = ["MMRefResolver", "ResolvedItem", "locate_placeholders"]
+__all__ = ["MMRefResolver", "ResolvedItem"]
 
 _codecs = threading.local()
 ENGINE_HASH_PREFIX = "mmref-"
@@ -331,7 +331,7 @@ class MMRefResolver:
             if isinstance(entry, RawMMRef):
                 self._check_declared(entry, item)
         counts = [item.num_placeholders for item in resolved]
-        ranges = locate_placeholders(token_ids, self.placeholder_token_id, counts)
+        ranges = locate_image_runs(token_ids, [], self.placeholder_token_id, counts=counts)
         modality = self.adapter.vllm_modality
         return {
             "mm_hashes": {modality: [item.engine_hash for item in resolved]},
@@ -449,69 +449,3 @@ class MMRefResolver:
                 f"cache-only item {mm_hash[:64]!r} is not in this server's processor cache; "
                 "send the item or a ref"
             )
-
-
-def check_range(
-    token_ids: Sequence[int], placeholder: dict[str, Any], token_id: int, expected: int, ref: str
-) -> None:
-    """Check one ``{offset, length}`` range: in bounds, all placeholder tokens, ``expected`` long.
-
-    Raises:
-        PlaceholderMismatch: naming the offset, both lengths and the token id.
-    """
-    try:
-        offset, length = int(placeholder["offset"]), int(placeholder["length"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise InvalidRequest(f"mm_placeholders entries need integer offset and length: {e}") from e
-    if length != expected:
-        raise PlaceholderMismatch(
-            f"placeholder range at {offset} has length {length}, the image needs {expected}", ref=ref
-        )
-    window = token_ids[offset : offset + length] if offset >= 0 else []
-    if len(window) != length or any(t != token_id for t in window):
-        raise PlaceholderMismatch(
-            f"tokens {offset}..{offset + length} are not all placeholder id {token_id}", ref=ref
-        )
-
-
-def locate_placeholders(
-    token_ids: Sequence[int], token_id: int, counts: Sequence[int]
-) -> list[tuple[int, int]]:
-    """Find each image's ``(offset, length)`` in a prompt of expanded placeholder runs.
-
-    Runs of ``token_id`` are consumed in order; a run may hold several adjacent images
-    (split by ``counts``), but an image never spans two runs.
-
-    Raises:
-        PlaceholderMismatch: the runs do not split exactly into ``counts`` (too few, too many,
-            or an image without placeholders), naming the token id and both counts.
-    """
-    runs: list[list[int]] = []  # [start, length]
-    for pos, tok in enumerate(token_ids):
-        if tok == token_id:
-            if runs and runs[-1][0] + runs[-1][1] == pos:
-                runs[-1][1] += 1
-            else:
-                runs.append([pos, 1])
-    total = sum(length for _, length in runs)
-    if total != sum(counts):
-        raise PlaceholderMismatch(
-            f"prompt has {total} placeholder tokens (id {token_id}) in {len(runs)} run(s); "
-            f"{len(counts)} image(s) need {sum(counts)} ({list(counts)}); "
-            "send expanded placeholders, one run of num_placeholders per image"
-        )
-    out: list[tuple[int, int]] = []
-    run_iter = iter(runs)
-    start, left = 0, 0
-    for n in counts:
-        if n <= 0:
-            raise PlaceholderMismatch(f"image {len(out)} has a placeholder count of {n}; counts must be >= 1")
-        if left == 0:
-            start, left = next(run_iter)
-        if n > left:
-            raise PlaceholderMismatch(
-                f"image {len(out)} needs {n} placeholder tokens but its run at {start} has {left}"
-            )
-        out.append((start, n))
-        start, left = start + n, left - n
-    return out
