@@ -11,6 +11,7 @@ Imports torch and transformers (unlike the rest of :mod:`protocol`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -131,6 +132,11 @@ class ImageAdapter(ABC):
         """Placeholder tokens one image with this grid takes in the prompt."""
 
     @abstractmethod
+    def grid_limits(self) -> tuple[tuple[int, ...], int]:
+        """``(per-axis maxima, most patches)``: an upper bound on every grid the processor can
+        produce, from its own size limits (what :meth:`check_grid` enforces)."""
+
+    @abstractmethod
     def process(self, image: Image.Image, *, device_normalize: bool = False) -> ProcessedImage:
         """Run the HF image processor on one RGB image.
 
@@ -165,10 +171,11 @@ class ImageAdapter(ABC):
         return {self.grid_field: [int(g) for g in grid]}
 
     def grid_from_payload(self, payload: Mapping[str, Any], *, ref: str | None = None) -> tuple[int, ...]:
-        """Read and validate the grid a ref payload claims.
+        """Read and validate the grid a ref payload claims (bounded by :meth:`check_grid`).
 
         Raises:
             InvalidRef: missing/extra keys or a grid that is not positive ints of the right length.
+            GridMismatch: a grid larger than the processor can produce.
         """
         grid = payload.get(self.grid_field) if set(payload) == {self.grid_field} else None
         if (
@@ -181,7 +188,33 @@ class ImageAdapter(ABC):
                 f"got {str(dict(payload))[:120]}",
                 ref=ref,
             )
-        return tuple(grid)
+        return self.check_grid(grid, ref=ref)
+
+    def check_grid(self, grid: Sequence[int], *, ref: str | None = None) -> tuple[int, ...]:
+        """Bound a claimed grid before anything is sized by it (a stand-in image, an item layout).
+
+        Every grid the processor can produce passes (its per-axis maxima and patch total from
+        :meth:`grid_limits`); a forged ``[1, 2048, 2048]`` does not, so no tensor is ever
+        allocated for it.
+
+        Returns:
+            The grid as a tuple of ints.
+
+        Raises:
+            GridMismatch: wrong length, an entry < 1, an axis or the patch total over the limits.
+        """
+        axes, most = self.grid_limits()
+        values = tuple(grid)
+        if len(values) != self.grid_len or not all(type(g) is int and g >= 1 for g in values):
+            raise GridMismatch(f"{self.grid_field} must be {self.grid_len} positive ints", ref=ref)
+        patches = math.prod(values)
+        if any(g > m for g, m in zip(values, axes, strict=True)) or patches > most:
+            raise GridMismatch(
+                f"{self.grid_field} {list(values)} ({patches} patches) exceeds what the {self.family} "
+                f"processor can produce (per axis at most {list(axes)}, {most} patches in all)",
+                ref=ref,
+            )
+        return values
 
     grid_len: ClassVar[int] = 3
     """Entries in one image's grid (Qwen ``[t, h, w]``: 3; Kimi-VL ``[h, w]``: 2)."""

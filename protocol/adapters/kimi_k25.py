@@ -125,6 +125,14 @@ class KimiK25Adapter(ImageAdapter):
         merge = int(self.cfg["merge_kernel_size"])
         return (h // merge) * (w // merge)
 
+    def grid_limits(self) -> tuple[tuple[int, int, int], int]:
+        """One frame; sides of at most ``patch_limit_on_one_side`` patches plus the padding to a
+        merge unit; ``in_patch_limit`` patches, with slack for ``navit_resize_image`` measuring
+        the limit in whole patches (``width // patch_size``), up to 2x for a side under 2 patches."""
+        merge = int(self.cfg["merge_kernel_size"])
+        side = int(self.cfg["patch_limit_on_one_side"]) + merge - 1
+        return (1, side, side), 2 * int(self.cfg["in_patch_limit"]) + 2 * (merge - 1) * side
+
     def process(self, image: Image.Image, *, device_normalize: bool = False) -> ProcessedImage:
         """Run the processor on one RGB image as vLLM's ``KimiK25Processor`` does.
 

@@ -239,6 +239,15 @@ class KimiVLAdapter(ImageAdapter):
         kh, kw = self.image_processor.merge_kernel_size
         return (h // kh) * (w // kw)
 
+    def grid_limits(self) -> tuple[tuple[int, int], int]:
+        """Sides below :data:`POS_EMB_LIMIT` patches; at most ``in_token_limit`` patches before
+        padding, which adds fewer than one merge unit per side (:func:`kimi_vl_target_size`)."""
+        p = self.image_processor
+        side = POS_EMB_LIMIT - 1
+        kh, kw = p.merge_kernel_size if p.pad_input else (1, 1)
+        most = p.in_token_limit + (kh - 1) * side + (kw - 1) * side + (kh - 1) * (kw - 1)
+        return (side, side), most
+
     def process(self, image: Image.Image, *, device_normalize: bool = False) -> ProcessedImage:
         """Run the processor on one RGB image.
 

@@ -12,6 +12,7 @@ or ``Qwen2VLImageProcessorPil`` (PIL backend) with different configs (Qwen2/2.5:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -21,7 +22,11 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 from protocol.adapters.base import ImageAdapter, ProcessedImage
 
-__all__ = ["QwenVLAdapter"]
+__all__ = ["MAX_RATIO", "QwenVLAdapter"]
+
+MAX_RATIO = 200
+"""``smart_resize`` refuses images whose aspect ratio exceeds this (transformers
+``image_processing_pil_qwen2_vl.py``)."""
 
 _PIXEL_FIELDS = (
     "do_resize",
@@ -70,6 +75,20 @@ class QwenVLAdapter(ImageAdapter):
     def num_placeholders(self, grid: Sequence[int]) -> int:
         t, h, w = grid
         return t * h * w // self.image_processor.merge_size**2
+
+    def grid_limits(self) -> tuple[tuple[int, int, int], int]:
+        """One frame (an image is one temporal patch); sides and pixels as transformers'
+        ``smart_resize`` can produce them: at most max pixels (``size["longest_edge"]``), except
+        where it forces a side up to one factor (``patch * merge``) at an aspect ratio of up to
+        :data:`MAX_RATIO`, or rounds up to reach min pixels (``size["shortest_edge"]``)."""
+        p = self.image_processor
+        f = p.patch_size * p.merge_size
+        lo, hi = p.size["shortest_edge"], p.size["longest_edge"]
+        long_px = max(hi // f, math.isqrt(MAX_RATIO * hi) + 1, math.isqrt(MAX_RATIO * lo) + 1 + f)
+        forced = f * (math.isqrt(MAX_RATIO * hi) + 1)  # one side forced up to f
+        rounded_up = lo + f * (long_px + math.isqrt(lo) + 1) + f * f  # ceil() of both sides
+        most_px = max(hi, forced, rounded_up)
+        return (1, long_px // p.patch_size, long_px // p.patch_size), most_px // p.patch_size**2
 
     def process(self, image: Image.Image, *, device_normalize: bool = False) -> ProcessedImage:
         kwargs: dict[str, Any] = {"return_tensors": "pt"}
