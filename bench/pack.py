@@ -38,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from protocol.refs import RawRefBody, format_mmraw
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
-from trainer_lib.packing import NEUTRAL, PIXELS, STRAY, pack_samples, plan_bins
-from trainer_lib.padding import plan_step
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, plan_bins
+from trainer_lib.packing import pack_samples
+from trainer_lib.plan import plan_step
 
 SEQ_LEN = 16384
 TOK, PAD, V_START, V_END = 261, 256, 259, 260

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import os
 import time
 import types
 
@@ -25,20 +24,19 @@ from protocol.adapters import load_adapter, offload_image
 from protocol.refs import format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample, decode_microbatch, encode
 from trainer_lib import materialize
-from trainer_lib.forward import (
+from trainer_lib.attention import (
     VARLEN_ATTENTION,
-    PackedInputs,
     PackingUnsupported,
     check_packable,
-    materialize_micro_batch,
-    packed_inputs,
-    packed_logprobs,
     prepare_model_for_packing,
     select_backend,
 )
+from trainer_lib.forward import packed_logprobs
+from trainer_lib.materialize import materialize_micro_batch
+from trainer_lib.model_inputs import PackedInputs, packed_inputs
 from trainer_lib.packing import pack_samples, rebuild_micro_batch
-from trainer_lib.padding import balance_micro_batches
 from trainer_lib.positions import build_position_ids, cu_seqlens, rope_index_fn, text_position_ids
+from trainer_lib.ranks import balance_micro_batches
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 IM_START, IM_END, V_START, V_END, PAD = 257, 258, 259, 260, 256
@@ -299,7 +297,7 @@ def test_varlen_backend_plumbing_on_cpu(families, monkeypatch, kernel):
     """The CUDA backend's transformers wiring (AttentionInterface + AttentionMaskInterface, cu_seqlens
     passed once, GQA, [1,H,L,D] <-> [L,H,D] layouts) on CPU, a CPU kernel in place of varlen_attn,
     for both ``varlen_attn`` signatures torch has shipped."""
-    import trainer_lib.forward as fw
+    import trainer_lib.attention as fw
 
     calls = []
 
@@ -328,7 +326,7 @@ def test_varlen_backend_plumbing_on_cpu(families, monkeypatch, kernel):
 
 
 def test_varlen_refuses_a_scale_the_kernel_cannot_take(monkeypatch):
-    import trainer_lib.forward as fw
+    import trainer_lib.attention as fw
 
     monkeypatch.setattr(fw, "_varlen_kernel", lambda: varlen_older)
     q = torch.zeros(1, 2, 5, 32)
@@ -495,10 +493,10 @@ def test_gpu_refuses_sdpa_for_packed_batches(families):
 
 
 def test_module_imports_without_cuda():
-    """forward.py is import-safe on CPU: the varlen kernel is imported only when a packed CUDA batch runs."""
-    import trainer_lib.forward as fw
+    """The attention module is import-safe on CPU: the varlen kernel is imported only when a packed CUDA
+    batch runs, and registering it with transformers works without CUDA."""
+    import trainer_lib.attention as fw
 
-    assert os.path.basename(fw.__file__) == "forward.py"
     assert fw.register_varlen_attention() == VARLEN_ATTENTION
 
 

@@ -15,27 +15,15 @@ from hypothesis import strategies as st
 from test_errors import _isort_style_key, _public_top_level_names
 
 from protocol.errors import PlaceholderMismatch
+from protocol.placeholders import locate_image_runs
 from protocol.refs import RawRefBody, format_mmraw
 from protocol.structs import MMRefs, RawMMRef, TrainingSample, decode_microbatch, encode
-from trainer_lib.packing import (
-    NEUTRAL,
-    PIXELS,
-    STRAY,
-    check_placeholder_alignment,
-    locate_image_runs,
-    pack_samples,
-    plan_bins,
-    rebuild_micro_batch,
-    resolve_cap,
-)
-from trainer_lib.padding import (
-    balance_micro_batches,
-    minimal_pad_grid,
-    pad_samples,
-    padded_sample_count,
-    plan_step,
-    split_micro_batches,
-)
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, plan_bins, resolve_cap
+from trainer_lib.model_inputs import check_placeholder_alignment
+from trainer_lib.packing import pack_samples, rebuild_micro_batch
+from trainer_lib.padding import minimal_pad_grid, pad_samples, padded_sample_count
+from trainer_lib.plan import plan_step
+from trainer_lib.ranks import balance_micro_batches, split_micro_batches
 
 TOK = 261  # <|image_pad|> of the tiny models
 PAD = 256  # <|endoftext|>
@@ -609,11 +597,17 @@ def test_balance_gives_every_rank_a_vision_run_with_a_synthetic_pad(qwen2_vl_ada
 
 TRAINER_MODULES = [
     "trainer_lib",
+    "trainer_lib.attention",
+    "trainer_lib.bins",
+    "trainer_lib.distributed",
+    "trainer_lib.forward",
+    "trainer_lib.micro_batch",
+    "trainer_lib.model_inputs",
     "trainer_lib.packing",
     "trainer_lib.padding",
+    "trainer_lib.plan",
     "trainer_lib.positions",
-    "trainer_lib.forward",
-    "trainer_lib.distributed",
+    "trainer_lib.ranks",
 ]
 
 

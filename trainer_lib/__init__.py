@@ -1,56 +1,51 @@
 """Trainer-side library: rematerialize features from refs, pack micro-batches, run the packed forward.
 
-- :func:`materialize` — features from refs (:mod:`trainer_lib.materialize`).
-- :func:`pack_samples`, :func:`check_placeholder_alignment`, :func:`rebuild_micro_batch` — micro-batches
-  (:mod:`trainer_lib.packing`).
-- :func:`plan_step`, :func:`pad_samples`, :func:`balance_micro_batches` — padding and dp balance
-  (:mod:`trainer_lib.padding`).
+One module per stage, in data order (docs/ARCHITECTURE.md):
+
+- :func:`materialize`, :func:`materialize_micro_batch` — features from refs (:mod:`trainer_lib.materialize`).
+- :class:`PackedMicroBatch`, :class:`PackedStep` — the packed micro-batch (:mod:`trainer_lib.micro_batch`).
+- :func:`pack_samples`, :func:`rebuild_micro_batch` — micro-batches (:mod:`trainer_lib.packing`,
+  bins in :mod:`trainer_lib.bins`).
+- :func:`pad_samples`, :func:`make_pad_sample` — padding samples (:mod:`trainer_lib.padding`).
+- :func:`split_micro_batches`, :func:`balance_micro_batches` — dp ranks (:mod:`trainer_lib.ranks`).
+- :func:`plan_step` — a whole step (:mod:`trainer_lib.plan`).
 - :func:`build_position_ids`, :func:`cu_seqlens` — MRoPE / 1D positions (:mod:`trainer_lib.positions`).
-- :func:`packed_logprobs` and friends — the packed forward (:mod:`trainer_lib.forward`).
+- :func:`packed_inputs`, :func:`check_placeholder_alignment` — model inputs and the tripwire
+  (:mod:`trainer_lib.model_inputs`).
+- :func:`prepare_model_for_packing` — attention backends (:mod:`trainer_lib.attention`).
+- :func:`packed_logprobs` — the packed forward (:mod:`trainer_lib.forward`).
 - :func:`fail_fast`, :func:`check_all_ranks` — rank-wide errors (:mod:`trainer_lib.distributed`).
 - :func:`recompute_logprobs`, :func:`logprob_mismatch` — trainer vs inference (:mod:`trainer_lib.mismatch`).
 - :class:`MaterializeConfig` — ``MMREF_*`` settings (:mod:`trainer_lib.config`).
 """
 
 from protocol.placeholders import locate_image_runs
-from trainer_lib.config import MaterializeConfig
-from trainer_lib.distributed import RankFailed, check_all_ranks, fail_fast
-from trainer_lib.forward import (
+from trainer_lib.attention import (
     VARLEN_ATTENTION,
-    ForwardResult,
-    MaterializedMicroBatch,
-    PackedInputs,
     PackingUnsupported,
     check_packable,
-    materialize_micro_batch,
-    packed_inputs,
-    packed_logprobs,
     prepare_model_for_packing,
     register_varlen_attention,
     select_backend,
 )
-from trainer_lib.materialize import MaterializedBatch, MaterializeStats, materialize
+from trainer_lib.config import MaterializeConfig
+from trainer_lib.distributed import RankFailed, check_all_ranks, fail_fast
+from trainer_lib.forward import ForwardResult, packed_logprobs
+from trainer_lib.materialize import (
+    MaterializedBatch,
+    MaterializedMicroBatch,
+    MaterializeStats,
+    materialize,
+    materialize_micro_batch,
+)
+from trainer_lib.micro_batch import ImageSpan, PackedMicroBatch, PackedStep, SampleSlot
 from trainer_lib.mismatch import MismatchStats, logprob_mismatch, recompute_logprobs
-from trainer_lib.packing import (
-    ImageSpan,
-    PackedMicroBatch,
-    PackedStep,
-    PackEntry,
-    SampleSlot,
-    check_placeholder_alignment,
-    pack_samples,
-    rebuild_micro_batch,
-)
-from trainer_lib.padding import (
-    StepPlan,
-    balance_micro_batches,
-    make_pad_sample,
-    pad_samples,
-    padded_sample_count,
-    plan_step,
-    split_micro_batches,
-)
+from trainer_lib.model_inputs import PackedInputs, check_placeholder_alignment, packed_inputs
+from trainer_lib.packing import PackEntry, pack_samples, rebuild_micro_batch
+from trainer_lib.padding import make_pad_sample, pad_samples, padded_sample_count
+from trainer_lib.plan import StepPlan, plan_step
 from trainer_lib.positions import build_position_ids, cu_seqlens, mrope_position_ids, text_position_ids
+from trainer_lib.ranks import balance_micro_batches, split_micro_batches
 
 __all__ = [
     "VARLEN_ATTENTION",

@@ -12,7 +12,7 @@ runs through the model (shapes and collectives stay aligned) but trains nothing.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -36,8 +36,16 @@ from protocol.refs import FileRef, RawRefBody, parse_ref
 from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore
 from protocol.structs import TrainingSample
 from trainer_lib import metrics
+from trainer_lib.micro_batch import PackedMicroBatch, replace_loss_mask
 
-__all__ = ["MaterializeStats", "MaterializedBatch", "MissingPolicy", "materialize"]
+__all__ = [
+    "MaterializeStats",
+    "MaterializedBatch",
+    "MaterializedMicroBatch",
+    "MissingPolicy",
+    "materialize",
+    "materialize_micro_batch",
+]
 
 MissingPolicy = Literal["placeholder_zero_loss", "error"]
 _REPLACEABLE = (AssetNotFound, ImageUnreadable, HashMismatch, AssetTooLarge)
@@ -193,6 +201,75 @@ def materialize(
         images_per_sample=[len(refs) for refs in per_sample],
         placeholder_refs=list(placeholders),
         stats=stats,
+    )
+
+
+@dataclass(frozen=True)
+class MaterializedMicroBatch:
+    """A packed micro-batch with its image features (pack order) and the updated loss mask."""
+
+    packed: PackedMicroBatch
+    """Loss mask zeroed for samples whose image was replaced (``placeholder_zero_loss``), re-accounted."""
+    features: dict[str, torch.Tensor]
+    """Qwen-VL: ``pixel_values`` float32 ``[sum(t*h*w), C*T*P*P]``, ``image_grid_thw`` int64 ``[N, 3]``;
+    empty without images. With ``dedup`` each distinct image once (see :attr:`image_index`)."""
+    stats: MaterializeStats
+    image_index: torch.Tensor | None = None
+    """int64 ``[num images of the micro-batch]`` with ``dedup``: row of ``image_grid_thw`` per image."""
+
+
+def materialize_micro_batch(
+    packed: PackedMicroBatch,
+    adapter: ImageAdapter,
+    asset_root: str | os.PathLike[str],
+    *,
+    policy: MissingPolicy = "placeholder_zero_loss",
+    max_workers: int = 2,
+    dedup: bool = False,
+) -> MaterializedMicroBatch:
+    """Features for every image of the micro-batch, in pack order.
+
+    Real images go through :func:`trainer_lib.materialize` (each distinct ref processed once);
+    synthetic pad images (``ImageSpan.ref is None``) are ``adapter.synthesize_placeholder(grid)``.
+    ``dedup=True``: each distinct image's features once plus ``image_index`` (see
+    :func:`trainer_lib.materialize`); :func:`packed_logprobs` then runs the vision tower once per
+    distinct image and repeats its embeddings.
+
+    Raises:
+        MMRefError subclasses: see :func:`trainer_lib.materialize`.
+        ValueError: a synthetic image before a real one (pads must follow the real samples).
+    """
+    kinds = [im.ref is None for im in packed.images]
+    if kinds != sorted(kinds):
+        raise ValueError("synthetic pad images must follow every real image of the micro-batch")
+    real_slots = [s for s in packed.slots if s.num_images and packed.images[s.first_image].ref is not None]
+    batch = materialize(
+        [s.sample for s in real_slots],
+        adapter,
+        asset_root,
+        policy=policy,
+        max_workers=max_workers,
+        dedup=dedup,
+    )
+    parts: list[Mapping[str, torch.Tensor]] = [batch.features] if batch.features else []
+    synthetic = [adapter.synthesize_placeholder(im.grid).tensors for im in packed.images if im.ref is None]
+    parts += synthetic
+    features = {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
+    image_index = None
+    if dedup and features:
+        real = batch.image_index if batch.image_index is not None else torch.empty(0, dtype=torch.int64)
+        n_unique_real = len(batch.features.get(adapter.grid_field, ())) if batch.features else 0
+        pads = torch.arange(n_unique_real, n_unique_real + len(synthetic), dtype=torch.int64)
+        image_index = torch.cat([real, pads])
+    loss_mask = None
+    for slot, sample in zip(real_slots, batch.samples, strict=True):
+        if sample is not slot.sample:  # materialize zeroed this sample's loss mask
+            loss_mask = loss_mask or list(packed.micro_batch.loss_mask)
+            loss_mask[slot.start : slot.start + slot.length] = sample.loss_mask
+    if loss_mask is not None:
+        packed = replace_loss_mask(packed, loss_mask)
+    return MaterializedMicroBatch(
+        packed=packed, features=features, stats=batch.stats, image_index=image_index
     )
 
 

@@ -16,8 +16,9 @@ import torch
 
 from protocol.adapters import ImageAdapter
 from protocol.structs import TrainingSample
-from trainer_lib.forward import materialize_micro_batch, packed_inputs, packed_logprobs
-from trainer_lib.materialize import MissingPolicy
+from trainer_lib.forward import packed_logprobs
+from trainer_lib.materialize import MissingPolicy, materialize_micro_batch
+from trainer_lib.model_inputs import packed_inputs
 from trainer_lib.packing import pack_samples
 
 __all__ = ["MismatchStats", "logprob_mismatch", "recompute_logprobs"]

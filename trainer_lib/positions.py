@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from trainer_lib.packing import PackedMicroBatch
+from trainer_lib.micro_batch import PackedMicroBatch
 
 __all__ = [
     "KIMI_MODEL_TYPES",

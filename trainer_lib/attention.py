@@ -1,0 +1,220 @@
+"""Attention backends for packed micro-batches: which ones keep samples apart, and the varlen kernel.
+
+One packed micro-batch is one row: ``input_ids [1, L]``, ``position_ids [4, 1, L]`` (row 0
+restarts at 0 per sample, rows 1-3 from transformers' ``get_rope_index``; see
+:mod:`trainer_lib.positions`), ``pixel_values`` / ``image_grid_thw`` of every image in pack
+order, ``attention_mask=None``. Attention must stay inside each sample. Backends:
+
+- ``"sdpa"`` / ``"eager"`` (CPU): transformers builds the block-diagonal causal mask from row 0
+  (``masking_utils.find_packed_sequence_indices``) — **only** with ``attention_mask=None`` and
+  ``use_cache=False``: with a cache object present it silently builds a plain causal mask across
+  the whole pack (NOTES-vllm-cpu.md: error ~0.5).
+- ``"mmref_varlen"`` (CUDA): PyTorch's ``torch.nn.attention.varlen.varlen_attn``
+  (FlashAttention varlen, fp16/bf16), registered with ``transformers.AttentionInterface`` and
+  ``transformers.masking_utils.AttentionMaskInterface`` (``flash_attention_mask``: no dense mask).
+  ``cu_seqlens`` is computed once per micro-batch and passed down as a kwarg (no per-layer sync).
+  The vision tower calls it once per image chunk, non-causal, which goes to transformers' sdpa
+  (a single image, nothing packed).
+- ``"flash_attention_2"`` (CUDA, when the ``flash_attn`` package is installed): transformers'
+  own varlen path, which derives ``cu_seqlens`` from the text position ids.
+
+sdpa is refused for packed CUDA batches (dense masks: out of memory at RL lengths, and slower
+than varlen; NOTES "GPU facts"). Models whose packed boundaries cannot be respected here
+(linear-attention layers, e.g. Qwen3.5 / Qwen3-Next, which need flash-linear-attention's
+varlen kernels) raise :class:`PackingUnsupported` instead of leaking state across samples.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainer_lib.positions import MROPE_MODEL_TYPES
+
+__all__ = [
+    "VARLEN_ATTENTION",
+    "PackingUnsupported",
+    "check_packable",
+    "prepare_model_for_packing",
+    "register_varlen_attention",
+    "select_backend",
+]
+
+VARLEN_ATTENTION = "mmref_varlen"
+"""Name under which :func:`register_varlen_attention` registers PyTorch's varlen attention."""
+_CPU_BACKENDS = ("sdpa", "eager")
+_CUDA_BACKENDS = (VARLEN_ATTENTION, "flash_attention_2", "flash_attention_3")
+
+
+class PackingUnsupported(ValueError):
+    """The model (or backend, or device) cannot run a packed micro-batch without leaking across samples."""
+
+
+def _varlen_kernel() -> Callable[..., torch.Tensor]:
+    """``torch.nn.attention.varlen.varlen_attn`` (imported lazily; CUDA only at run time)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
+
+
+@functools.lru_cache(maxsize=8)
+def _kernel_params(kernel: Callable[..., Any]) -> frozenset[str]:
+    return frozenset(inspect.signature(kernel).parameters)
+
+
+def _varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``query [1, H, L, D]`` -> ``([1, L, H, D], None)``.
+
+    Causal (text) calls run ``varlen_attn`` over ``kwargs["mmref_cu_seqlens"]`` (else derived
+    from the zeros of ``kwargs["position_ids"]``); non-causal calls (one vision chunk each) go to
+    transformers' ``sdpa_attention_forward``. The kernel's keywords are read from its signature,
+    which changed across torch releases: ``is_causal`` (older) or ``window_size=(-1, 0)``; ``scale``
+    and ``enable_gqa`` where present (else a non-default scale is refused and KV heads are
+    repeated); ``num_splits=1`` where present (torch/nn/attention/varlen.py: disables split-KV, so
+    a sample's logprobs are bit-identical packed or alone).
+    """
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not causal:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=False
+        )
+    if attention_mask is not None or query.shape[0] != 1:
+        raise PackingUnsupported(
+            f"{VARLEN_ATTENTION} runs one packed row with attention_mask=None, got batch "
+            f"{query.shape[0]} and mask {None if attention_mask is None else tuple(attention_mask.shape)}"
+        )
+    if sliding_window is not None or dropout:
+        raise PackingUnsupported(f"{VARLEN_ATTENTION} supports neither sliding windows nor attention dropout")
+    cu = kwargs.get("mmref_cu_seqlens")
+    max_len = kwargs.get("mmref_max_seqlen")
+    if cu is None:
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            raise PackingUnsupported(f"{VARLEN_ATTENTION} needs mmref_cu_seqlens or text position ids")
+        starts = torch.nonzero(pos.reshape(-1) == 0).flatten()
+        cu = torch.cat([starts, torch.tensor([pos.shape[-1]], device=starts.device)]).to(torch.int32)
+        max_len = int((cu[1:] - cu[:-1]).max())
+    kernel = _varlen_kernel()
+    params = _kernel_params(kernel)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [L, H, D]
+    kw: dict[str, Any] = {}
+    if "scale" in params:
+        kw["scale"] = scaling
+    elif scaling is not None and not math.isclose(scaling, q.shape[-1] ** -0.5, rel_tol=1e-6):
+        raise PackingUnsupported(
+            f"varlen kernel {kernel} takes no scale and the model scales by {scaling}, not 1/sqrt(head_dim)"
+        )
+    if "num_splits" in params:
+        kw["num_splits"] = 1  # no split-KV: a sample's output does not depend on what it is packed with
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0)  # causal
+    elif "is_causal" in params:
+        kw["is_causal"] = True
+    else:
+        raise PackingUnsupported(f"varlen kernel {kernel} takes neither window_size nor is_causal")
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in params:
+            kw["enable_gqa"] = True
+        else:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    cu = cu.to(device=q.device, dtype=torch.int32)
+    out = kernel(q, k, v, cu, cu, int(max_len), int(max_len), **kw)
+    return out.unsqueeze(0), None
+
+
+def register_varlen_attention() -> str:
+    """Register :data:`VARLEN_ATTENTION` with transformers (idempotent); returns the name.
+
+    ``AttentionInterface.register(name, fn)`` plus ``AttentionMaskInterface.register(name,
+    flash_attention_mask)`` (no dense mask is built; NOTES "GPU facts"). Safe to call on CPU.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(VARLEN_ATTENTION, _varlen_attention_forward)
+    AttentionMaskInterface.register(VARLEN_ATTENTION, flash_attention_mask)
+    return VARLEN_ATTENTION
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def select_backend(model: torch.nn.Module) -> str:
+    """``"sdpa"`` on CPU; on CUDA ``"flash_attention_2"`` when ``flash_attn`` is installed, else
+    :data:`VARLEN_ATTENTION`."""
+    if _device(model).type != "cuda":
+        return "sdpa"
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else VARLEN_ATTENTION
+
+
+def check_packable(model: torch.nn.Module, backend: str | None = None) -> None:
+    """Raise :class:`PackingUnsupported` where a packed forward would mix samples.
+
+    Refused: model types other than Qwen2/2.5/3-VL (:data:`trainer_lib.positions.MROPE_MODEL_TYPES`);
+    linear-attention layers (recurrent state would flow across sample boundaries without
+    flash-linear-attention's varlen kernels); sdpa/eager on CUDA; float32 on CUDA (the varlen
+    kernels take float16/bfloat16 only).
+    """
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    if "linear_attention" in layer_types:
+        raise PackingUnsupported(
+            f"{config.model_type}: {layer_types.count('linear_attention')} linear-attention layers carry "
+            f"recurrent state across packed samples; packing them needs flash-linear-attention's varlen "
+            f"kernels (CUDA), not available on {_device(model).type}: run these samples unpacked"
+        )
+    if config.model_type not in MROPE_MODEL_TYPES:
+        raise PackingUnsupported(f"packed forward supports {MROPE_MODEL_TYPES}, not {config.model_type!r}")
+    backend = backend or text._attn_implementation
+    device = _device(model).type
+    allowed = _CUDA_BACKENDS if device == "cuda" else (*_CPU_BACKENDS, VARLEN_ATTENTION)
+    if backend not in allowed:
+        raise PackingUnsupported(
+            f"attention backend {backend!r} cannot run packed batches on {device}; use one of {allowed}"
+            + (" (never sdpa for packed CUDA batches)" if device == "cuda" else "")
+        )
+    dtype = next(model.parameters()).dtype
+    if device == "cuda" and dtype not in (torch.float16, torch.bfloat16):
+        raise PackingUnsupported(
+            f"{backend} (FlashAttention varlen) takes float16/bfloat16 on CUDA, the model is {dtype}"
+        )
+
+
+def prepare_model_for_packing(model: torch.nn.Module, backend: str | None = None) -> str:
+    """Check the model and switch it to the packing backend; returns the backend name.
+
+    Args:
+        backend: default :func:`select_backend`. :data:`VARLEN_ATTENTION` is registered first.
+
+    Raises:
+        PackingUnsupported: see :func:`check_packable`.
+    """
+    backend = backend or select_backend(model)
+    check_packable(model, backend)
+    if backend == VARLEN_ATTENTION:
+        register_varlen_attention()
+    if model.config.get_text_config()._attn_implementation != backend:
+        model.set_attn_implementation(backend)
+    return backend

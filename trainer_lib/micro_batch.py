@@ -1,0 +1,213 @@
+"""The packed micro-batch: the wire struct plus per-sample slots and image spans (docs/PACKING.md).
+
+:class:`PackedMicroBatch` wraps :class:`protocol.structs.MicroBatch` (what crosses the wire) with
+derived views: per-sample :class:`SampleSlot` (offsets, image counts, padding flags, the samples
+themselves) and :class:`ImageSpan` (placeholder offsets rebased onto the pack).
+:class:`PackedStep` is a list of them with totals. Built by :mod:`trainer_lib.packing`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import msgspec
+
+from protocol.structs import MicroBatch, RawMMRef, TrainingSample
+
+__all__ = ["ImageSpan", "PackedMicroBatch", "PackedStep", "SampleSlot", "replace_loss_mask"]
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image of a micro-batch: where its placeholder run sits in the pack.
+
+    Example: a sample packed at offset 100 whose image run starts at token 5 of the sample and
+    has 16 placeholders gives ``ImageSpan(slot=k, start=105, length=16, grid=(1, 8, 8), ...)``.
+    """
+
+    slot: int
+    """Index of the owning sample in :attr:`PackedMicroBatch.slots`."""
+    start: int
+    """Offset of the first placeholder token in the packed sequence (sample offset + its start)."""
+    length: int
+    """Placeholder tokens (``t*h*w // merge**2`` for Qwen-VL)."""
+    grid: tuple[int, ...]
+    ref: RawMMRef | None
+    """The image's ref; None for a synthetic pad image (zero features from
+    ``adapter.synthesize_placeholder(grid)``)."""
+
+
+@dataclass(frozen=True)
+class SampleSlot:
+    """One packed sample."""
+
+    index: int | None
+    """Position of the sample in the list given to :func:`pack_samples`; None for a pad made here."""
+    start: int
+    """Offset of its first token in the packed sequence."""
+    length: int
+    num_images: int
+    first_image: int
+    """Index of its first image in :attr:`PackedMicroBatch.images`."""
+    num_loss_tokens: int
+    is_padding: bool
+    stray_placeholders: bool
+    """A text-only sample whose ids contain the placeholder token (never packed with pixels)."""
+    sample: TrainingSample = field(repr=False)
+
+
+@dataclass(frozen=True)
+class PackedMicroBatch:
+    """A :class:`protocol.structs.MicroBatch` plus the trainer-side facts it has no field for.
+
+    Every per-token array (``micro_batch.input_ids``, ``loss_mask``, ``advantages``,
+    ``inference_logprobs`` and :attr:`mm_token_type_ids`) has ``num_tokens`` entries (checked on
+    construction). Padding samples sit after the real samples of the bin.
+    """
+
+    micro_batch: MicroBatch
+    """The wire struct; everything below can be rebuilt from it (:func:`rebuild_micro_batch`)."""
+    slots: tuple[SampleSlot, ...]
+    images: tuple[ImageSpan, ...]
+    """Every image in pack order (sample order, then prompt order): the order the features are
+    concatenated in and the order transformers' ``masked_scatter`` fills the placeholders."""
+    run_id: str
+    lora_id: str | None
+    num_tokens: int
+    num_loss_tokens: int
+
+    @property
+    def mm_token_type_ids(self) -> list[int]:
+        """Per token: 0 text, 1 image placeholder (transformers' convention)."""
+        return self.micro_batch.mm_token_type_ids or []
+
+    def __post_init__(self) -> None:
+        mb = self.micro_batch
+        n = len(mb.input_ids)
+        if n != self.num_tokens or len(self.mm_token_type_ids) != n:
+            raise ValueError(
+                f"per-token arrays misaligned: input_ids {n}, mm_token_type_ids "
+                f"{len(self.mm_token_type_ids)}, num_tokens {self.num_tokens}"
+            )
+        for name in ("loss_mask", "advantages", "inference_logprobs"):  # MicroBatch checks these too
+            if len(getattr(mb, name)) != n:
+                raise ValueError(
+                    f"per-token arrays misaligned: {name} {len(getattr(mb, name))}, input_ids {n}"
+                )
+        if len(self.slots) != mb.sample_count or [s.length for s in self.slots] != mb.seq_lens:
+            raise ValueError("slots do not match seq_lens")
+        n_typed = self.mm_token_type_ids.count(1)
+        if n_typed != sum(im.length for im in self.images):
+            raise ValueError(
+                f"{n_typed} image-typed tokens for image spans of {self.placeholder_count} tokens"
+            )
+        if sum(im.ref is not None for im in self.images) != len(mb.mm_refs):
+            raise ValueError(f"{len(mb.mm_refs)} mm_refs for {len(self.images)} images")
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return self.micro_batch.seq_lens
+
+    @property
+    def sample_count(self) -> int:
+        """Packed samples, padding included (``MicroBatch.sample_count``)."""
+        return self.micro_batch.sample_count
+
+    @property
+    def num_real_samples(self) -> int:
+        return sum(not s.is_padding for s in self.slots)
+
+    @property
+    def num_padding_samples(self) -> int:
+        return sum(s.is_padding for s in self.slots)
+
+    @property
+    def has_pixels(self) -> bool:
+        """True when the bin carries image features (its forward runs the vision tower)."""
+        return bool(self.images)
+
+    @property
+    def placeholder_count(self) -> int:
+        """Placeholder tokens of all images (== feature rows the model scatters)."""
+        return sum(im.length for im in self.images)
+
+    @property
+    def image_grids(self) -> list[tuple[int, ...]]:
+        return [im.grid for im in self.images]
+
+    @property
+    def images_per_sample(self) -> list[int]:
+        return [s.num_images for s in self.slots]
+
+    @property
+    def sample_indices(self) -> list[int]:
+        """Input positions of the real samples, in pack order (pads excluded)."""
+        return [s.index for s in self.slots if s.index is not None and not s.is_padding]
+
+
+@dataclass(frozen=True)
+class PackedStep:
+    """The micro-batches of one step (or of one rank's share of a mini-batch), with totals.
+
+    Totals are summed over the packed micro-batches (never inferred from one micro-batch's shape).
+    """
+
+    micro_batches: list[PackedMicroBatch]
+    micro_batch_max_tokens: int
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.micro_batches)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(mb.num_tokens for mb in self.micro_batches)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(mb.num_loss_tokens for mb in self.micro_batches)
+
+    @property
+    def num_samples(self) -> int:
+        """Real samples (padding excluded)."""
+        return sum(mb.num_real_samples for mb in self.micro_batches)
+
+    @property
+    def num_padding_samples(self) -> int:
+        return sum(mb.num_padding_samples for mb in self.micro_batches)
+
+    @property
+    def num_padding_tokens(self) -> int:
+        return sum(s.length for mb in self.micro_batches for s in mb.slots if s.is_padding)
+
+    @property
+    def capacity(self) -> int:
+        """Token slots of the bins: ``sum(max(cap, len(mb)))`` (an oversized sample fills its own bin)."""
+        return sum(max(self.micro_batch_max_tokens, mb.num_tokens) for mb in self.micro_batches)
+
+    @property
+    def waste(self) -> float:
+        """Fraction of the bins' capacity not holding real tokens (empty room + padding samples)."""
+        cap = self.capacity
+        return 1.0 - (self.num_tokens - self.num_padding_tokens) / cap if cap else 0.0
+
+
+def replace_loss_mask(packed: PackedMicroBatch, loss_mask: list[bool]) -> PackedMicroBatch:
+    """A copy with another loss mask (e.g. after materialization zeroed a sample), re-accounted."""
+    if len(loss_mask) != packed.num_tokens:
+        raise ValueError(f"{len(loss_mask)} loss-mask entries for {packed.num_tokens} tokens")
+    slots = tuple(_replace_slot(s, loss_mask[s.start : s.start + s.length].count(True)) for s in packed.slots)
+    return PackedMicroBatch(
+        micro_batch=msgspec.structs.replace(packed.micro_batch, loss_mask=loss_mask),
+        slots=slots,
+        images=packed.images,
+        run_id=packed.run_id,
+        lora_id=packed.lora_id,
+        num_tokens=packed.num_tokens,
+        num_loss_tokens=loss_mask.count(True),
+    )
+
+
+def _replace_slot(slot: SampleSlot, num_loss_tokens: int) -> SampleSlot:
+    return dataclasses.replace(slot, num_loss_tokens=num_loss_tokens)

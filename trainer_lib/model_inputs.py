@@ -1,0 +1,176 @@
+"""Model-ready tensors of one packed micro-batch, and the placeholder tripwire before ``masked_scatter``.
+
+:func:`packed_inputs` turns a :class:`~trainer_lib.micro_batch.PackedMicroBatch` and its features
+into :class:`PackedInputs` (``input_ids [1, L]``, ``position_ids [4, 1, L]``, ``cu_seqlens``, the
+loss mask, pixels), after :func:`check_placeholder_alignment`: placeholder tokens must equal the
+feature rows the model will scatter into them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer_lib.micro_batch import PackedMicroBatch
+from trainer_lib.positions import build_position_ids, cu_seqlens
+
+__all__ = ["PackedInputs", "check_placeholder_alignment", "packed_inputs"]
+
+
+@dataclass(frozen=True)
+class PackedInputs:
+    """Model-ready tensors of one packed micro-batch."""
+
+    input_ids: torch.Tensor
+    """int64 ``[1, L]``."""
+    position_ids: torch.Tensor
+    """int64 ``[4, 1, L]`` (MRoPE, row 0 = text positions restarting per sample)."""
+    cu_seqlens: torch.Tensor
+    """int32 ``[num_samples + 1]``."""
+    max_seqlen: int
+    loss_mask: torch.Tensor
+    """bool ``[L]``: the micro-batch's loss mask without each sample's first token (no prefix)."""
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    image_index: torch.Tensor | None = None
+    """int64 ``[num images]`` when ``pixel_values``/``image_grid_thw`` hold distinct images only."""
+
+    def to(self, device: torch.device | str) -> PackedInputs:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return PackedInputs(
+            input_ids=move(self.input_ids),
+            position_ids=move(self.position_ids),
+            cu_seqlens=move(self.cu_seqlens),
+            max_seqlen=self.max_seqlen,
+            loss_mask=move(self.loss_mask),
+            pixel_values=move(self.pixel_values),
+            image_grid_thw=move(self.image_grid_thw),
+            image_index=move(self.image_index),
+        )
+
+
+def packed_inputs(
+    packed: PackedMicroBatch,
+    features: Mapping[str, torch.Tensor],
+    model_or_config: Any,
+    image_index: torch.Tensor | None = None,
+) -> PackedInputs:
+    """Build the model inputs and run the placeholder tripwire.
+
+    Args:
+        packed: the micro-batch (after :func:`materialize_micro_batch` if it has images).
+        features: its features in pack order (``{}`` without images).
+        model_or_config: the HF model or its config (for ``get_rope_index``, ``image_token_id``
+            and ``vision_config.spatial_merge_size``).
+        image_index: with deduplicated features (:func:`materialize_micro_batch` ``dedup=True``),
+            the row of ``image_grid_thw`` each image of the micro-batch shows.
+
+    Raises:
+        ValueError: placeholder tokens != feature rows (:func:`check_placeholder_alignment`),
+            features whose grids differ from the micro-batch's images, or images without features.
+    """
+    config = getattr(model_or_config, "config", model_or_config)
+    ids = torch.as_tensor(packed.micro_batch.input_ids, dtype=torch.long).unsqueeze(0)
+    pixel_values = grid = None
+    if packed.images or features:
+        if not features:
+            raise ValueError(f"{len(packed.images)} images in the micro-batch but no features")
+        grid = features["image_grid_thw"]
+        per_image = grid if image_index is None else grid[image_index]
+        if per_image.tolist() != [list(g) for g in packed.image_grids]:
+            raise ValueError(
+                f"feature grids {per_image.tolist()} differ from the micro-batch's images "
+                f"{packed.image_grids}"
+            )
+        check_placeholder_alignment(
+            ids,
+            config.image_token_id,
+            {"image_grid_thw": per_image},
+            mm_token_type_ids=torch.as_tensor(packed.mm_token_type_ids).unsqueeze(0),
+            merge_size=config.vision_config.spatial_merge_size,
+        )
+        pixel_values = features["pixel_values"]
+    starts = torch.zeros(packed.num_tokens, dtype=torch.bool)
+    starts[[s.start for s in packed.slots]] = True
+    return PackedInputs(
+        input_ids=ids,
+        position_ids=build_position_ids(packed, model_or_config),
+        cu_seqlens=cu_seqlens(packed.seq_lens),
+        max_seqlen=max(packed.seq_lens),
+        loss_mask=torch.as_tensor(packed.micro_batch.loss_mask, dtype=torch.bool) & ~starts,
+        pixel_values=pixel_values,
+        image_grid_thw=grid,
+        image_index=image_index if pixel_values is not None else None,
+    )
+
+
+def check_placeholder_alignment(
+    input_ids: Any,
+    placeholder_token_id: int,
+    features: Any,
+    *,
+    mm_token_type_ids: Any = None,
+    merge_size: int | None = None,
+) -> int:
+    """The tripwire before ``masked_scatter``: placeholder tokens must equal feature rows.
+
+    transformers (``Qwen2VLModel.get_placeholder_mask`` in 5.19) checks this too, but only after
+    the vision tower ran and with a message that names neither the token nor the shapes; on a
+    data-parallel rank that raise comes after collectives have started. Call this first.
+
+    Args:
+        input_ids: ``[L]`` or ``[1, L]`` ids (torch tensor, numpy array or list).
+        placeholder_token_id: e.g. the id of ``<|image_pad|>`` (``config.image_token_id``).
+        features: the rows that will be scattered: image embeddings ``[N, hidden]`` (a tensor or
+            array: ``N = shape[0]``), an int ``N``, or the family's feature mapping with an
+            ``image_grid_thw`` ``[num_images, 3]`` entry (``N = sum(t*h*w) // merge_size**2``).
+        mm_token_type_ids: optional ``[L]``/``[1, L]``; when given, its image positions must be
+            exactly the placeholder-token positions.
+        merge_size: spatial merge size, required with a grid mapping.
+
+    Returns:
+        The placeholder count ``N``.
+
+    Raises:
+        ValueError: the counts (or the typed positions) differ; the message names the token id,
+            both counts and the shapes.
+    """
+    ids = _as_array(input_ids)
+    n_tokens = int((ids == placeholder_token_id).sum())
+    if isinstance(features, Mapping):
+        grid = _as_array(features["image_grid_thw"]) if "image_grid_thw" in features else None
+        if grid is None or merge_size is None:
+            raise ValueError("a feature mapping needs an 'image_grid_thw' entry and merge_size")
+        n_features = int(grid.prod(-1).sum()) // merge_size**2 if len(grid) else 0
+        shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in features.items() if hasattr(v, "shape"))
+    elif isinstance(features, int):
+        n_features, shapes = features, f"{features} rows"
+    else:
+        n_features, shapes = int(features.shape[0]), f"features {tuple(features.shape)}"
+    if n_tokens != n_features:
+        raise ValueError(
+            f"image placeholder token id {placeholder_token_id}: {n_tokens} tokens in input_ids "
+            f"{tuple(ids.shape)} but {n_features} feature rows ({shapes})"
+        )
+    if mm_token_type_ids is not None:
+        types = _as_array(mm_token_type_ids)
+        typed = types == 1
+        is_tok = ids == placeholder_token_id
+        if typed.shape != is_tok.shape or bool((typed != is_tok).any()):
+            raise ValueError(
+                f"image placeholder token id {placeholder_token_id}: {int(is_tok.sum())} tokens in "
+                f"input_ids {tuple(ids.shape)} but {int(typed.sum())} image-typed positions in "
+                f"mm_token_type_ids {tuple(types.shape)} (not the same positions); features: {shapes}"
+            )
+    return n_tokens
+
+
+def _as_array(x: Any) -> Any:
+    """Tensors and arrays pass through (comparisons and sums work on both); lists become arrays."""
+    return x if hasattr(x, "shape") else np.asarray(x)
