@@ -153,7 +153,7 @@ def test_packed_forward_matches_one_sample_at_a_time(families, family):
                 mb.num_tokens,
             )
             t0 = time.perf_counter()
-            ref = torch.cat([reference_logprobs(fam, samples[s.index]) for s in mb.slots])
+            ref = torch.cat([reference_logprobs(fam, samples[s.sample_index]) for s in mb.slots])
             t_single += time.perf_counter() - t0
             worst = max(worst, (out.logprobs - ref).abs().max().item())
             # the loss mask is the samples' mask (completion tokens), never a sample's first token
@@ -175,7 +175,7 @@ def test_dropping_the_block_diagonal_mask_breaks_the_match(families):
     samples = fam.samples()
     mb = pack_samples(samples, placeholder_token_id=fam.tok, seq_len=4096).micro_batches[0]
     with torch.no_grad():
-        ref = torch.cat([reference_logprobs(fam, samples[s.index]) for s in mb.slots])
+        ref = torch.cat([reference_logprobs(fam, samples[s.sample_index]) for s in mb.slots])
         inputs, good = run_packed(fam, mb)
         _, leaky = run_packed(fam, mb, use_cache=True)
         flat = PackedInputs(**{**vars(inputs), "position_ids": text_position_ids(mb.seq_lens)})
@@ -241,8 +241,8 @@ def test_positions_match_vllm_including_adjacent_images(families, family):
             (im.start - slot.start, im.length, list(im.grid))
             for im in mb.images[slot.first_image : slot.first_image + slot.num_images]
         ]
-        want = vllm_positions(family, fam.model.config, samples[slot.index].input_ids, spans)
-        assert torch.equal(pos[1:, 0, seg], want), f"sample {slot.index}"
+        want = vllm_positions(family, fam.model.config, samples[slot.sample_index].input_ids, spans)
+        assert torch.equal(pos[1:, 0, seg], want), f"sample {slot.sample_index}"
     assert cu_seqlens(mb.seq_lens).tolist() == [0, *torch.tensor(mb.seq_lens).cumsum(0).tolist()]
     assert cu_seqlens(mb.seq_lens).dtype == torch.int32
 
@@ -311,7 +311,7 @@ def test_varlen_backend_plumbing_on_cpu(families, monkeypatch, kernel):
     samples = fam.samples()
     mb = pack_samples(samples, placeholder_token_id=fam.tok, seq_len=4096).micro_batches[0]
     with torch.no_grad():
-        ref = torch.cat([reference_logprobs(fam, samples[s.index]) for s in mb.slots])
+        ref = torch.cat([reference_logprobs(fam, samples[s.sample_index]) for s in mb.slots])
         try:
             assert prepare_model_for_packing(fam.model, VARLEN_ATTENTION) == VARLEN_ATTENTION
             _, out = run_packed(fam, mb)
@@ -370,7 +370,7 @@ def test_backend_rules_on_cpu(families):
 
 def test_missing_image_zeroes_only_its_sample_and_synthetic_pads_run(families, tmp_path):
     """placeholder_zero_loss inside a micro-batch: that sample's loss tokens go, the others stay; a
-    multimodal pad from balance_micro_batches (zero features) runs through the model."""
+    synthetic-image pad from balance_micro_batches (zero features) runs through the model."""
     fam = families["qwen2_vl"]
     good = fam.refs["coffee"]
     gone = msgspec.structs.replace(
@@ -391,7 +391,7 @@ def test_missing_image_zeroes_only_its_sample_and_synthetic_pads_run(families, t
     step = pack_samples(samples, placeholder_token_id=fam.tok, seq_len=4096)
     mb = step.micro_batches[0]
     m = materialize_micro_batch(mb, fam.adapter, fam.root)
-    per_sample = {s.index: s.num_loss_tokens for s in m.packed.slots}
+    per_sample = {s.sample_index: s.num_loss_tokens for s in m.packed.slots}
     assert per_sample[1] == 0 and per_sample[0] == 3 and per_sample[2] == 3
     assert m.packed.num_loss_tokens == mb.num_loss_tokens - 3 == sum(m.packed.micro_batch.loss_mask)
     assert m.stats.placeholders == 1
@@ -470,7 +470,7 @@ def test_gpu_varlen_packed_matches_one_sample_at_a_time(families, family):
             alone = []
             for s in mb.slots:
                 one = pack_samples(
-                    [samples[s.index]], placeholder_token_id=fam.tok, seq_len=4096
+                    [samples[s.sample_index]], placeholder_token_id=fam.tok, seq_len=4096
                 ).micro_batches[0]
                 mm = materialize_micro_batch(one, fam.adapter, fam.root)
                 alone.append(packed_logprobs(model, packed_inputs(mm.packed, mm.features, model)).logprobs)

@@ -20,7 +20,7 @@ from protocol.features import feature_path, read_feature_item, run_asset_root, w
 from protocol.refs import FileRef, RawRefBody, file_uri_to_path, format_mmraw, parse_ref
 from protocol.structs import MicroBatch, decode_microbatch, decode_sample
 from trainer_lib.packing import PackEntry, build_micro_batch, rebuild_micro_batch
-from trainer_lib.padding import image_pad_entry
+from trainer_lib.padding import synthetic_image_pad
 
 EXAMPLES = int(os.environ.get("MMREF_FUZZ_EXAMPLES", "1500"))
 FUZZ = settings(
@@ -123,7 +123,7 @@ def tampered_micro_batches(draw):
     entries = [PackEntry(s, i) for i, s in enumerate(samples)]
     if draw(st.booleans()):
         entries.append(
-            image_pad_entry(FakeAdapter(), grid=(1, 4, 4), pad_token_id=256, placeholder_token_id=TOK)
+            synthetic_image_pad(FakeAdapter(), grid=(1, 4, 4), pad_token_id=256, placeholder_token_id=TOK)
         )
     wire = msgspec.to_builtins(
         build_micro_batch(entries, placeholder_token_id=TOK, num_placeholders=count).micro_batch

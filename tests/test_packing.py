@@ -18,10 +18,10 @@ from protocol.errors import PlaceholderMismatch
 from protocol.placeholders import locate_image_runs
 from protocol.refs import RawRefBody, format_mmraw
 from protocol.structs import MMRefs, RawMMRef, TrainingSample, decode_microbatch, encode
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, plan_bins, resolve_cap
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, bin_capacity, plan_bins
 from trainer_lib.model_inputs import check_placeholder_alignment
 from trainer_lib.packing import pack_samples, rebuild_micro_batch
-from trainer_lib.padding import minimal_pad_grid, pad_samples, padded_sample_count
+from trainer_lib.padding import pad_samples, padded_sample_count, smallest_image_grid
 from trainer_lib.plan import plan_step
 from trainer_lib.ranks import balance_micro_batches, split_micro_batches
 
@@ -157,15 +157,15 @@ def check_step_invariants(samples, step, cap):
         # the cap holds unless the bin is one oversized sample
         assert L <= cap or (m.sample_count == 1 and L > cap)
         # isolation
-        keys = {(samples[s.index].run_id, samples[s.index].lora_id) for s in mb.slots}
+        keys = {(samples[s.sample_index].run_id, samples[s.sample_index].lora_id) for s in mb.slots}
         assert keys == {(mb.run_id, mb.lora_id)}
         assert not (mb.has_pixels and any(s.stray_placeholders for s in mb.slots))
         # each sample's tokens, rebased image spans and refs
         refs = []
         typed = np.zeros(L, dtype=np.int8)
         for k, s in enumerate(mb.slots):
-            src = samples[s.index]
-            seen.append(s.index)
+            src = samples[s.sample_index]
+            seen.append(s.sample_index)
             assert m.seq_lens[k] == len(src.input_ids) == s.length
             assert m.input_ids[s.start : s.start + s.length] == src.input_ids
             assert m.loss_mask[s.start : s.start + s.length] == src.loss_mask
@@ -294,7 +294,7 @@ def test_plan_step_pads_and_balances(samples, dp, mbs, critic, cap):
                         assert s.num_loss_tokens == 0 and not any(s.sample.loss_mask)
                         assert set(s.sample.advantages) == {0.0}
                     else:
-                        seen.append(s.index)
+                        seen.append(s.sample_index)
                 # pads come after the real samples; synthetic images after real ones
                 flags = [s.is_padding for s in mb.slots]
                 assert flags == sorted(flags)
@@ -332,7 +332,7 @@ def assert_rebuilds(mb, num_placeholders=count):
         assert list(a.sample.mm_refs.items if a.sample.mm_refs else []) == list(
             b.sample.mm_refs.items if b.sample.mm_refs else []
         )
-    assert [s.index for s in back.slots] == list(range(mb.sample_count))
+    assert [s.sample_index for s in back.slots] == list(range(mb.sample_count))
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -382,10 +382,10 @@ def test_empty_samples_and_a_loss_on_the_first_token_are_refused():
 
 
 def test_cap_defaults_to_seq_len_and_may_not_exceed_it():
-    assert resolve_cap(4096) == 4096
-    assert resolve_cap(4096, 1024) == 1024
+    assert bin_capacity(4096) == 4096
+    assert bin_capacity(4096, 1024) == 1024
     with pytest.raises(ValueError, match="larger than seq_len 4096"):
-        resolve_cap(4096, 8192)
+        bin_capacity(4096, 8192)
     with pytest.raises(ValueError, match="larger than seq_len"):
         pack_samples([], placeholder_token_id=TOK, seq_len=100, micro_batch_max_tokens=101)
 
@@ -393,7 +393,7 @@ def test_cap_defaults_to_seq_len_and_may_not_exceed_it():
 def test_a_sample_longer_than_the_cap_gets_a_bin_of_its_own():
     samples = [make_sample([1] * 10, completion=5), make_sample([1] * 200), make_sample([2] * 3)]
     step = pack_samples(samples, placeholder_token_id=TOK, seq_len=100)
-    bins = [[s.index for s in mb.slots] for mb in step.micro_batches]
+    bins = [[s.sample_index for s in mb.slots] for mb in step.micro_batches]
     assert bins == [[1], [0, 2]]
     assert step.micro_batches[0].num_tokens == 203 and step.capacity == 203 + 100
 
@@ -478,7 +478,7 @@ def test_isolation_by_run_and_lora():
         make_sample([1] * 5, run_id="a"),
     ]
     step = pack_samples(samples, placeholder_token_id=TOK, seq_len=1000)
-    assert [[s.index for s in mb.slots] for mb in step.micro_batches] == [[0, 3], [1], [2]]
+    assert [[s.sample_index for s in mb.slots] for mb in step.micro_batches] == [[0, 3], [1], [2]]
     assert [(mb.run_id, mb.lora_id) for mb in step.micro_batches] == [("a", None), ("b", None), ("a", "x")]
 
 
@@ -519,7 +519,11 @@ def test_padding_never_makes_an_optimizer_step_of_pads_alone():
     assert all(n > 0 for n in plan.num_loss_tokens_per_mini_batch)
     for ranks, idx in zip(plan.mini_batches, real, strict=True):  # pads keyed like the last sample
         pad_loras = {
-            mb.lora_id for r in ranks for mb in r.micro_batches for sl in mb.slots if (sl.index or 0) >= 1024
+            mb.lora_id
+            for r in ranks
+            for mb in r.micro_batches
+            for sl in mb.slots
+            if (sl.sample_index or 0) >= 1024
         }
         assert pad_loras == {samples[idx[-1]].lora_id}
     one = plan_step(
@@ -563,8 +567,9 @@ def test_bins_multiple_of_spreads_tokens_over_a_multiple_of_bins():
 
 
 def test_balance_gives_every_rank_a_vision_run_with_a_synthetic_pad(qwen2_vl_adapter):
-    """Rank 0 has an image micro-batch, rank 1 only text: rank 1 gets a multimodal pad in micro-batch 0."""
-    grid = minimal_pad_grid(qwen2_vl_adapter)
+    """Rank 0 has an image micro-batch, rank 1 only text: rank 1 gets a synthetic-image pad in
+    micro-batch 0."""
+    grid = smallest_image_grid(qwen2_vl_adapter)
     assert grid == (1, 4, 4)
     ref = make_ref(2, 2)
     rank0 = pack_samples([make_sample([1] * 3, [ref])], placeholder_token_id=TOK, seq_len=64)
@@ -583,7 +588,7 @@ def test_balance_gives_every_rank_a_vision_run_with_a_synthetic_pad(qwen2_vl_ada
     assert [[mb.has_pixels for mb in s.micro_batches] for s in out] == [[True, False], [True, False]]
     mm = out[1].micro_batches[0]
     pad_slot = mm.slots[-1]
-    assert pad_slot.is_padding and pad_slot.index is None and pad_slot.num_loss_tokens == 0
+    assert pad_slot.is_padding and pad_slot.sample_index is None and pad_slot.num_loss_tokens == 0
     assert mm.images[-1].ref is None and mm.images[-1].grid == grid and mm.images[-1].length == 4
     assert mm.micro_batch.mm_refs == []  # synthetic images have no ref on the wire
     assert mm.micro_batch.synthetic_grids == [list(grid)]

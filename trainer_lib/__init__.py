@@ -3,7 +3,7 @@
 One module per stage, in data order (docs/ARCHITECTURE.md):
 
 - :func:`materialize`, :func:`materialize_micro_batch` — features from refs (:mod:`trainer_lib.materialize`).
-- :class:`PackedMicroBatch`, :class:`PackedStep` — the packed micro-batch (:mod:`trainer_lib.micro_batch`).
+- :class:`PackedMicroBatch`, :class:`PackedBatch` — the packed micro-batch (:mod:`trainer_lib.micro_batch`).
 - :func:`pack_samples`, :func:`rebuild_micro_batch` — micro-batches (:mod:`trainer_lib.packing`,
   bins in :mod:`trainer_lib.bins`).
 - :func:`pad_samples`, :func:`make_pad_sample` — padding samples (:mod:`trainer_lib.padding`).
@@ -38,7 +38,7 @@ from trainer_lib.materialize import (
     materialize,
     materialize_micro_batch,
 )
-from trainer_lib.micro_batch import ImageSpan, PackedMicroBatch, PackedStep, SampleSlot
+from trainer_lib.micro_batch import ImageSpan, PackedBatch, PackedMicroBatch, SampleSlot
 from trainer_lib.mismatch import MismatchStats, logprob_mismatch, recompute_logprobs
 from trainer_lib.model_inputs import PackedInputs, check_placeholder_alignment, packed_inputs
 from trainer_lib.packing import PackEntry, pack_samples, rebuild_micro_batch
@@ -57,9 +57,9 @@ __all__ = [
     "MaterializedMicroBatch",
     "MismatchStats",
     "PackEntry",
+    "PackedBatch",
     "PackedInputs",
     "PackedMicroBatch",
-    "PackedStep",
     "PackingUnsupported",
     "RankFailed",
     "SampleSlot",

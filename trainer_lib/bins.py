@@ -10,14 +10,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NEUTRAL", "PIXELS", "STRAY", "plan_bins", "resolve_cap", "spread_bins"]
+__all__ = ["NEUTRAL", "PIXELS", "STRAY", "bin_capacity", "plan_bins", "spread_bins"]
 
 NEUTRAL, PIXELS, STRAY = 0, 1, 2
 """Bin-compatibility classes: text without placeholder tokens joins any bin; a sample with
 images (``PIXELS``) never joins a bin holding a ``STRAY`` text sample, and vice versa."""
 
 
-def resolve_cap(seq_len: int, micro_batch_max_tokens: int | None = None) -> int:
+def bin_capacity(seq_len: int, micro_batch_max_tokens: int | None = None) -> int:
     """The bin size: ``micro_batch_max_tokens`` or ``seq_len``.
 
     Raises:

@@ -3,7 +3,7 @@
 :class:`PackedMicroBatch` wraps :class:`protocol.structs.MicroBatch` (what crosses the wire) with
 derived views: per-sample :class:`SampleSlot` (offsets, image counts, padding flags, the samples
 themselves) and :class:`ImageSpan` (placeholder offsets rebased onto the pack).
-:class:`PackedStep` is a list of them with totals. Built by :mod:`trainer_lib.packing`.
+:class:`PackedBatch` is a list of them with totals. Built by :mod:`trainer_lib.packing`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import msgspec
 
 from protocol.structs import MicroBatch, RawMMRef, TrainingSample
 
-__all__ = ["ImageSpan", "PackedMicroBatch", "PackedStep", "SampleSlot", "replace_loss_mask"]
+__all__ = ["ImageSpan", "PackedBatch", "PackedMicroBatch", "SampleSlot", "replace_loss_mask"]
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,11 @@ class ImageSpan:
 class SampleSlot:
     """One packed sample."""
 
-    index: int | None
-    """Position of the sample in the list given to :func:`pack_samples`; None for a pad made here."""
+    sample_index: int | None
+    """Which sample this is: its position in the samples given to :func:`~trainer_lib.pack_samples`
+    (or :func:`~trainer_lib.plan_step`); None for a pad added by balancing. After
+    :func:`~trainer_lib.rebuild_micro_batch`, its position in the micro-batch (the step-wide
+    index is not on the wire)."""
     start: int
     """Offset of its first token in the packed sequence."""
     length: int
@@ -143,12 +146,13 @@ class PackedMicroBatch:
     @property
     def sample_indices(self) -> list[int]:
         """Input positions of the real samples, in pack order (pads excluded)."""
-        return [s.index for s in self.slots if s.index is not None and not s.is_padding]
+        return [s.sample_index for s in self.slots if s.sample_index is not None and not s.is_padding]
 
 
 @dataclass(frozen=True)
-class PackedStep:
-    """The micro-batches of one step (or of one rank's share of a mini-batch), with totals.
+class PackedBatch:
+    """Samples packed into micro-batches of one capacity, with totals: what :func:`~trainer_lib.pack_samples`
+    returns, and each rank's share of a mini-batch (:mod:`trainer_lib.ranks`).
 
     Totals are summed over the packed micro-batches (never inferred from one micro-batch's shape).
     """

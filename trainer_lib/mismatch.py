@@ -92,10 +92,10 @@ def recompute_logprobs(
         with torch.no_grad():
             result = packed_logprobs(model, inputs, temperature=temperature)
         for slot in materialized.packed.slots:
-            if slot.index is None or slot.is_padding:
+            if slot.sample_index is None or slot.is_padding:
                 continue
             span = slice(slot.start, slot.start + slot.length)
-            out[slot.index] = (result.logprobs[span].cpu(), result.loss_mask[span].cpu())
+            out[slot.sample_index] = (result.logprobs[span].cpu(), result.loss_mask[span].cpu())
     missing = [i for i, o in enumerate(out) if o is None]
     if missing:
         raise RuntimeError(f"samples {missing} were not in any micro-batch")

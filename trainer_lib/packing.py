@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from protocol.errors import PlaceholderMismatch
 from protocol.placeholders import locate_image_runs
 from protocol.structs import MicroBatch, MMRefs, RawMMRef, TrainingSample
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, plan_bins, resolve_cap, spread_bins
-from trainer_lib.micro_batch import ImageSpan, PackedMicroBatch, PackedStep, SampleSlot
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, bin_capacity, plan_bins, spread_bins
+from trainer_lib.micro_batch import ImageSpan, PackedBatch, PackedMicroBatch, SampleSlot
 
 __all__ = ["PackEntry", "build_micro_batch", "pack_samples", "rebuild_micro_batch"]
 
@@ -48,7 +48,7 @@ class PackEntry:
     """One sample to pack; ``synthetic_grid`` makes it a pad carrying one zero-feature image."""
 
     sample: TrainingSample
-    index: int | None = None
+    sample_index: int | None = None
     synthetic_grid: tuple[int, ...] | None = None
 
 
@@ -150,7 +150,7 @@ def build_micro_batch(
     if not entries:
         raise ValueError("a micro-batch needs at least one sample")
     if analyses is None:
-        analyses = [_analyze(e, placeholder_token_id, num_placeholders, e.index) for e in entries]
+        analyses = [_analyze(e, placeholder_token_id, num_placeholders, e.sample_index) for e in entries]
     keys = {(e.sample.run_id, e.sample.lora_id) for e in entries}
     if len(keys) != 1:
         raise ValueError(
@@ -190,7 +190,7 @@ def build_micro_batch(
                 refs.append(ref)
         slots.append(
             SampleSlot(
-                index=e.index,
+                sample_index=e.sample_index,
                 start=start,
                 length=a.length,
                 num_images=len(a.spans),
@@ -238,7 +238,7 @@ def pack_samples(
     micro_batch_max_tokens: int | None = None,
     num_placeholders: Callable[[Sequence[int]], int] | None = None,
     bins_multiple_of: int = 1,
-) -> PackedStep:
+) -> PackedBatch:
     """Pack samples into micro-batches, first-fit-decreasing (see the module docstring).
 
     Args:
@@ -256,17 +256,17 @@ def pack_samples(
             evenly over ``T`` micro-batches instead of ``B`` full ones plus ``T - B`` pads.
 
     Returns:
-        A :class:`PackedStep`; each sample lands in exactly one micro-batch.
+        A :class:`PackedBatch`; each sample lands in exactly one micro-batch.
 
     Raises:
-        ValueError: a bad cap (see :func:`resolve_cap`), an empty sample, or a loss on a
+        ValueError: a bad cap (see :func:`bin_capacity`), an empty sample, or a loss on a
             sample's first token (it has no logprob).
         PlaceholderMismatch: a sample whose image tokens do not match its refs.
     """
-    cap = resolve_cap(seq_len, micro_batch_max_tokens)
+    cap = bin_capacity(seq_len, micro_batch_max_tokens)
     entries = [e if isinstance(e, PackEntry) else PackEntry(e, i) for i, e in enumerate(samples)]
     analyses = [
-        _analyze(e, placeholder_token_id, num_placeholders, i if e.index is None else e.index)
+        _analyze(e, placeholder_token_id, num_placeholders, i if e.sample_index is None else e.sample_index)
         for i, e in enumerate(entries)
     ]
     lengths = [a.length for a in analyses]
@@ -284,7 +284,7 @@ def pack_samples(
                 [entries[i] for i in b], [analyses[i] for i in b], placeholder_token_id=placeholder_token_id
             )
         )
-    return PackedStep(micro_batches=micro_batches, micro_batch_max_tokens=cap)
+    return PackedBatch(micro_batches=micro_batches, micro_batch_max_tokens=cap)
 
 
 def rebuild_micro_batch(
@@ -299,7 +299,7 @@ def rebuild_micro_batch(
     it calls ``rebuild_micro_batch(decode_microbatch(data), ...)`` and gets the slots, image spans
     and accounting back. The samples are re-cut from the per-token arrays by ``seq_lens`` and
     re-packed with :func:`build_micro_batch`, so every packing check runs again, and the result
-    must encode to the very micro-batch received. ``SampleSlot.index`` becomes the sample's
+    must encode to the very micro-batch received. ``SampleSlot.sample_index`` becomes the sample's
     position in this micro-batch (the step-wide index is not on the wire).
 
     Args:

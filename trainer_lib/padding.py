@@ -6,7 +6,7 @@ and no group, so group-relative advantages computed elsewhere never see it:
 - **text pads** (:func:`make_pad_sample`): ``pad_tokens`` pad ids. :func:`pad_samples` appends
   them up to :func:`padded_sample_count`, a multiple of ``lcm(dp_size, mini_batch_size[,
   critic_mini_batch_size])`` (verl's scheme: 2 tokens, independent ids);
-- **multimodal pads** (:func:`image_pad_entry`): ``[pad] + [placeholder] * n + [pad]`` with one
+- **synthetic-image pads** (:func:`synthetic_image_pad`): ``[pad] + [placeholder] * n + [pad]`` with one
   synthetic image (zero features from ``adapter.synthesize_placeholder``), so a micro-batch runs
   the vision tower (:mod:`trainer_lib.ranks`).
 """
@@ -20,7 +20,13 @@ from typing import Any
 from protocol.structs import TrainingSample
 from trainer_lib.packing import PackEntry
 
-__all__ = ["image_pad_entry", "make_pad_sample", "minimal_pad_grid", "pad_samples", "padded_sample_count"]
+__all__ = [
+    "make_pad_sample",
+    "pad_samples",
+    "padded_sample_count",
+    "smallest_image_grid",
+    "synthetic_image_pad",
+]
 
 
 def padded_sample_count(
@@ -57,7 +63,7 @@ def make_pad_sample(
     )
 
 
-def minimal_pad_grid(adapter: Any) -> tuple[int, ...]:
+def smallest_image_grid(adapter: Any) -> tuple[int, ...]:
     """The smallest grid the family's processor produces (a 1x1 image after its resize rules).
 
     Qwen-VL: ``smart_resize`` lifts tiny images to ``min_pixels``; released Qwen2-VL gives
@@ -66,7 +72,7 @@ def minimal_pad_grid(adapter: Any) -> tuple[int, ...]:
     return tuple(adapter.grid_for_size(1, 1))
 
 
-def image_pad_entry(
+def synthetic_image_pad(
     adapter: Any,
     *,
     grid: Sequence[int],

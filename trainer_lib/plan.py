@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.structs import TrainingSample
-from trainer_lib.bins import resolve_cap
-from trainer_lib.micro_batch import PackedStep
+from trainer_lib.bins import bin_capacity
+from trainer_lib.micro_batch import PackedBatch
 from trainer_lib.packing import PackEntry, pack_samples
 from trainer_lib.padding import make_pad_sample, padded_sample_count
 from trainer_lib.ranks import balance_micro_batches, split_micro_batches
@@ -27,7 +27,7 @@ __all__ = ["StepPlan", "plan_step"]
 class StepPlan:
     """``mini_batches[i][rank]``: rank ``rank``'s micro-batches for optimizer step ``i``."""
 
-    mini_batches: list[list[PackedStep]]
+    mini_batches: list[list[PackedBatch]]
     num_padding_samples: int
     """Sample-count pads added by :func:`pad_samples` (micro-batch pads are counted per step)."""
 
@@ -75,7 +75,7 @@ def plan_step(
     micro_batch_max_tokens: int | None = None,
     critic_mini_batch_size: int | None = None,
     adapter: Any = None,
-    mm_pad_grid: Sequence[int] | None = None,
+    synthetic_image_grid: Sequence[int] | None = None,
     pad_tokens: int = 2,
 ) -> StepPlan:
     """Pad, split into mini-batches, pack each, deal its micro-batches to the ranks, balance.
@@ -85,14 +85,14 @@ def plan_step(
     pads alone unless there are fewer real samples than mini-batches (then
     :attr:`StepPlan.num_loss_tokens_per_mini_batch` shows a 0: skip that ``optimizer.step()``;
     every rank computes the same plan, so they agree). Sample ``i`` of the input is
-    ``slot.index == i`` wherever it lands; pads have indices ``>= len(samples)`` (sample-count
+    ``slot.sample_index == i`` wherever it lands; pads have indices ``>= len(samples)`` (sample-count
     pads) or None (micro-batch pads). ``critic_mini_batch_size`` only enters the padded count
     (a critic cuts its own mini-batches from the same padded samples).
 
     Raises:
         ValueError, PlaceholderMismatch: see :func:`pack_samples` and :func:`balance_micro_batches`.
     """
-    cap = resolve_cap(seq_len, micro_batch_max_tokens)
+    cap = bin_capacity(seq_len, micro_batch_max_tokens)
     n = len(samples)
     target = padded_sample_count(
         n, dp_size=dp_size, mini_batch_size=mini_batch_size, critic_mini_batch_size=critic_mini_batch_size
@@ -121,7 +121,7 @@ def plan_step(
                 pad_token_id=pad_token_id,
                 placeholder_token_id=placeholder_token_id,
                 adapter=adapter,
-                mm_pad_grid=mm_pad_grid,
+                synthetic_image_grid=synthetic_image_grid,
                 pad_tokens=pad_tokens,
             )
         )

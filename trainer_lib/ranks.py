@@ -4,7 +4,7 @@ Every rank must run the same number of forward/backward passes, and with a shard
 micro-batch ``k`` must run the vision tower on every rank or on none (its parameters are
 gathered collectively). :func:`split_micro_batches` deals micro-batches to ranks (pixels first,
 token-balanced); :func:`balance_micro_batches` then orders each rank's micro-batches
-pixels-first, gives a rank with fewer pixel micro-batches a **multimodal pad** (placeholder
+pixels-first, gives a rank with fewer pixel micro-batches a **synthetic-image pad** (placeholder
 tokens of a minimal grid, zero features from ``adapter.synthesize_placeholder``) added to a text
 micro-batch that has room and no stray placeholder sample, or as a micro-batch of its own, and
 finally tops up ranks with fewer micro-batches with text-pad micro-batches.
@@ -15,14 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from trainer_lib.micro_batch import PackedMicroBatch, PackedStep
+from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
 from trainer_lib.packing import PackEntry, build_micro_batch
-from trainer_lib.padding import image_pad_entry, make_pad_sample, minimal_pad_grid
+from trainer_lib.padding import make_pad_sample, smallest_image_grid, synthetic_image_pad
 
 __all__ = ["balance_micro_batches", "split_micro_batches"]
 
 
-def split_micro_batches(step: PackedStep, dp_size: int) -> list[PackedStep]:
+def split_micro_batches(step: PackedBatch, dp_size: int) -> list[PackedBatch]:
     """Deal a packed mini-batch's micro-batches to ``dp_size`` ranks.
 
     Each rank gets ``ceil(B / dp)`` or fewer micro-batches: first those with pixels (at most
@@ -43,25 +43,25 @@ def split_micro_batches(step: PackedStep, dp_size: int) -> list[PackedStep]:
             r = min((r for r in range(dp_size) if len(ranks[r]) < limit), key=lambda r: (tokens[r], r))
             ranks[r].append(mb)
             tokens[r] += mb.num_tokens
-    return [PackedStep(micro_batches=r, micro_batch_max_tokens=step.micro_batch_max_tokens) for r in ranks]
+    return [PackedBatch(micro_batches=r, micro_batch_max_tokens=step.micro_batch_max_tokens) for r in ranks]
 
 
 def balance_micro_batches(
-    per_rank: Sequence[PackedStep],
+    per_rank: Sequence[PackedBatch],
     *,
     pad_token_id: int,
     placeholder_token_id: int,
     adapter: Any = None,
-    mm_pad_grid: Sequence[int] | None = None,
+    synthetic_image_grid: Sequence[int] | None = None,
     pad_tokens: int = 2,
-) -> list[PackedStep]:
+) -> list[PackedBatch]:
     """Give every rank the same number of micro-batches, with pixels in the same positions.
 
     Args:
         per_rank: each rank's packed share (same cap on every rank).
         adapter: needed when some rank has fewer pixel micro-batches than another (for
             ``num_placeholders``; features come later from ``synthesize_placeholder``).
-        mm_pad_grid: the multimodal pad's grid; default :func:`minimal_pad_grid`.
+        synthetic_image_grid: the synthetic-image pad's grid; default :func:`smallest_image_grid`.
 
     Returns:
         New per-rank steps: on every rank micro-batches ``0..P-1`` carry pixels and ``P..M-1``
@@ -78,7 +78,7 @@ def balance_micro_batches(
     grid = None
 
     def with_image_pad(entries: list[PackEntry], run_id: str, lora_id: str | None) -> PackedMicroBatch:
-        pad = image_pad_entry(
+        pad = synthetic_image_pad(
             adapter,
             grid=grid,
             pad_token_id=pad_token_id,
@@ -105,10 +105,10 @@ def balance_micro_batches(
         if deficit and adapter is None:
             raise ValueError(
                 f"rank {rank} has {len(pix)} micro-batches with images, another has {n_pix}: "
-                f"aligning the vision tower needs the adapter (multimodal pads)"
+                f"aligning the vision tower needs the adapter (synthetic-image pads)"
             )
         if deficit:
-            grid = grid or tuple(mm_pad_grid or minimal_pad_grid(adapter))
+            grid = grid or tuple(synthetic_image_grid or smallest_image_grid(adapter))
             pad_len = adapter.num_placeholders(grid) + 2
             kept: list[PackedMicroBatch] = []
             for mb in text:
@@ -120,7 +120,7 @@ def balance_micro_batches(
                     # a text micro-batch: its slots carry no images
                     pix.append(
                         with_image_pad(
-                            [PackEntry(s.sample, s.index) for s in mb.slots], mb.run_id, mb.lora_id
+                            [PackEntry(s.sample, s.sample_index) for s in mb.slots], mb.run_id, mb.lora_id
                         )
                     )
                     deficit -= 1
@@ -138,5 +138,5 @@ def balance_micro_batches(
                 pad_token_id=pad_token_id, num_tokens=pad_tokens, run_id=key[0], lora_id=key[1]
             )
             mbs.append(build_micro_batch([PackEntry(pad)], placeholder_token_id=placeholder_token_id))
-        steps.append(PackedStep(micro_batches=mbs, micro_batch_max_tokens=cap))
+        steps.append(PackedBatch(micro_batches=mbs, micro_batch_max_tokens=cap))
     return steps
