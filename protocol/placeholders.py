@@ -108,6 +108,13 @@ def locate_image_runs(
             "num_placeholders per image",
             ref=ref,
         )
+    return _split_runs(mask, counts, refs, placeholder_token_id, where)
+
+
+def _split_runs(
+    mask: np.ndarray, counts: list[int], refs: Sequence[RawMMRef], tok: int, where: str
+) -> list[tuple[int, int]]:
+    """Cut each run of ``mask`` into the next images' counts, in order (their total is checked)."""
     edges = np.flatnonzero(np.diff(np.concatenate(([False], mask, [False])).astype(np.int8)))
     spans: list[tuple[int, int]] = []
     for run_start, run_end in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
@@ -116,9 +123,9 @@ def locate_image_runs(
             k = len(spans)
             if pos + counts[k] > run_end:
                 raise PlaceholderMismatch(
-                    f"{where}a run of {run_end - run_start} placeholder tokens (id {placeholder_token_id}) "
+                    f"{where}a run of {run_end - run_start} placeholder tokens (id {tok}) "
                     f"at {run_start} does not split into the images' counts {counts}",
-                    ref=refs[k].ref if k < len(refs) else ref,
+                    ref=refs[k if k < len(refs) else 0].ref if refs else None,
                 )
             spans.append((pos, counts[k]))
             pos += counts[k]

@@ -104,22 +104,41 @@ def _varlen_attention_forward(
         )
     if sliding_window is not None or dropout:
         raise PackingUnsupported(f"{VARLEN_ATTENTION} supports neither sliding windows nor attention dropout")
-    cu = kwargs.get("mmref_cu_seqlens")
-    max_len = kwargs.get("mmref_max_seqlen")
-    if cu is None:
-        pos = kwargs.get("position_ids")
-        if pos is None:
-            raise PackingUnsupported(f"{VARLEN_ATTENTION} needs mmref_cu_seqlens or text position ids")
-        starts = torch.nonzero(pos.reshape(-1) == 0).flatten()
-        cu = torch.cat([starts, torch.tensor([pos.shape[-1]], device=starts.device)]).to(torch.int32)
-        max_len = int((cu[1:] - cu[:-1]).max())
+    cu, max_len = _boundaries(kwargs)
     kernel = _varlen_kernel()
-    params = _kernel_params(kernel)
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))  # [L, H, D]
+    kw = _kernel_kwargs(kernel, scaling, head_dim=q.shape[-1], gqa=q.shape[1] != k.shape[1])
+    if q.shape[1] != k.shape[1] and "enable_gqa" not in kw:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    cu = cu.to(device=q.device, dtype=torch.int32)
+    out = kernel(q, k, v, cu, cu, int(max_len), int(max_len), **kw)
+    return out.unsqueeze(0), None
+
+
+def _boundaries(kwargs: dict[str, Any]) -> tuple[torch.Tensor, int]:
+    """``(cu_seqlens, max_seqlen)``: passed down by :func:`~trainer_lib.packed_logprobs`, else
+    derived from the zeros of the text position ids."""
+    cu = kwargs.get("mmref_cu_seqlens")
+    if cu is not None:
+        return cu, int(kwargs["mmref_max_seqlen"])
+    pos = kwargs.get("position_ids")
+    if pos is None:
+        raise PackingUnsupported(f"{VARLEN_ATTENTION} needs mmref_cu_seqlens or text position ids")
+    starts = torch.nonzero(pos.reshape(-1) == 0).flatten()
+    cu = torch.cat([starts, torch.tensor([pos.shape[-1]], device=starts.device)]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def _kernel_kwargs(
+    kernel: Callable[..., Any], scaling: float | None, *, head_dim: int, gqa: bool
+) -> dict[str, Any]:
+    """The keywords ``kernel``'s signature takes for a causal call (see :func:`_varlen_attention_forward`)."""
+    params = _kernel_params(kernel)
     kw: dict[str, Any] = {}
     if "scale" in params:
         kw["scale"] = scaling
-    elif scaling is not None and not math.isclose(scaling, q.shape[-1] ** -0.5, rel_tol=1e-6):
+    elif scaling is not None and not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-6):
         raise PackingUnsupported(
             f"varlen kernel {kernel} takes no scale and the model scales by {scaling}, not 1/sqrt(head_dim)"
         )
@@ -131,15 +150,9 @@ def _varlen_attention_forward(
         kw["is_causal"] = True
     else:
         raise PackingUnsupported(f"varlen kernel {kernel} takes neither window_size nor is_causal")
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in params:
-            kw["enable_gqa"] = True
-        else:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    cu = cu.to(device=q.device, dtype=torch.int32)
-    out = kernel(q, k, v, cu, cu, int(max_len), int(max_len), **kw)
-    return out.unsqueeze(0), None
+    if gqa and "enable_gqa" in params:
+        kw["enable_gqa"] = True
+    return kw
 
 
 def register_varlen_attention() -> str:

@@ -64,46 +64,51 @@ def plan_bins(
     out: list[list[int]] = []
     for members in groups.values():
         order = sorted(members, key=lambda i: -lengths_list[i])  # stable: ties keep input order
-        m = len(order)
-        # Remaining room per bin as seen by each kind (-1 where the kind may not join): one
-        # vectorized first-fit search per item, no per-bin Python loop.
-        room = {kind: np.full(m, -1, dtype=np.int64) for kind in (NEUTRAL, PIXELS, STRAY)}
-        has_pix = [False] * m
-        has_stray = [False] * m
-        bins: list[list[int]] = []
-        max_room = -1  # upper bound on any open bin's room (refreshed when a search fails)
-        for i in order:
-            size = lengths_list[i]
-            kind = kinds_list[i]
-            nb = len(bins)
-            j = nb
-            if size <= max_room:
-                k = int((room[kind][:nb] >= size).argmax())
-                if room[kind][k] >= size:
-                    j = k
-                else:
-                    max_room = int(room[NEUTRAL][:nb].max())
-            if j == nb:
-                bins.append([i])
-                left = cap - size if size <= cap else -1  # an oversized item closes its bin
-                room[NEUTRAL][j] = room[PIXELS][j] = room[STRAY][j] = left
-                max_room = max(max_room, left)
-            else:
-                bins[j].append(i)
-                left = int(room[NEUTRAL][j]) - size  # NEUTRAL room is the bin's true room
-                room[NEUTRAL][j] = left
-                if not has_stray[j]:
-                    room[PIXELS][j] = left
-                if not has_pix[j]:
-                    room[STRAY][j] = left
-            if kind == PIXELS and not has_pix[j]:
-                has_pix[j] = True
-                room[STRAY][j] = -1
-            elif kind == STRAY and not has_stray[j]:
-                has_stray[j] = True
-                room[PIXELS][j] = -1
-        out.extend(sorted(b) for b in bins)
+        out.extend(sorted(b) for b in _first_fit(order, lengths_list, kinds_list, cap))
     return out
+
+
+def _first_fit(order: list[int], lengths: list[int], kinds: list[int], cap: int) -> list[list[int]]:
+    """First fit of the items in ``order`` (one isolation key): bins of indices, in creation order.
+
+    Remaining room per bin as seen by each kind (-1 where the kind may not join): one vectorized
+    first-fit search per item, no per-bin Python loop.
+    """
+    m = len(order)
+    room = {kind: np.full(m, -1, dtype=np.int64) for kind in (NEUTRAL, PIXELS, STRAY)}
+    has_pix = [False] * m
+    has_stray = [False] * m
+    bins: list[list[int]] = []
+    max_room = -1  # upper bound on any open bin's room (refreshed when a search fails)
+    for i in order:
+        size, kind, nb = lengths[i], kinds[i], len(bins)
+        j = nb
+        if size <= max_room:
+            k = int((room[kind][:nb] >= size).argmax())
+            if room[kind][k] >= size:
+                j = k
+            else:
+                max_room = int(room[NEUTRAL][:nb].max())
+        if j == nb:
+            bins.append([i])
+            left = cap - size if size <= cap else -1  # an oversized item closes its bin
+            room[NEUTRAL][j] = room[PIXELS][j] = room[STRAY][j] = left
+            max_room = max(max_room, left)
+        else:
+            bins[j].append(i)
+            left = int(room[NEUTRAL][j]) - size  # NEUTRAL room is the bin's true room
+            room[NEUTRAL][j] = left
+            if not has_stray[j]:
+                room[PIXELS][j] = left
+            if not has_pix[j]:
+                room[STRAY][j] = left
+        if kind == PIXELS and not has_pix[j]:
+            has_pix[j] = True
+            room[STRAY][j] = -1
+        elif kind == STRAY and not has_stray[j]:
+            has_stray[j] = True
+            room[PIXELS][j] = -1
+    return bins
 
 
 def spread_bins(

@@ -1,4 +1,4 @@
-"""Rematerialize image features from refs, exactly as the server computed them (DESIGN §6).
+"""Rematerialize image features from refs, exactly as the server computed them (docs/PROTOCOL.md).
 
 Each distinct ref in a batch is read, hash-checked, decoded and processed once, by
 :meth:`protocol.adapters.ImageAdapter.resolve_raw` — the same function the server
@@ -11,11 +11,12 @@ runs through the model (shapes and collectives stay aligned) but trains nothing.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import torch
@@ -55,14 +56,19 @@ fingerprint, grid mismatch) mean the batch is wrong, not the image: they always 
 
 @dataclass
 class MaterializeStats:
+    """What one :func:`materialize` call did (also added to the ``mmref_trainer_*`` counters of
+    :mod:`trainer_lib.metrics`)."""
+
     images: int = 0
     """Image slots filled (one per ref occurrence)."""
     unique_refs: int = 0
+    """Distinct ref strings."""
     processed: int = 0
     """Images actually read and run through the processor (== distinct resolvable refs)."""
     placeholders: int = 0
     """Slots filled with zero features because the image was missing or unreadable."""
     zeroed_samples: int = 0
+    """Samples whose whole loss mask was zeroed (one of their images was replaced)."""
 
 
 @dataclass
@@ -109,16 +115,14 @@ def materialize(
         asset_root: every image must resolve inside this folder.
         policy: ``"placeholder_zero_loss"`` or ``"error"`` for missing/unreadable images.
         max_workers: threads reading and processing distinct images (at least 1).
-        device_normalize: produce vLLM's raw (un-normalized) pixels instead of the
-            normalized pixels an HF model takes; for comparing with a server that runs
-            ``mm_device_do_normalize``.
+        device_normalize: vLLM's raw (un-normalized) pixels instead of the normalized pixels an HF
+            model takes (to compare with a server running ``mm_device_do_normalize``).
         placeholder_token_id: if given, each sample's image placeholder tokens (counted with
             ``mm_token_type_ids`` when present, else by this id) must equal the sum of its refs'
             ``num_placeholders``: a misaligned sample raises instead of training on shifted features.
         max_image_bytes, max_image_pixels: the same limits the server applies.
-        dedup: return each distinct image's features once plus ``image_index`` instead of one
-            copy per slot (an RL group of 8 samples sharing an image: 8x fewer pixel bytes, and
-            :func:`trainer_lib.packed_logprobs` runs the vision tower once per distinct image).
+        dedup: each distinct image's features once plus ``image_index``, not one copy per slot (an
+            RL group of 8 sharing an image: 8x fewer pixel bytes, one vision forward per image).
 
     Raises:
         MMRefError subclasses: under ``"error"`` any ref that fails; under either policy a ref
@@ -132,52 +136,68 @@ def materialize(
         raise ValueError(f"policy must be 'placeholder_zero_loss' or 'error', got {policy!r}")
     if max_workers < 1:
         raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-    store = AssetStore(asset_root)
     per_sample = [[r.ref for r in s.mm_refs.items] if s.mm_refs else [] for s in samples]
-    unique = list(dict.fromkeys(ref for refs in per_sample for ref in refs))
-    bodies = {ref: _raw_body(ref) for ref in unique}
-    # family, fingerprint and payload, before any file is read; check_ref returns the claimed grid
+    bodies = {ref: _raw_body(ref) for refs in per_sample for ref in refs}  # distinct, first-seen order
+    # family, fingerprint and payload, before any file is read; check_ref returns the bounded grid
     grids = {ref: adapter.check_ref(body, ref=ref) for ref, body in bodies.items()}
     for i, sample in enumerate(samples):
         _check_sample(i, sample, adapter, grids, placeholder_token_id)
-
-    def work(ref: str) -> ProcessedImage | MMRefError:
-        try:
-            return adapter.resolve_raw(
-                bodies[ref],
-                store,
-                ref=ref,
-                device_normalize=device_normalize,
-                max_bytes=max_image_bytes,
-                max_pixels=max_image_pixels,
-            )
-        except _REPLACEABLE as e:
-            if policy == "error":
-                raise
-            return e
-
+    resolve = functools.partial(
+        _resolve,
+        adapter=adapter,
+        store=AssetStore(asset_root),
+        replace=policy == "placeholder_zero_loss",
+        device_normalize=device_normalize,
+        max_bytes=max_image_bytes,
+        max_pixels=max_image_pixels,
+    )
     with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="mmref-mat") as pool:
-        results = dict(zip(unique, pool.map(work, unique), strict=True))
+        results = dict(zip(bodies, pool.map(resolve, bodies.items()), strict=True))
+    return _assemble(samples, per_sample, results, grids, adapter, dedup=dedup)
 
-    stats = MaterializeStats(unique_refs=len(unique))
+
+def _resolve(
+    ref_and_body: tuple[str, RawRefBody],
+    *,
+    adapter: ImageAdapter,
+    store: AssetStore,
+    replace: bool,
+    **kwargs: Any,
+) -> ProcessedImage | MMRefError:
+    """``adapter.resolve_raw`` of one ref; with ``replace``, a replaceable error is returned, not raised."""
+    ref, body = ref_and_body
+    try:
+        return adapter.resolve_raw(body, store, ref=ref, **kwargs)
+    except _REPLACEABLE as e:
+        if not replace:
+            raise
+        return e
+
+
+def _assemble(
+    samples: Sequence[TrainingSample],
+    per_sample: list[list[str]],
+    results: dict[str, ProcessedImage | MMRefError],
+    grids: dict[str, tuple[int, ...]],
+    adapter: ImageAdapter,
+    *,
+    dedup: bool,
+) -> MaterializedBatch:
+    """Place each ref's result into every slot naming it (zero features of the ref's grid and a
+    zeroed loss mask where it failed), count, and collate."""
+    stats = MaterializeStats(unique_refs=len(results))
     stats.processed = sum(isinstance(r, ProcessedImage) for r in results.values())
     placeholders: dict[str, ProcessedImage] = {}
     items: list[ProcessedImage] = []
-    slot_refs: list[str] = []
     out_samples: list[TrainingSample] = []
     for sample, refs in zip(samples, per_sample, strict=True):
-        zero = False
-        for ref in refs:
-            result = results[ref]
-            if isinstance(result, MMRefError):
-                if ref not in placeholders:
-                    placeholders[ref] = adapter.synthesize_placeholder(grids[ref])
-                result = placeholders[ref]
-                zero = True
-                stats.placeholders += 1
-            items.append(result)
-            slot_refs.append(ref)
-        if zero:
+        failed = [ref for ref in refs if isinstance(results[ref], MMRefError)]
+        for ref in failed:
+            if ref not in placeholders:
+                placeholders[ref] = adapter.synthesize_placeholder(grids[ref])
+        items += [_item(ref, results, placeholders) for ref in refs]
+        if failed:
+            stats.placeholders += len(failed)
             stats.zeroed_samples += 1
             sample = msgspec.structs.replace(sample, loss_mask=[False] * len(sample.loss_mask))
         out_samples.append(sample)
@@ -188,12 +208,10 @@ def materialize(
     metrics.ZEROED_SAMPLES.inc(stats.zeroed_samples)
     image_index = None
     if dedup and items:
-        first_slot: dict[str, int] = {}
-        for k, ref in enumerate(slot_refs):
-            first_slot.setdefault(ref, k)
-        position = {ref: i for i, ref in enumerate(first_slot)}
+        slot_refs = [ref for refs in per_sample for ref in refs]
+        position = {ref: i for i, ref in enumerate(dict.fromkeys(slot_refs))}
         image_index = torch.tensor([position[ref] for ref in slot_refs], dtype=torch.int64)
-        items = [items[k] for k in first_slot.values()]
+        items = [_item(ref, results, placeholders) for ref in position]
     return MaterializedBatch(
         samples=out_samples,
         features=adapter.collate(items) if items else {},
@@ -271,6 +289,14 @@ def materialize_micro_batch(
     return MaterializedMicroBatch(
         packed=packed, features=features, stats=batch.stats, image_index=image_index
     )
+
+
+def _item(
+    ref: str, results: dict[str, ProcessedImage | MMRefError], placeholders: dict[str, ProcessedImage]
+) -> ProcessedImage:
+    """The features a slot naming ``ref`` gets: the processed image, or its zero stand-in."""
+    result = results[ref]
+    return placeholders[ref] if isinstance(result, MMRefError) else result
 
 
 def _check_sample(

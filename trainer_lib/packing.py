@@ -156,38 +156,34 @@ def build_micro_batch(
         raise ValueError(
             f"samples of different (run_id, lora_id) in one micro-batch: {sorted(keys, key=str)}"
         )
-    (run_id, lora_id), kinds = next(iter(keys)), {a.kind for a in analyses}
-    if PIXELS in kinds and STRAY in kinds:
+    if {PIXELS, STRAY} <= {a.kind for a in analyses}:
         raise ValueError(
             f"a text sample containing the placeholder token {placeholder_token_id} cannot share a "
             f"micro-batch with image features"
         )
-    input_ids: list[int] = []
-    loss_mask: list[bool] = []
-    advantages: list[float] = []
-    logprobs: list[float] = []
-    seq_lens: list[int] = []
-    refs: list[RawMMRef] = []
+    slots, images = _layout(entries, analyses)
+    (run_id, lora_id) = keys.pop()
+    return PackedMicroBatch(
+        micro_batch=_concatenate([e.sample for e in entries], slots, images, run_id, lora_id),
+        slots=slots,
+        images=images,
+        run_id=run_id,
+        lora_id=lora_id,
+        num_tokens=slots[-1].start + slots[-1].length,
+        num_loss_tokens=sum(s.num_loss_tokens for s in slots),
+    )
+
+
+def _layout(
+    entries: Sequence[PackEntry], analyses: Sequence[_Analysis]
+) -> tuple[tuple[SampleSlot, ...], tuple[ImageSpan, ...]]:
+    """Each entry's slot and each image's span, at their offsets in the concatenation."""
     slots: list[SampleSlot] = []
     images: list[ImageSpan] = []
-    n_loss = 0
+    start = 0
     for e, a in zip(entries, analyses, strict=True):
-        s = e.sample
-        start = len(input_ids)
-        input_ids.extend(s.input_ids)
-        loss_mask.extend(s.loss_mask)
-        advantages.extend(s.advantages)
-        logprobs.extend(s.inference_logprobs)
-        seq_lens.append(a.length)
-        sample_loss = s.loss_mask.count(True)
-        n_loss += sample_loss
         first = len(images)
-        for sp_start, sp_len, grid, ref in a.spans:
-            images.append(
-                ImageSpan(slot=len(slots), start=start + sp_start, length=sp_len, grid=grid, ref=ref)
-            )
-            if ref is not None:
-                refs.append(ref)
+        images += [ImageSpan(len(slots), start + offset, n, grid, ref) for offset, n, grid, ref in a.spans]
         slots.append(
             SampleSlot(
                 sample_index=e.sample_index,
@@ -195,38 +191,46 @@ def build_micro_batch(
                 length=a.length,
                 num_images=len(a.spans),
                 first_image=first,
-                num_loss_tokens=sample_loss,
-                is_padding=s.is_padding,
+                num_loss_tokens=e.sample.loss_mask.count(True),
+                is_padding=e.sample.is_padding,
                 stray_placeholders=a.kind == STRAY,
-                sample=s,
+                sample=e.sample,
             )
         )
+        start += a.length
+    return tuple(slots), tuple(images)
+
+
+def _concatenate(
+    samples: Sequence[TrainingSample],
+    slots: Sequence[SampleSlot],
+    images: Sequence[ImageSpan],
+    run_id: str,
+    lora_id: str | None,
+) -> MicroBatch:
+    """The wire struct: per-token arrays concatenated, one row per sample, refs in pack order."""
+
+    def cat(name: str) -> list:
+        return list(itertools.chain.from_iterable(getattr(s, name) for s in samples))
+
+    input_ids = cat("input_ids")
     type_ids = [0] * len(input_ids)  # 0 text, 1 image placeholder
     for im in images:
         type_ids[im.start : im.start + im.length] = [1] * im.length
-    mb = MicroBatch(
+    return MicroBatch(
         input_ids=input_ids,
-        loss_mask=loss_mask,
-        advantages=advantages,
-        inference_logprobs=logprobs,
-        seq_lens=seq_lens,
+        loss_mask=cat("loss_mask"),
+        advantages=cat("advantages"),
+        inference_logprobs=cat("inference_logprobs"),
+        seq_lens=[s.length for s in slots],
         sample_count=len(slots),
-        mm_refs=refs,
+        mm_refs=[im.ref for im in images if im.ref is not None],
         mm_token_type_ids=type_ids,
         images_per_sample=[s.num_images for s in slots],
         is_padding=[s.is_padding for s in slots],
         synthetic_grids=[list(im.grid) for im in images if im.ref is None] or None,
         run_id=run_id,
         lora_id=lora_id,
-    )
-    return PackedMicroBatch(
-        micro_batch=mb,
-        slots=tuple(slots),
-        images=tuple(images),
-        run_id=run_id,
-        lora_id=lora_id,
-        num_tokens=len(input_ids),
-        num_loss_tokens=n_loss,
     )
 
 
@@ -315,7 +319,19 @@ def rebuild_micro_batch(
         PlaceholderMismatch: a sample's image tokens do not match its refs (see
             :func:`locate_image_runs`).
     """
-    mb = micro_batch
+    entries = _recut(micro_batch)
+    packed = build_micro_batch(
+        entries, placeholder_token_id=placeholder_token_id, num_placeholders=num_placeholders
+    )
+    for name in MicroBatch.__struct_fields__:
+        if name != "position_ids" and getattr(packed.micro_batch, name) != getattr(micro_batch, name):
+            raise ValueError(f"the micro-batch does not rebuild to itself: {name} differs")
+    return dataclasses.replace(packed, micro_batch=micro_batch)
+
+
+def _recut(mb: MicroBatch) -> list[PackEntry]:
+    """The samples of a micro-batch, cut from its per-token arrays by ``seq_lens``; refs are dealt
+    by ``images_per_sample``, then the synthetic grids (a pad's one image)."""
     types = mb.mm_token_type_ids
     if types is None or mb.images_per_sample is None or mb.is_padding is None:
         raise ValueError(
@@ -323,11 +339,11 @@ def rebuild_micro_batch(
             "(build_micro_batch sets them)"
         )
     refs, grids = iter(mb.mm_refs), iter(mb.synthetic_grids or ())
-    entries, start = [], 0
+    entries: list[PackEntry] = []
+    start = 0
     rows = zip(mb.seq_lens, mb.images_per_sample, mb.is_padding, strict=True)
     for i, (length, n_images, pad) in enumerate(rows):
         end = start + length
-        sample_types = types[start:end]
         own_refs = list(itertools.islice(refs, n_images))  # refs first, then the synthetic grids
         synthetic = [tuple(g) for g in itertools.islice(grids, n_images - len(own_refs))]
         if synthetic and (own_refs or len(synthetic) != 1):
@@ -340,19 +356,11 @@ def rebuild_micro_batch(
             loss_mask=mb.loss_mask[start:end],
             advantages=mb.advantages[start:end],
             inference_logprobs=mb.inference_logprobs[start:end],
-            mm_refs=None if synthetic else MMRefs(items=own_refs, mm_token_type_ids=sample_types),
+            mm_refs=None if synthetic else MMRefs(items=own_refs, mm_token_type_ids=types[start:end]),
             run_id=mb.run_id,
             lora_id=mb.lora_id,
             is_padding=pad,
         )
         entries.append(PackEntry(sample, i, synthetic[0] if synthetic else None))
         start = end
-    if not entries:
-        raise ValueError("a micro-batch needs at least one sample")
-    packed = build_micro_batch(
-        entries, placeholder_token_id=placeholder_token_id, num_placeholders=num_placeholders
-    )
-    for name in MicroBatch.__struct_fields__:
-        if name != "position_ids" and getattr(packed.micro_batch, name) != getattr(mb, name):
-            raise ValueError(f"the micro-batch does not rebuild to itself: {name} differs")
-    return dataclasses.replace(packed, micro_batch=mb)
+    return entries

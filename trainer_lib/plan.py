@@ -93,26 +93,20 @@ def plan_step(
         ValueError, PlaceholderMismatch: see :func:`pack_samples` and :func:`balance_micro_batches`.
     """
     cap = bin_capacity(seq_len, micro_batch_max_tokens)
-    n = len(samples)
     target = padded_sample_count(
-        n, dp_size=dp_size, mini_batch_size=mini_batch_size, critic_mini_batch_size=critic_mini_batch_size
+        len(samples),
+        dp_size=dp_size,
+        mini_batch_size=mini_batch_size,
+        critic_mini_batch_size=critic_mini_batch_size,
     )
-    counter = adapter.num_placeholders if adapter is not None else None
     mini_batches = []
-    for chunk in _mini_batch_indices(n, target, mini_batch_size):
-        last = samples[max((i for i in chunk if i < n), default=n - 1)] if n else None
-        pad = make_pad_sample(  # keyed like the chunk's last sample: pads never open a bin for isolation
-            pad_token_id=pad_token_id,
-            num_tokens=pad_tokens,
-            run_id=last.run_id if last else "",
-            lora_id=last.lora_id if last else None,
-        )
+    for chunk in _mini_batch_indices(len(samples), target, mini_batch_size):
         packed = pack_samples(
-            [PackEntry(samples[i] if i < n else pad, i) for i in chunk],
+            _chunk_entries(samples, chunk, pad_token_id, pad_tokens),
             placeholder_token_id=placeholder_token_id,
             seq_len=seq_len,
             micro_batch_max_tokens=cap,
-            num_placeholders=counter,
+            num_placeholders=adapter.num_placeholders if adapter is not None else None,
             bins_multiple_of=dp_size,
         )
         mini_batches.append(
@@ -125,4 +119,20 @@ def plan_step(
                 pad_tokens=pad_tokens,
             )
         )
-    return StepPlan(mini_batches=mini_batches, num_padding_samples=target - n)
+    return StepPlan(mini_batches=mini_batches, num_padding_samples=target - len(samples))
+
+
+def _chunk_entries(
+    samples: Sequence[TrainingSample], chunk: list[int], pad_token_id: int, pad_tokens: int
+) -> list[PackEntry]:
+    """One mini-batch's entries; indices ``>= len(samples)`` are text pads keyed like the chunk's
+    last real sample (so pads never open a bin just for isolation)."""
+    n = len(samples)
+    last = samples[max((i for i in chunk if i < n), default=n - 1)] if n else None
+    pad = make_pad_sample(
+        pad_token_id=pad_token_id,
+        num_tokens=pad_tokens,
+        run_id=last.run_id if last else "",
+        lora_id=last.lora_id if last else None,
+    )
+    return [PackEntry(samples[i] if i < n else pad, i) for i in chunk]

@@ -12,7 +12,9 @@ finally tops up ranks with fewer micro-batches with text-pad micro-batches.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
@@ -75,68 +77,91 @@ def balance_micro_batches(
         raise ValueError(f"ranks packed with different caps: {sorted(caps)}")
     cap = caps.pop()
     n_pix = max((sum(mb.has_pixels for mb in s.micro_batches) for s in per_rank), default=0)
-    grid = None
+    pads = _Pads(adapter, synthetic_image_grid, pad_token_id, placeholder_token_id, pad_tokens)
+    aligned = [_align_pixels(rank, s.micro_batches, n_pix, cap, pads) for rank, s in enumerate(per_rank)]
+    total = max((len(mbs) for mbs in aligned), default=0)
+    return [
+        PackedBatch(
+            micro_batches=mbs + [pads.text(*_key(mbs)) for _ in range(total - len(mbs))],
+            micro_batch_max_tokens=cap,
+        )
+        for mbs in aligned
+    ]
 
-    def with_image_pad(entries: list[PackEntry], run_id: str, lora_id: str | None) -> PackedMicroBatch:
+
+def _key(mbs: Sequence[PackedMicroBatch]) -> tuple[str, str | None]:
+    """The ``(run_id, lora_id)`` a pad added to these micro-batches takes (the last one's)."""
+    return (mbs[-1].run_id, mbs[-1].lora_id) if mbs else ("", None)
+
+
+@dataclass
+class _Pads:
+    """Builds the pad micro-batches of :func:`balance_micro_batches`."""
+
+    adapter: Any
+    requested_grid: Sequence[int] | None
+    pad_token_id: int
+    placeholder_token_id: int
+    pad_tokens: int
+
+    @functools.cached_property
+    def grid(self) -> tuple[int, ...]:
+        """The synthetic image's grid: the requested one, or the smallest the processor makes."""
+        return tuple(self.requested_grid or smallest_image_grid(self.adapter))
+
+    @functools.cached_property
+    def image_pad_length(self) -> int:
+        return self.adapter.num_placeholders(self.grid) + 2
+
+    def with_image(self, entries: list[PackEntry], run_id: str, lora_id: str | None) -> PackedMicroBatch:
+        """``entries`` plus a synthetic-image pad, as one micro-batch."""
         pad = synthetic_image_pad(
-            adapter,
-            grid=grid,
-            pad_token_id=pad_token_id,
-            placeholder_token_id=placeholder_token_id,
+            self.adapter,
+            grid=self.grid,
+            pad_token_id=self.pad_token_id,
+            placeholder_token_id=self.placeholder_token_id,
             run_id=run_id,
             lora_id=lora_id,
         )
         return build_micro_batch(
             [*entries, pad],
-            placeholder_token_id=placeholder_token_id,
-            num_placeholders=adapter.num_placeholders,
+            placeholder_token_id=self.placeholder_token_id,
+            num_placeholders=self.adapter.num_placeholders,
         )
 
-    out_lists: list[list[PackedMicroBatch]] = []
-    for rank, step in enumerate(per_rank):
-        pix = [mb for mb in step.micro_batches if mb.has_pixels]
-        text = [mb for mb in step.micro_batches if not mb.has_pixels]
-        key = (
-            (step.micro_batches[-1].run_id, step.micro_batches[-1].lora_id)
-            if step.micro_batches
-            else ("", None)
+    def text(self, run_id: str, lora_id: str | None) -> PackedMicroBatch:
+        """A micro-batch of one text pad."""
+        pad = make_pad_sample(
+            pad_token_id=self.pad_token_id, num_tokens=self.pad_tokens, run_id=run_id, lora_id=lora_id
         )
-        deficit = n_pix - len(pix)
-        if deficit and adapter is None:
-            raise ValueError(
-                f"rank {rank} has {len(pix)} micro-batches with images, another has {n_pix}: "
-                f"aligning the vision tower needs the adapter (synthetic-image pads)"
-            )
-        if deficit:
-            grid = grid or tuple(synthetic_image_grid or smallest_image_grid(adapter))
-            pad_len = adapter.num_placeholders(grid) + 2
-            kept: list[PackedMicroBatch] = []
-            for mb in text:
-                if (
-                    deficit
-                    and mb.num_tokens + pad_len <= cap
-                    and not any(s.stray_placeholders for s in mb.slots)
-                ):
-                    # a text micro-batch: its slots carry no images
-                    pix.append(
-                        with_image_pad(
-                            [PackEntry(s.sample, s.sample_index) for s in mb.slots], mb.run_id, mb.lora_id
-                        )
-                    )
-                    deficit -= 1
-                else:
-                    kept.append(mb)
-            text = kept
-            pix += [with_image_pad([], *key) for _ in range(deficit)]
-        out_lists.append(pix + text)
-    total = max((len(mbs) for mbs in out_lists), default=0)
-    steps = []
-    for mbs in out_lists:
-        key = (mbs[-1].run_id, mbs[-1].lora_id) if mbs else ("", None)
-        while len(mbs) < total:
-            pad = make_pad_sample(
-                pad_token_id=pad_token_id, num_tokens=pad_tokens, run_id=key[0], lora_id=key[1]
-            )
-            mbs.append(build_micro_batch([PackEntry(pad)], placeholder_token_id=placeholder_token_id))
-        steps.append(PackedBatch(micro_batches=mbs, micro_batch_max_tokens=cap))
-    return steps
+        return build_micro_batch([PackEntry(pad)], placeholder_token_id=self.placeholder_token_id)
+
+
+def _align_pixels(
+    rank: int, mbs: Sequence[PackedMicroBatch], n_pix: int, cap: int, pads: _Pads
+) -> list[PackedMicroBatch]:
+    """``mbs`` pixels first, with ``n_pix`` pixel micro-batches: text micro-batches with room (and
+    no stray placeholder sample) take a synthetic-image pad first, then pads come alone."""
+    pix = [mb for mb in mbs if mb.has_pixels]
+    text = [mb for mb in mbs if not mb.has_pixels]
+    deficit = n_pix - len(pix)
+    if not deficit:
+        return pix + text
+    if pads.adapter is None:
+        raise ValueError(
+            f"rank {rank} has {len(pix)} micro-batches with images, another has {n_pix}: "
+            f"aligning the vision tower needs the adapter (synthetic-image pads)"
+        )
+    kept: list[PackedMicroBatch] = []
+    for mb in text:
+        if (
+            deficit
+            and mb.num_tokens + pads.image_pad_length <= cap
+            and not any(s.stray_placeholders for s in mb.slots)
+        ):  # a text micro-batch: its slots carry no images
+            entries = [PackEntry(s.sample, s.sample_index) for s in mb.slots]
+            pix.append(pads.with_image(entries, mb.run_id, mb.lora_id))
+            deficit -= 1
+        else:
+            kept.append(mb)
+    return pix + [pads.with_image([], *_key(mbs)) for _ in range(deficit)] + kept
