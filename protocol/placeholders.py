@@ -16,7 +16,7 @@ runs. All functions raise :class:`~protocol.errors.PlaceholderMismatch` (HTTP 42
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,13 @@ import numpy as np
 from protocol.errors import InvalidRequest, PlaceholderMismatch
 from protocol.structs import RawMMRef
 
-__all__ = ["check_range", "expand_image_placeholders", "locate_image_runs"]
+__all__ = [
+    "check_placeholder_counts",
+    "check_range",
+    "expand_image_placeholders",
+    "grid_placeholder_count",
+    "locate_image_runs",
+]
 
 
 def expand_image_placeholders(
@@ -54,6 +60,51 @@ def expand_image_placeholders(
     for t in token_ids:
         out.extend([t] * next(images).num_placeholders if t == placeholder_token_id else [t])
     return out
+
+
+def grid_placeholder_count(
+    num_placeholders: Callable[[Sequence[int]], int],
+    grid: Sequence[int],
+    *,
+    sample: int | None = None,
+    ref: str | None = None,
+) -> int:
+    """``num_placeholders(grid)`` (an adapter's ``num_placeholders``), as an int.
+
+    Raises:
+        PlaceholderMismatch: a grid the function cannot read (wrong length, not ints).
+    """
+    try:
+        return int(num_placeholders(grid))
+    except (TypeError, ValueError) as e:
+        where = f"sample {sample}: " if sample is not None else ""
+        raise PlaceholderMismatch(
+            f"{where}grid {list(grid)} gives no placeholder count ({e})", ref=ref
+        ) from e
+
+
+def check_placeholder_counts(
+    refs: Sequence[RawMMRef], num_placeholders: Callable[[Sequence[int]], int], *, sample: int | None = None
+) -> None:
+    """Each ref's ``num_placeholders`` must be what its ``grid`` gives.
+
+    Args:
+        refs: the images of one prompt.
+        num_placeholders: the adapter's ``num_placeholders`` (grid -> placeholder tokens).
+        sample: the sample's position in a batch, named in error messages.
+
+    Raises:
+        PlaceholderMismatch: naming the ref, both counts and the grid (also a grid that
+            :func:`grid_placeholder_count` cannot read).
+    """
+    for r in refs:
+        want = grid_placeholder_count(num_placeholders, r.grid, sample=sample, ref=r.ref)
+        if want != r.num_placeholders:
+            where = f"sample {sample}: " if sample is not None else ""
+            raise PlaceholderMismatch(
+                f"{where}ref claims {r.num_placeholders} placeholders, its grid {r.grid} gives {want}",
+                ref=r.ref,
+            )
 
 
 def locate_image_runs(

@@ -395,9 +395,13 @@ def test_trainer_never_trains_on_misaligned_placeholders(bad, qwen2_vl_adapter, 
     for ids in ([PAD] * (n - 1), [PAD] * (n + 1), [1, 2, 3]):
         with pytest.raises(PlaceholderMismatch, match=f"id {PAD}"):
             materialize([sample([good], ids)], qwen2_vl_adapter, output_root, placeholder_token_id=PAD)
-    # a text token equal to the placeholder id is fine when mm_token_type_ids say it is text
+    # a placeholder-id token typed as text beside an image: the model scatters by token id (N+1 rows
+    # for N), so materialize refuses it as packing and the server do (one locate_image_runs)
     ids = [PAD, *([PAD] * n)]
     types = [0] + [1] * n
     s = msgspec.structs.replace(sample([good], ids), mm_refs=MMRefs(items=[good], mm_token_type_ids=types))
-    batch = materialize([s], qwen2_vl_adapter, output_root, placeholder_token_id=PAD)
-    assert batch.stats.images == 1
+    with pytest.raises(PlaceholderMismatch, match="typed as text"):
+        materialize([s], qwen2_vl_adapter, output_root, placeholder_token_id=PAD)
+    # typed positions decide where the images are: a well-typed prompt passes
+    s = msgspec.structs.replace(s, input_ids=[7, *([PAD] * n)])
+    assert materialize([s], qwen2_vl_adapter, output_root, placeholder_token_id=PAD).stats.images == 1

@@ -8,11 +8,11 @@ import torch
 
 from helpers import photo_bytes
 from protocol.adapters import offload_image
-from protocol.errors import AssetNotFound, AssetOutsideRoot
+from protocol.errors import AssetNotFound, AssetOutsideRoot, PlaceholderMismatch
 from protocol.images import load_image
 from protocol.refs import format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample
-from trainer_lib import materialize
+from trainer_lib import materialize, pack_samples
 
 
 def sample(refs, n_tokens: int = 12) -> TrainingSample:
@@ -98,3 +98,44 @@ def test_bad_arguments(store, qwen2_vl_adapter):
     with pytest.raises(ValueError, match="max_workers"):
         materialize([], qwen2_vl_adapter, root, max_workers=0)
     assert materialize([sample([])], qwen2_vl_adapter, root).features == {}
+
+
+def test_materialize_and_packing_refuse_the_same_prompts_the_same_way(store, qwen2_vl_adapter):
+    """One placeholder check (protocol.placeholders): materialize(placeholder_token_id=...) and
+    pack_samples raise the same PlaceholderMismatch for the same prompt."""
+    root, refs = store
+    good = refs["coffee"]
+    tok, n = 261, good.num_placeholders
+
+    def prompt(ids, types=None, ref=good):
+        return TrainingSample(
+            input_ids=ids,
+            loss_mask=[False] * len(ids),
+            advantages=[0.0] * len(ids),
+            inference_logprobs=[0.0] * len(ids),
+            mm_refs=MMRefs(items=[ref], mm_token_type_ids=types),
+        )
+
+    bad = [
+        prompt([1, *[tok] * (n - 1), 2]),  # one placeholder short
+        prompt([tok, 1, *[tok] * n]),  # one too many
+        prompt([1, *[tok] * n], [0] * (n + 1)),  # image tokens typed as text
+        prompt([tok, *[tok] * n], [0] + [1] * n),  # a placeholder-id text token beside the image
+        prompt(
+            [1, *[tok] * (n + 4)], ref=msgspec.structs.replace(good, num_placeholders=n + 4)
+        ),  # lying count
+    ]
+    for s in bad:
+        with pytest.raises(PlaceholderMismatch) as packed:
+            pack_samples(
+                [s],
+                placeholder_token_id=tok,
+                seq_len=4096,
+                num_placeholders=qwen2_vl_adapter.num_placeholders,
+            )
+        with pytest.raises(PlaceholderMismatch) as materialized:
+            materialize([s], qwen2_vl_adapter, root, placeholder_token_id=tok)
+        assert str(materialized.value) == str(packed.value) and materialized.value.ref == packed.value.ref
+    ok = prompt([1, *[tok] * n, 2])
+    assert materialize([ok], qwen2_vl_adapter, root, placeholder_token_id=tok).stats.images == 1
+    assert pack_samples([ok], placeholder_token_id=tok, seq_len=4096).num_samples == 1

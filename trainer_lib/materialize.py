@@ -30,9 +30,9 @@ from protocol.errors import (
     ImageUnreadable,
     InvalidRef,
     MMRefError,
-    PlaceholderMismatch,
 )
 from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
+from protocol.placeholders import check_placeholder_counts, locate_image_runs
 from protocol.refs import FileRef, RawRefBody, parse_ref
 from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore
 from protocol.structs import TrainingSample
@@ -117,9 +117,9 @@ def materialize(
         max_workers: threads reading and processing distinct images (at least 1).
         device_normalize: vLLM's raw (un-normalized) pixels instead of the normalized pixels an HF
             model takes (to compare with a server running ``mm_device_do_normalize``).
-        placeholder_token_id: if given, each sample's image placeholder tokens (counted with
-            ``mm_token_type_ids`` when present, else by this id) must equal the sum of its refs'
-            ``num_placeholders``: a misaligned sample raises instead of training on shifted features.
+        placeholder_token_id: if given, each sample's image runs are located and split by its
+            refs' counts (:func:`protocol.placeholders.locate_image_runs`, as packing does): a
+            misaligned sample raises instead of training on shifted features.
         max_image_bytes, max_image_pixels: the same limits the server applies.
         dedup: each distinct image's features once plus ``image_index``, not one copy per slot (an
             RL group of 8 sharing an image: 8x fewer pixel bytes, one vision forward per image).
@@ -306,31 +306,19 @@ def _check_sample(
     grids: dict[str, tuple[int, ...]],
     placeholder_token_id: int | None,
 ) -> None:
+    """Each ``RawMMRef``'s grid is its ref string's, its count is the grid's; with a placeholder id,
+    the prompt's image runs fit the refs (:func:`protocol.placeholders.locate_image_runs`)."""
     refs = sample.mm_refs.items if sample.mm_refs else []
     for r in refs:
-        grid = grids[r.ref]
-        if tuple(r.grid) != grid:
+        if tuple(r.grid) != grids[r.ref]:
             raise GridMismatch(
-                f"sample {index}: RawMMRef grid {r.grid} != its ref's grid {list(grid)}", ref=r.ref
+                f"sample {index}: RawMMRef grid {r.grid} != its ref's grid {list(grids[r.ref])}", ref=r.ref
             )
-        if r.num_placeholders != adapter.num_placeholders(grid):
-            raise PlaceholderMismatch(
-                f"sample {index}: RawMMRef num_placeholders {r.num_placeholders} != "
-                f"{adapter.num_placeholders(grid)} for grid {list(grid)}",
-                ref=r.ref,
-            )
-    if placeholder_token_id is None:
-        return
-    type_ids = sample.mm_refs.mm_token_type_ids if sample.mm_refs else None
-    if type_ids is not None:
-        found = sum(type_ids)
-    else:
-        found = sum(1 for t in sample.input_ids if t == placeholder_token_id)
-    expected = sum(r.num_placeholders for r in refs)
-    if found != expected:
-        raise PlaceholderMismatch(
-            f"sample {index}: {found} image placeholder tokens (id {placeholder_token_id}), "
-            f"its {len(refs)} ref(s) need {expected}"
+    check_placeholder_counts(refs, adapter.num_placeholders, sample=index)
+    if placeholder_token_id is not None:
+        type_ids = sample.mm_refs.mm_token_type_ids if sample.mm_refs else None
+        locate_image_runs(
+            sample.input_ids, refs, placeholder_token_id, mm_token_type_ids=type_ids, sample=index
         )
 
 

@@ -65,8 +65,10 @@ class PackedMicroBatch:
     """A :class:`protocol.structs.MicroBatch` plus the trainer-side facts it has no field for.
 
     Every per-token array (``micro_batch.input_ids``, ``loss_mask``, ``advantages``,
-    ``inference_logprobs`` and :attr:`mm_token_type_ids`) has ``num_tokens`` entries (checked on
-    construction). Padding samples sit after the real samples of the bin.
+    ``inference_logprobs`` and :attr:`mm_token_type_ids`) has :attr:`num_tokens` entries
+    (``MicroBatch`` checks that on construction; :func:`protocol.structs.replace` keeps it true).
+    :func:`~trainer_lib.packing.build_micro_batch` derives :attr:`slots` and :attr:`images` from
+    the same analysis it writes the wire struct from. Padding samples sit after the real samples.
     """
 
     micro_batch: MicroBatch
@@ -75,38 +77,28 @@ class PackedMicroBatch:
     images: tuple[ImageSpan, ...]
     """Every image in pack order (sample order, then prompt order): the order the features are
     concatenated in and the order transformers' ``masked_scatter`` fills the placeholders."""
-    run_id: str
-    lora_id: str | None
-    num_tokens: int
-    num_loss_tokens: int
 
     @property
     def mm_token_type_ids(self) -> list[int]:
         """Per token: 0 text, 1 image placeholder (transformers' convention)."""
         return self.micro_batch.mm_token_type_ids or []
 
-    def __post_init__(self) -> None:
-        mb = self.micro_batch
-        n = len(mb.input_ids)
-        if n != self.num_tokens or len(self.mm_token_type_ids) != n:
-            raise ValueError(
-                f"per-token arrays misaligned: input_ids {n}, mm_token_type_ids "
-                f"{len(self.mm_token_type_ids)}, num_tokens {self.num_tokens}"
-            )
-        for name in ("loss_mask", "advantages", "inference_logprobs"):  # MicroBatch checks these too
-            if len(getattr(mb, name)) != n:
-                raise ValueError(
-                    f"per-token arrays misaligned: {name} {len(getattr(mb, name))}, input_ids {n}"
-                )
-        if len(self.slots) != mb.sample_count or [s.length for s in self.slots] != mb.seq_lens:
-            raise ValueError("slots do not match seq_lens")
-        n_typed = self.mm_token_type_ids.count(1)
-        if n_typed != sum(im.length for im in self.images):
-            raise ValueError(
-                f"{n_typed} image-typed tokens for image spans of {self.placeholder_count} tokens"
-            )
-        if sum(im.ref is not None for im in self.images) != len(mb.mm_refs):
-            raise ValueError(f"{len(mb.mm_refs)} mm_refs for {len(self.images)} images")
+    @property
+    def run_id(self) -> str:
+        return self.micro_batch.run_id
+
+    @property
+    def lora_id(self) -> str | None:
+        return self.micro_batch.lora_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.micro_batch.input_ids)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Tokens with ``loss_mask`` True (a sample's first token never is)."""
+        return sum(s.num_loss_tokens for s in self.slots)
 
     @property
     def seq_lens(self) -> list[int]:
@@ -198,20 +190,19 @@ class PackedBatch:
 
 
 def replace_loss_mask(packed: PackedMicroBatch, loss_mask: list[bool]) -> PackedMicroBatch:
-    """A copy with another loss mask (e.g. after materialization zeroed a sample), re-accounted."""
+    """A copy with another loss mask (e.g. after materialization zeroed a sample), re-accounted.
+
+    Args:
+        loss_mask: bool ``[num_tokens]``.
+
+    Raises:
+        ValueError: ``loss_mask`` does not have ``num_tokens`` entries.
+    """
     if len(loss_mask) != packed.num_tokens:
         raise ValueError(f"{len(loss_mask)} loss-mask entries for {packed.num_tokens} tokens")
-    slots = tuple(_replace_slot(s, loss_mask[s.start : s.start + s.length].count(True)) for s in packed.slots)
-    return PackedMicroBatch(
-        micro_batch=msgspec.structs.replace(packed.micro_batch, loss_mask=loss_mask),
-        slots=slots,
-        images=packed.images,
-        run_id=packed.run_id,
-        lora_id=packed.lora_id,
-        num_tokens=packed.num_tokens,
-        num_loss_tokens=loss_mask.count(True),
+    slots = tuple(
+        dataclasses.replace(s, num_loss_tokens=loss_mask[s.start : s.start + s.length].count(True))
+        for s in packed.slots
     )
-
-
-def _replace_slot(slot: SampleSlot, num_loss_tokens: int) -> SampleSlot:
-    return dataclasses.replace(slot, num_loss_tokens=num_loss_tokens)
+    micro_batch = msgspec.structs.replace(packed.micro_batch, loss_mask=loss_mask)
+    return PackedMicroBatch(micro_batch=micro_batch, slots=slots, images=packed.images)

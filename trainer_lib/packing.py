@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from protocol.errors import PlaceholderMismatch
-from protocol.placeholders import locate_image_runs
+from protocol.placeholders import check_placeholder_counts, grid_placeholder_count, locate_image_runs
 from protocol.structs import MicroBatch, MMRefs, RawMMRef, TrainingSample
 from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, bin_capacity, plan_bins, spread_bins
 from trainer_lib.micro_batch import ImageSpan, PackedBatch, PackedMicroBatch, SampleSlot
@@ -58,22 +58,6 @@ class _Analysis:
     kind: int
     spans: list[tuple[int, int, tuple[int, ...], RawMMRef | None]]
     """(start in sample, length, grid, ref) per image, in prompt order."""
-
-
-def _grid_count(
-    num_placeholders: Callable[[Sequence[int]], int],
-    grid: Sequence[int],
-    position: int | None,
-    ref: RawMMRef | None = None,
-) -> int:
-    """``num_placeholders(grid)``; a grid the adapter cannot read is a :class:`PlaceholderMismatch`."""
-    try:
-        return int(num_placeholders(grid))
-    except (TypeError, ValueError) as e:
-        raise PlaceholderMismatch(
-            f"sample {position}: grid {list(grid)} gives no placeholder count ({e})",
-            ref=None if ref is None else ref.ref,
-        ) from e
 
 
 def _analyze(
@@ -99,7 +83,7 @@ def _analyze(
         grid = tuple(entry.synthetic_grid)
         if num_placeholders is None:
             raise ValueError("a synthetic pad image needs num_placeholders (the adapter's)")
-        count = _grid_count(num_placeholders, grid, position)
+        count = grid_placeholder_count(num_placeholders, grid, sample=position)
         runs = locate_image_runs(s.input_ids, [], placeholder_token_id, counts=[count], sample=position)
         return _Analysis(n, PIXELS, [(runs[0][0], runs[0][1], grid, None)])
     if not refs:
@@ -110,23 +94,10 @@ def _analyze(
             )
         stray = placeholder_token_id in s.input_ids
         return _Analysis(n, STRAY if stray else NEUTRAL, [])
-    counts = [r.num_placeholders for r in refs]
     if num_placeholders is not None:
-        for r in refs:
-            want = _grid_count(num_placeholders, r.grid, position, r)
-            if want != r.num_placeholders:
-                raise PlaceholderMismatch(
-                    f"sample {position}: ref claims {r.num_placeholders} placeholders, its grid "
-                    f"{r.grid} gives {want}",
-                    ref=r.ref,
-                )
+        check_placeholder_counts(refs, num_placeholders, sample=position)
     runs = locate_image_runs(
-        s.input_ids,
-        refs,
-        placeholder_token_id,
-        mm_token_type_ids=type_ids,
-        counts=counts,
-        sample=position,
+        s.input_ids, refs, placeholder_token_id, mm_token_type_ids=type_ids, sample=position
     )
     spans = [(start, length, tuple(r.grid), r) for (start, length), r in zip(runs, refs, strict=True)]
     return _Analysis(n, PIXELS, spans)
@@ -162,16 +133,8 @@ def build_micro_batch(
             f"micro-batch with image features"
         )
     slots, images = _layout(entries, analyses)
-    (run_id, lora_id) = keys.pop()
-    return PackedMicroBatch(
-        micro_batch=_concatenate([e.sample for e in entries], slots, images, run_id, lora_id),
-        slots=slots,
-        images=images,
-        run_id=run_id,
-        lora_id=lora_id,
-        num_tokens=slots[-1].start + slots[-1].length,
-        num_loss_tokens=sum(s.num_loss_tokens for s in slots),
-    )
+    micro_batch = _concatenate([e.sample for e in entries], slots, images, *keys.pop())
+    return PackedMicroBatch(micro_batch=micro_batch, slots=slots, images=images)
 
 
 def _layout(
