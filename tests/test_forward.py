@@ -500,26 +500,39 @@ def test_module_imports_without_cuda():
     assert fw.register_varlen_attention() == VARLEN_ATTENTION
 
 
-def test_kimi_positions_are_1d_restarting_per_sample():
+def test_one_d_positions_restart_per_sample_and_only_mrope_types_get_packed_positions():
     samples = [chat([], "a" * n, "b", 261) for n in (3, 10, 1)]
     mb = pack_samples(samples, placeholder_token_id=261, seq_len=4096).micro_batches[0]
-    pos = build_position_ids(mb, types.SimpleNamespace(model_type="kimi_k25"))
+    pos = text_position_ids(mb.seq_lens)
     assert pos.shape == (1, mb.num_tokens) and pos.dtype == torch.long
     assert pos[0].tolist() == [i for n in mb.seq_lens for i in range(n)]
-    with pytest.raises(ValueError, match="no position convention"):
-        build_position_ids(mb, types.SimpleNamespace(model_type="llava"))
+    for model_type in ("kimi_k25", "kimi_vl", "llava"):  # Kimi is 1D RoPE and refuses to pack
+        with pytest.raises(ValueError, match="no position convention"):
+            build_position_ids(mb, types.SimpleNamespace(model_type=model_type))
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    kimi = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(ensure_tiny_model("kimi_k25")))
+    with pytest.raises(PackingUnsupported, match="not 'kimi_k25'"):
+        check_packable(kimi)
 
 
-def test_position_conventions_cover_every_registered_adapter():
-    """Every model type in the adapter registry has a position convention here (Qwen: MRoPE, Kimi: 1D)."""
-    from protocol.adapters import ADAPTERS, QwenVLAdapter
-    from trainer_lib.positions import KIMI_MODEL_TYPES, MROPE_MODEL_TYPES
+def test_position_conventions_come_from_every_registered_adapter():
+    """Every family in the adapter registry says how its language model takes positions; the MRoPE
+    ones are exactly those transformers gives a ``get_rope_index`` (what the packed forward calls)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    from protocol.adapters import ADAPTERS
+    from trainer_lib.positions import mrope_model_types
 
     for model_type, cls in ADAPTERS.items():
-        if cls is QwenVLAdapter:
-            assert model_type in MROPE_MODEL_TYPES
-        else:
-            assert cls.__name__.startswith("Kimi") and model_type in KIMI_MODEL_TYPES, model_type
+        assert cls.rope in ("mrope", "1d"), model_type
+        if cls.rope == "mrope":
+            config = AutoConfig.for_model(model_type)
+            assert hasattr(MODEL_MAPPING[type(config)], "get_rope_index"), model_type
+    assert set(mrope_model_types()) == {t for t, cls in ADAPTERS.items() if cls.rope == "mrope"}
+    assert {"qwen2_vl", "qwen2_5_vl", "qwen3_vl"} <= set(mrope_model_types())
+    assert not {"kimi_vl", "kimi_k25"} & set(mrope_model_types())
 
 
 @pytest.mark.parametrize("family", FAMILIES)

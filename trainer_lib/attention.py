@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from trainer_lib.positions import MROPE_MODEL_TYPES
+from trainer_lib.positions import mrope_model_types
 
 __all__ = [
     "VARLEN_ATTENTION",
@@ -184,7 +184,7 @@ def select_backend(model: torch.nn.Module) -> str:
 def check_packable(model: torch.nn.Module, backend: str | None = None) -> None:
     """Raise :class:`PackingUnsupported` where a packed forward would mix samples.
 
-    Refused: model types other than Qwen2/2.5/3-VL (:data:`trainer_lib.positions.MROPE_MODEL_TYPES`);
+    Refused: model types that are not MRoPE (:func:`trainer_lib.positions.mrope_model_types`: Kimi);
     linear-attention layers (recurrent state would flow across sample boundaries without
     flash-linear-attention's varlen kernels); sdpa/eager on CUDA; float32 on CUDA (the varlen
     kernels take float16/bfloat16 only).
@@ -198,8 +198,10 @@ def check_packable(model: torch.nn.Module, backend: str | None = None) -> None:
             f"recurrent state across packed samples; packing them needs flash-linear-attention's varlen "
             f"kernels (CUDA), not available on {_device(model).type}: run these samples unpacked"
         )
-    if config.model_type not in MROPE_MODEL_TYPES:
-        raise PackingUnsupported(f"packed forward supports {MROPE_MODEL_TYPES}, not {config.model_type!r}")
+    if config.model_type not in mrope_model_types():
+        raise PackingUnsupported(
+            f"packed forward supports {list(mrope_model_types())}, not {config.model_type!r}"
+        )
     backend = backend or text._attn_implementation
     device = _device(model).type
     allowed = _CUDA_BACKENDS if device == "cuda" else (*_CPU_BACKENDS, VARLEN_ATTENTION)

@@ -1,4 +1,4 @@
-"""Position ids and ``cu_seqlens`` for packed micro-batches (DESIGN §6, docs/PACKING.md).
+"""Position ids and ``cu_seqlens`` for packed micro-batches (docs/PACKING.md §3).
 
 **Qwen-VL (MRoPE)**: ``position_ids`` is ``[4, 1, L]`` int64. transformers 5.19 reads a 4-row
 tensor as ``text_position_ids = position_ids[0]`` and MRoPE ``position_ids[1:]``
@@ -17,7 +17,9 @@ them would merge into one group and consume one grid. For such runs the image ty
 the video path gives exactly the image positions (temporal index 0, spacing irrelevant), and
 the result equals vLLM's, which starts the next image at ``max + 1`` of the previous one.
 
-**Kimi (1D RoPE)**: ``[1, L]`` positions restarting at 0 per sample.
+Which families are MRoPE is the adapter registry's fact (``ImageAdapter.rope``); the 1D-RoPE
+families (Kimi) are not packed (:func:`trainer_lib.check_packable`), and
+:func:`text_position_ids` gives their ``[1, L]`` layout.
 
 ``cu_seqlens``: int32 ``[num_samples + 1]`` cumulative sample boundaries, the varlen-kernel
 layout (``cu_seqlens[i]`` = offset of sample ``i``; last entry = ``L``).
@@ -31,25 +33,25 @@ from typing import Any
 
 import torch
 
+from protocol.adapters import ADAPTERS
 from trainer_lib.micro_batch import PackedMicroBatch
 
 __all__ = [
-    "KIMI_MODEL_TYPES",
-    "MROPE_MODEL_TYPES",
     "RopeIndexFn",
     "build_position_ids",
     "cu_seqlens",
+    "mrope_model_types",
     "mrope_position_ids",
     "rope_index_fn",
     "text_position_ids",
 ]
 
-MROPE_MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-"""Model types whose language model uses MRoPE with transformers' ``get_rope_index``."""
-KIMI_MODEL_TYPES: tuple[str, ...] = ("kimi_vl", "kimi_k25")
-"""Model types of the Kimi adapters (DESIGN §4): 1D RoPE language models."""
-
 RopeIndexFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def mrope_model_types() -> tuple[str, ...]:
+    """HF model types whose adapter says ``rope == "mrope"`` (transformers' ``get_rope_index``)."""
+    return tuple(model_type for model_type, cls in ADAPTERS.items() if cls.rope == "mrope")
 
 
 def cu_seqlens(seq_lens: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
@@ -76,13 +78,14 @@ def rope_index_fn(model_or_config: Any) -> RopeIndexFn:
             ``self.get_vision_position_ids``.
 
     Raises:
-        ValueError: the model type is not an MRoPE type (:data:`MROPE_MODEL_TYPES`).
+        ValueError: the model type is not an MRoPE type (:func:`mrope_model_types`).
     """
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)
-    if model_type not in MROPE_MODEL_TYPES:
+    if model_type not in mrope_model_types():
         raise ValueError(
-            f"model_type {model_type!r} has no MRoPE get_rope_index; MRoPE types: {MROPE_MODEL_TYPES}"
+            f"no position convention for model_type {model_type!r} in a packed micro-batch (no MRoPE "
+            f"get_rope_index); MRoPE types: {list(mrope_model_types())}"
         )
     for owner in (model_or_config, getattr(model_or_config, "model", None)):
         fn = getattr(owner, "get_rope_index", None)
@@ -140,21 +143,10 @@ def mrope_position_ids(
 def build_position_ids(
     packed: PackedMicroBatch, model_or_config: Any, device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """The position ids a model takes for this packed micro-batch.
-
-    Returns:
-        MRoPE types: int64 ``[4, 1, L]`` (:func:`mrope_position_ids`); Kimi types: int64
-        ``[1, L]`` (:func:`text_position_ids`).
+    """int64 ``[4, 1, L]``: the position ids a packed MRoPE model takes (:func:`mrope_position_ids`
+    with :func:`rope_index_fn`).
 
     Raises:
-        ValueError: an unknown model type.
+        ValueError: a model type that is not MRoPE (packing refuses the others).
     """
-    config = getattr(model_or_config, "config", model_or_config)
-    model_type = getattr(config, "model_type", None)
-    if model_type in MROPE_MODEL_TYPES:
-        return mrope_position_ids(packed, rope_index_fn(model_or_config), device)
-    if model_type in KIMI_MODEL_TYPES:
-        return text_position_ids(packed.seq_lens, device)
-    raise ValueError(
-        f"no position convention for model_type {model_type!r}; known: {MROPE_MODEL_TYPES + KIMI_MODEL_TYPES}"
-    )
+    return mrope_position_ids(packed, rope_index_fn(model_or_config), device)

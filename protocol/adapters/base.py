@@ -74,6 +74,10 @@ class ImageAdapter(ABC):
     """HF ``model_type`` values this adapter class serves (the registry's keys)."""
     grid_field: ClassVar[str]
     """Name of the grid tensor and of the grid key in the ref payload."""
+    rope: ClassVar[str]
+    """How the family's language model takes positions: ``"mrope"`` (``position_ids [4, 1, L]``,
+    rows 1-3 from transformers' ``get_rope_index``; the trainer packs these) or ``"1d"`` (plain
+    RoPE ``[1, L]``). Every family sets it (tested against the registry)."""
     vllm_modality: ClassVar[str] = "image"
     """The modality key vLLM files this family's items under (Kimi K2.5: ``"vision_chunk"``);
     refs themselves always say ``"image"``."""

@@ -73,6 +73,7 @@ class KimiK25Adapter(ImageAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("kimi_k25",)
     grid_field: ClassVar[str] = "grid_thws"
     grid_len: ClassVar[int] = 3
+    rope: ClassVar[str] = "1d"
     vllm_modality: ClassVar[str] = "vision_chunk"
     """The modality key vLLM 0.32 uses for Kimi K2.5 items (``mm_hashes``, ``mm_placeholders``,
     ``kwargs_data``); a ref's own ``modality`` stays ``"image"``."""

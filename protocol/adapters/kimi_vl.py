@@ -197,6 +197,7 @@ class KimiVLAdapter(ImageAdapter):
     model_types: ClassVar[tuple[str, ...]] = ("kimi_vl",)
     grid_field: ClassVar[str] = "image_grid_hws"
     grid_len: ClassVar[int] = 2
+    rope: ClassVar[str] = "1d"
     vllm_modality: ClassVar[str] = "image"
     """The modality key vLLM uses for this family's items (``mm_hashes``, ``mm_placeholders``)."""
 

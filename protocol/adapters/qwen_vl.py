@@ -49,6 +49,7 @@ class QwenVLAdapter(ImageAdapter):
 
     model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
     grid_field: ClassVar[str] = "image_grid_thw"
+    rope: ClassVar[str] = "mrope"
 
     def fingerprint_fields(self) -> dict[str, Any]:
         p = self.image_processor
