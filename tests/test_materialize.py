@@ -8,11 +8,13 @@ import torch
 
 from helpers import photo_bytes
 from protocol.adapters import offload_image
-from protocol.errors import AssetNotFound, AssetOutsideRoot, PlaceholderMismatch
+from protocol.errors import AssetNotFound, AssetOutsideRoot, AssetTooLarge, PlaceholderMismatch
 from protocol.images import load_image
 from protocol.refs import format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample
-from trainer_lib import materialize, pack_samples
+from trainer_lib import MaterializeConfig, materialize, materialize_micro_batch, pack_samples
+
+TOK = 261  # <|image_pad|> of the tiny Qwen2-VL
 
 
 def sample(refs, n_tokens: int = 12) -> TrainingSample:
@@ -139,3 +141,38 @@ def test_materialize_and_packing_refuse_the_same_prompts_the_same_way(store, qwe
     ok = prompt([1, *[tok] * n, 2])
     assert materialize([ok], qwen2_vl_adapter, root, placeholder_token_id=tok).stats.images == 1
     assert pack_samples([ok], placeholder_token_id=tok, seq_len=4096).num_samples == 1
+
+
+def packable(ref) -> TrainingSample:
+    """``[1] + image placeholders + [2, 3]``, loss on the last two tokens."""
+    ids = [1, *[TOK] * ref.num_placeholders, 2, 3]
+    n = len(ids)
+    return TrainingSample(
+        input_ids=ids,
+        loss_mask=[False] * (n - 2) + [True, True],
+        advantages=[0.0] * n,
+        inference_logprobs=[0.0] * n,
+        mm_refs=MMRefs(items=[ref]),
+    )
+
+
+def test_materialize_micro_batch_takes_every_materialize_setting(store, qwen2_vl_adapter, monkeypatch):
+    """MaterializeConfig().materialize_kwargs() fits materialize_micro_batch, and its limits apply."""
+    root, refs = store
+    s = packable(refs["coffee"])
+    (mb,) = pack_samples([s], placeholder_token_id=TOK, seq_len=4096).micro_batches
+    monkeypatch.setenv("MMREF_ASSET_ROOT", str(root))
+    for name, value in (("MMREF_MAX_IMAGE_BYTES", "1000"), ("MMREF_MAX_IMAGE_PIXELS", "100")):
+        with monkeypatch.context() as env:
+            env.setenv(name, value)
+            env.setenv("MMREF_MISSING_POLICY", "error")
+            with pytest.raises(AssetTooLarge):
+                materialize_micro_batch(mb, qwen2_vl_adapter, **MaterializeConfig().materialize_kwargs())
+            env.setenv("MMREF_MISSING_POLICY", "placeholder_zero_loss")
+            m = materialize_micro_batch(mb, qwen2_vl_adapter, **MaterializeConfig().materialize_kwargs())
+            assert m.stats.placeholders == 1 and m.packed.num_loss_tokens == 0, name
+    m = materialize_micro_batch(mb, qwen2_vl_adapter, **MaterializeConfig().materialize_kwargs())
+    assert m.stats.placeholders == 0 and m.packed.num_loss_tokens == 2
+    raw = materialize_micro_batch(mb, qwen2_vl_adapter, root, device_normalize=True).features["pixel_values"]
+    want = materialize([s], qwen2_vl_adapter, root, device_normalize=True).features["pixel_values"]
+    assert torch.equal(raw, want) and not torch.equal(raw, m.features["pixel_values"])

@@ -37,7 +37,7 @@ from protocol.refs import FileRef, RawRefBody, parse_ref
 from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore
 from protocol.structs import TrainingSample
 from trainer_lib import metrics
-from trainer_lib.micro_batch import PackedMicroBatch, replace_loss_mask
+from trainer_lib.micro_batch import PackedMicroBatch, SampleSlot, replace_loss_mask
 
 __all__ = [
     "MaterializeStats",
@@ -243,18 +243,21 @@ def materialize_micro_batch(
     *,
     policy: MissingPolicy = "placeholder_zero_loss",
     max_workers: int = 2,
+    device_normalize: bool = False,
+    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     dedup: bool = False,
 ) -> MaterializedMicroBatch:
     """Features for every image of the micro-batch, in pack order.
 
-    Real images go through :func:`trainer_lib.materialize` (each distinct ref processed once);
-    synthetic pad images (``ImageSpan.ref is None``) are ``adapter.synthesize_placeholder(grid)``.
-    ``dedup=True``: each distinct image's features once plus ``image_index`` (see
-    :func:`trainer_lib.materialize`); :func:`packed_logprobs` then runs the vision tower once per
-    distinct image and repeats its embeddings.
+    Real images go through :func:`materialize` with the same keywords (so
+    ``MaterializeConfig().materialize_kwargs()`` fits both); synthetic pad images
+    (``ImageSpan.ref is None``) are ``adapter.synthesize_placeholder(grid)``. ``dedup=True``: each
+    distinct image's features once plus ``image_index``; :func:`~trainer_lib.packed_logprobs` then
+    runs the vision tower once per distinct image and repeats its embeddings.
 
     Raises:
-        MMRefError subclasses: see :func:`trainer_lib.materialize`.
+        MMRefError subclasses: see :func:`materialize`.
         ValueError: a synthetic image before a real one (pads must follow the real samples).
     """
     kinds = [im.ref is None for im in packed.images]
@@ -267,28 +270,35 @@ def materialize_micro_batch(
         asset_root,
         policy=policy,
         max_workers=max_workers,
+        device_normalize=device_normalize,
+        max_image_bytes=max_image_bytes,
+        max_image_pixels=max_image_pixels,
         dedup=dedup,
     )
-    parts: list[Mapping[str, torch.Tensor]] = [batch.features] if batch.features else []
     synthetic = [adapter.synthesize_placeholder(im.grid).tensors for im in packed.images if im.ref is None]
-    parts += synthetic
+    parts: list[Mapping[str, torch.Tensor]] = ([batch.features] if batch.features else []) + synthetic
     features = {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
     image_index = None
     if dedup and features:
         real = batch.image_index if batch.image_index is not None else torch.empty(0, dtype=torch.int64)
-        n_unique_real = len(batch.features.get(adapter.grid_field, ())) if batch.features else 0
-        pads = torch.arange(n_unique_real, n_unique_real + len(synthetic), dtype=torch.int64)
-        image_index = torch.cat([real, pads])
-    loss_mask = None
-    for slot, sample in zip(real_slots, batch.samples, strict=True):
-        if sample is not slot.sample:  # materialize zeroed this sample's loss mask
-            loss_mask = loss_mask or list(packed.micro_batch.loss_mask)
-            loss_mask[slot.start : slot.start + slot.length] = sample.loss_mask
-    if loss_mask is not None:
-        packed = replace_loss_mask(packed, loss_mask)
+        n_real = len(batch.features.get(adapter.grid_field, ())) if batch.features else 0
+        image_index = torch.cat([real, torch.arange(n_real, n_real + len(synthetic), dtype=torch.int64)])
+    packed = _zero_losses(packed, real_slots, batch.samples)
     return MaterializedMicroBatch(
         packed=packed, features=features, stats=batch.stats, image_index=image_index
     )
+
+
+def _zero_losses(
+    packed: PackedMicroBatch, slots: Sequence[SampleSlot], samples: Sequence[TrainingSample]
+) -> PackedMicroBatch:
+    """``packed`` with the loss masks :func:`materialize` zeroed (``samples`` for ``slots``) copied in."""
+    loss_mask = None
+    for slot, sample in zip(slots, samples, strict=True):
+        if sample is not slot.sample:  # materialize zeroed this sample's loss mask
+            loss_mask = loss_mask or list(packed.micro_batch.loss_mask)
+            loss_mask[slot.start : slot.start + slot.length] = sample.loss_mask
+    return packed if loss_mask is None else replace_loss_mask(packed, loss_mask)
 
 
 def _item(
