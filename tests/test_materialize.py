@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import msgspec
 import pytest
 import torch
 
-from helpers import photo_bytes
+from helpers import REPO, photo_bytes
 from protocol.adapters import offload_image
-from protocol.errors import AssetNotFound, AssetOutsideRoot, AssetTooLarge, PlaceholderMismatch
+from protocol.errors import AssetNotFound, AssetOutsideRoot, AssetTooLarge, GridMismatch, PlaceholderMismatch
 from protocol.images import load_image
 from protocol.refs import format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample
@@ -176,3 +181,79 @@ def test_materialize_micro_batch_takes_every_materialize_setting(store, qwen2_vl
     raw = materialize_micro_batch(mb, qwen2_vl_adapter, root, device_normalize=True).features["pixel_values"]
     want = materialize([s], qwen2_vl_adapter, root, device_normalize=True).features["pixel_values"]
     assert torch.equal(raw, want) and not torch.equal(raw, m.features["pixel_values"])
+
+
+CLAIMED_GRID = textwrap.dedent("""
+    import resource, sys
+    import msgspec
+    from protocol.adapters import load_adapter
+    from protocol.errors import GridMismatch
+    from protocol.refs import format_mmraw, parse_ref
+    from protocol.structs import MMRefs, RawMMRef, TrainingSample
+    from trainer_lib import materialize
+
+    model, ref_string, root = sys.argv[1:]
+    adapter = load_adapter(model)
+    body = parse_ref(ref_string)
+    payload = {"image_grid_thw": [1, 512, 512]}  # 1.15 GiB of float32 zeros if anything sized it
+    forged = format_mmraw(msgspec.structs.replace(body, payload=payload, mm_hash="e" * 32))
+    ref = RawMMRef(ref=forged, sha256="e" * 64, media_type="image/jpeg", grid=[1, 512, 512],
+                   num_placeholders=65536)
+    sample = TrainingSample(input_ids=[1, 2], loss_mask=[False, True], advantages=[0.0, 0.0],
+                            inference_logprobs=[0.0, 0.0], mm_refs=MMRefs(items=[ref]))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for policy in ("placeholder_zero_loss", "error"):
+        try:
+            materialize([sample], adapter, root, policy=policy)
+        except GridMismatch as e:
+            assert e.ref == forged
+        else:
+            raise AssertionError(policy)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+""")
+
+
+def test_a_claimed_grid_is_bounded_before_any_stand_in_is_sized(store, qwen2_vl_dir):
+    """A missing image whose ref claims [1, 512, 512]: a typed GridMismatch under both policies, and
+    no zero stand-in sized by the claim (peak RSS grows by less than 64 MiB, not 1.15 GiB)."""
+    root, refs = store
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", CLAIMED_GRID, str(qwen2_vl_dir), refs["coffee"].ref, str(root)],
+        capture_output=True, text=True, env=env, timeout=300, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) < 64 * 1024  # KiB
+
+
+def test_a_synthetic_grid_is_bounded_before_its_zeros_are_sized(store, qwen2_vl_adapter):
+    """Synthetic pad images (a balance setting, or synthetic_grids off the wire) are bounded by the
+    adapter's grid limits before synthesize_placeholder sizes zeros for them."""
+    from trainer_lib.packing import PackEntry, build_micro_batch, rebuild_micro_batch
+    from trainer_lib.padding import synthetic_image_pad
+    from trainer_lib.ranks import balance_micro_batches
+
+    root, refs = store
+    axes, _ = qwen2_vl_adapter.grid_limits()
+    huge = (1, 2, 2 * axes[2])  # one axis over the processor's limit
+    pad = synthetic_image_pad(qwen2_vl_adapter, grid=huge, pad_token_id=0, placeholder_token_id=TOK)
+    wire = build_micro_batch(
+        [PackEntry(packable(refs["coffee"]), 0), pad],
+        placeholder_token_id=TOK,
+        num_placeholders=qwen2_vl_adapter.num_placeholders,
+    ).micro_batch
+    mb = rebuild_micro_batch(
+        wire, placeholder_token_id=TOK, num_placeholders=qwen2_vl_adapter.num_placeholders
+    )
+    with pytest.raises(GridMismatch, match="exceeds"):
+        materialize_micro_batch(mb, qwen2_vl_adapter, root)
+    text_only = TrainingSample(
+        input_ids=[1, 2, 3], loss_mask=[False, True, True], advantages=[0.0] * 3, inference_logprobs=[0.0] * 3
+    )
+    text = pack_samples([text_only], placeholder_token_id=TOK, seq_len=4096)
+    images = pack_samples([packable(refs["coffee"])], placeholder_token_id=TOK, seq_len=4096)
+    kwargs = dict(pad_token_id=0, placeholder_token_id=TOK, adapter=qwen2_vl_adapter)
+    with pytest.raises(GridMismatch, match="exceeds"):
+        balance_micro_batches([images, text], synthetic_image_grid=huge, **kwargs)
+    (_, padded) = balance_micro_batches([images, text], synthetic_image_grid=(1, 4, 4), **kwargs)
+    assert materialize_micro_batch(padded.micro_batches[0], qwen2_vl_adapter, root).stats.images == 0

@@ -252,12 +252,14 @@ def materialize_micro_batch(
 
     Real images go through :func:`materialize` with the same keywords (so
     ``MaterializeConfig().materialize_kwargs()`` fits both); synthetic pad images
-    (``ImageSpan.ref is None``) are ``adapter.synthesize_placeholder(grid)``. ``dedup=True``: each
-    distinct image's features once plus ``image_index``; :func:`~trainer_lib.packed_logprobs` then
-    runs the vision tower once per distinct image and repeats its embeddings.
+    (``ImageSpan.ref is None``) are ``adapter.synthesize_placeholder(grid)``, the grid bounded by
+    ``adapter.check_grid`` first. ``dedup=True``: each distinct image's features once plus
+    ``image_index``; :func:`~trainer_lib.packed_logprobs` then runs the vision tower once per
+    distinct image and repeats its embeddings.
 
     Raises:
-        MMRefError subclasses: see :func:`materialize`.
+        MMRefError subclasses: see :func:`materialize`; GridMismatch for a synthetic grid the
+            processor cannot produce.
         ValueError: a synthetic image before a real one (pads must follow the real samples).
     """
     kinds = [im.ref is None for im in packed.images]
@@ -275,7 +277,11 @@ def materialize_micro_batch(
         max_image_pixels=max_image_pixels,
         dedup=dedup,
     )
-    synthetic = [adapter.synthesize_placeholder(im.grid).tensors for im in packed.images if im.ref is None]
+    synthetic = [  # a grid from the wire is bounded before anything is sized by it
+        adapter.synthesize_placeholder(adapter.check_grid(im.grid)).tensors
+        for im in packed.images
+        if im.ref is None
+    ]
     parts: list[Mapping[str, torch.Tensor]] = ([batch.features] if batch.features else []) + synthetic
     features = {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
     image_index = None

@@ -63,7 +63,8 @@ def balance_micro_batches(
         per_rank: each rank's packed share (same cap on every rank).
         adapter: needed when some rank has fewer pixel micro-batches than another (for
             ``num_placeholders``; features come later from ``synthesize_placeholder``).
-        synthetic_image_grid: the synthetic-image pad's grid; default :func:`smallest_image_grid`.
+        synthetic_image_grid: the synthetic-image pad's grid (bounded by ``adapter.check_grid``);
+            default :func:`~trainer_lib.padding.smallest_image_grid`.
 
     Returns:
         New per-rank steps: on every rank micro-batches ``0..P-1`` carry pixels and ``P..M-1``
@@ -71,6 +72,7 @@ def balance_micro_batches(
 
     Raises:
         ValueError: ranks with different caps, or pixels to align without an adapter.
+        GridMismatch: a ``synthetic_image_grid`` the processor cannot produce.
     """
     caps = {s.micro_batch_max_tokens for s in per_rank}
     if len(caps) != 1:
@@ -106,8 +108,11 @@ class _Pads:
 
     @functools.cached_property
     def grid(self) -> tuple[int, ...]:
-        """The synthetic image's grid: the requested one, or the smallest the processor makes."""
-        return tuple(self.requested_grid or smallest_image_grid(self.adapter))
+        """The synthetic image's grid: the requested one (bounded by ``adapter.check_grid``), or the
+        smallest the processor makes."""
+        if self.requested_grid is None:
+            return smallest_image_grid(self.adapter)
+        return tuple(self.adapter.check_grid(tuple(int(g) for g in self.requested_grid)))
 
     @functools.cached_property
     def image_pad_length(self) -> int:
