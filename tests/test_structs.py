@@ -317,6 +317,26 @@ def test_microbatch_inconsistent_fields_are_rejected(overrides, match):
         decode_microbatch(msgspec.msgpack.encode(microbatch_list(**overrides)))
 
 
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"loss_mask": [True] * 4}, "loss_mask has 4 entries"),
+        ({"input_ids": [1, 2, 3]}, "has 5 entries, input_ids 3"),
+        ({"seq_lens": [1, 3]}, "seq_lens sum"),
+    ],
+    ids=repr,
+)
+def test_replacing_fields_keeps_the_cross_field_rules(overrides, match):
+    """msgspec.structs.replace runs __post_init__ from msgspec 0.21 (the floor in pyproject.toml): the
+    trainer replaces loss masks and samples with it, and a replaced struct must still be consistent."""
+    mb = decode_microbatch(msgspec.msgpack.encode(microbatch_list()))
+    with pytest.raises(ValueError, match=match):
+        msgspec.structs.replace(mb, **overrides)
+    sample = decode_sample(msgspec.msgpack.encode(sample_list()))
+    with pytest.raises(ValueError, match="entries"):
+        msgspec.structs.replace(sample, loss_mask=[True])
+
+
 def test_microbatch_rejects_bad_refs():
     with pytest.raises(msgspec.ValidationError):
         decode_microbatch(msgspec.msgpack.encode([*microbatch_list(), [{**raw_ref_dict(), "extra": 1}]]))

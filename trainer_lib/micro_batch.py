@@ -66,7 +66,7 @@ class PackedMicroBatch:
 
     Every per-token array (``micro_batch.input_ids``, ``loss_mask``, ``advantages``,
     ``inference_logprobs`` and :attr:`mm_token_type_ids`) has :attr:`num_tokens` entries
-    (``MicroBatch`` checks that on construction; :func:`protocol.structs.replace` keeps it true).
+    (``MicroBatch.__post_init__`` checks that on construction, decoding and ``msgspec.structs.replace``).
     :func:`~trainer_lib.packing.build_micro_batch` derives :attr:`slots` and :attr:`images` from
     the same analysis it writes the wire struct from. Padding samples sit after the real samples.
     """
