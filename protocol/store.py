@@ -1,13 +1,15 @@
-"""The content-addressed asset store on shared disk (DESIGN §1).
+"""The content-addressed asset store on shared disk (docs/PROTOCOL.md, "Asset store").
 
 Layout under an absolute ``<asset_root>`` (``<output_root>/run_<RUN_ID>/assets``)::
 
     images/<sha256(file bytes)[:16]><ext>     raw bytes as received; .jpg .png .webp .gif, else .img
     mm_features/v1/vllm-mmitem/<fingerprint>/<modality>/<mm_hash[:2]>/<mm_hash>.msgpack
 
-Writers are idempotent (an existing file is kept and its mtime refreshed) and
-atomic (temp file in the same folder + ``os.replace``). Readers confine every
-path to the root after resolving symlinks and check the content hash.
+Writers are idempotent and atomic (:func:`atomic_write`): a file that already holds the very
+bytes is kept and its mtime refreshed, anything else there (a truncated or replaced file) is
+replaced through a temp file in the same folder and ``os.replace``. Readers confine every path
+to the root after resolving symlinks and check the content hash. docs/PROTOCOL.md has the
+whole contract.
 """
 
 from __future__ import annotations
@@ -24,10 +26,19 @@ from protocol.errors import AssetNotFound, AssetOutsideRoot, AssetTooLarge, Hash
 from protocol.images import sniff_media_type
 from protocol.refs import MM_HASH_RE, file_uri_to_path
 
-__all__ = ["DEFAULT_MAX_IMAGE_BYTES", "AssetStore", "StoredImage", "atomic_write", "existing_asset_root"]
+__all__ = [
+    "DEFAULT_MAX_IMAGE_BYTES",
+    "TEMP_PREFIX",
+    "AssetStore",
+    "StoredImage",
+    "atomic_write",
+    "existing_asset_root",
+]
 
 DEFAULT_MAX_IMAGE_BYTES = 64 * 1024 * 1024
 """Largest image file read (bytes); larger files raise :class:`AssetTooLarge`."""
+TEMP_PREFIX = ".tmp-"
+"""Name prefix of a writer's temp file (in the target's folder, renamed over the target when whole)."""
 
 
 @dataclass(frozen=True)
@@ -66,16 +77,20 @@ def existing_asset_root(value: str | os.PathLike[str]) -> Path:
 
 
 def atomic_write(path: Path, data: bytes) -> bool:
-    """Write ``data`` to ``path`` atomically unless it exists; refresh mtime if it does.
+    """Write ``data`` to ``path`` atomically, unless the file there already holds exactly ``data``.
+
+    What is found is verified, never trusted: a regular file with the same bytes only gets its
+    mtime refreshed (idempotent writers; the feature sweep's TTL counts from the last write), while
+    a truncated, replaced or corrupted file, a symlink or anything else at ``path`` is replaced by a
+    temp file in the same folder and ``os.replace`` (readers see the old file or the new one).
 
     Returns:
-        True when the file was written, False when it already existed.
+        True when the file was (re)written, False when it already held ``data``.
     """
-    if path.exists():
-        os.utime(path)
+    if _holds(path, data):
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = str(path.parent / f".tmp-{secrets.token_hex(8)}{path.suffix}")
+    tmp = str(path.parent / f"{TEMP_PREFIX}{secrets.token_hex(8)}{path.suffix}")
     # 0o666 & ~umask (not mkstemp's 0600): the server may run as another user.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
     try:
@@ -86,6 +101,21 @@ def atomic_write(path: Path, data: bytes) -> bool:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    return True
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    """Whether ``path`` is a regular file (not a symlink) holding exactly ``data``; if so its mtime
+    is refreshed through the open descriptor."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # absent, a symlink (ELOOP), unreadable
+        return False
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size != len(data) or f.read(len(data) + 1) != data:
+            return False
+        os.utime(f.fileno())
     return True
 
 

@@ -53,10 +53,24 @@ def test_writer_is_idempotent_and_refreshes_mtime(tmp_path):
     ref, _ = make(tmp_path)
     path = feature_path(run_asset_root(tmp_path, "r1"), ref)
     os.utime(path, (1_000_000, 1_000_000))
-    make(tmp_path, payload=b"other bytes")  # same ids: kept, not overwritten
-    assert path.stat().st_mtime > 1_000_000
+    inode = path.stat().st_ino
+    make(tmp_path)  # the very same file: kept, mtime refreshed
+    assert path.stat().st_mtime > 1_000_000 and path.stat().st_ino == inode
     assert read_feature_item(tmp_path, ref, fingerprint=FP).payload == PAYLOAD
+    make(tmp_path, payload=b"other bytes")  # same ids, other content: the latest write is the file
+    assert read_feature_item(tmp_path, ref, fingerprint=FP).payload == b"other bytes"
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp files left
+
+
+def test_writer_repairs_a_damaged_file(tmp_path):
+    """A truncated feature file (CorruptFeature on read) is rewritten by the next write of the item."""
+    ref, _ = make(tmp_path)
+    path = feature_path(run_asset_root(tmp_path, "r1"), ref)
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(CorruptFeature):
+        read_feature_item(tmp_path, ref, fingerprint=FP)
+    make(tmp_path)
+    assert read_feature_item(tmp_path, ref, fingerprint=FP).payload == PAYLOAD
 
 
 def rewrite(path, mutate):

@@ -257,3 +257,18 @@ def test_a_synthetic_grid_is_bounded_before_its_zeros_are_sized(store, qwen2_vl_
         balance_micro_batches([images, text], synthetic_image_grid=huge, **kwargs)
     (_, padded) = balance_micro_batches([images, text], synthetic_image_grid=(1, 4, 4), **kwargs)
     assert materialize_micro_batch(padded.micro_batches[0], qwen2_vl_adapter, root).stats.images == 0
+
+
+def test_offloading_again_repairs_a_damaged_image(qwen2_vl_adapter, tmp_path):
+    """A truncated stored image makes its samples zero-loss; offloading the original bytes again
+    (same ref) rewrites the file, and the same samples train again."""
+    root = tmp_path / "run_2" / "assets"
+    jpeg = photo_bytes("rocket")
+    ref = offload_image(jpeg, root, qwen2_vl_adapter)
+    path = parse_ref(ref.ref).raw_image_uri.removeprefix("file://")
+    with open(path, "r+b") as f:
+        f.truncate(1000)
+    assert materialize([packable(ref)], qwen2_vl_adapter, root).stats.zeroed_samples == 1
+    assert offload_image(jpeg, root, qwen2_vl_adapter) == ref
+    batch = materialize([packable(ref)], qwen2_vl_adapter, root, policy="error")
+    assert batch.stats.processed == 1 and any(batch.samples[0].loss_mask)

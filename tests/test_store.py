@@ -176,8 +176,33 @@ def test_atomic_write_cleans_up_after_a_failed_write(tmp_path):
 def test_atomic_write_reports_whether_it_wrote(tmp_path):
     target = tmp_path / "x.bin"
     assert atomic_write(target, b"one") is True
-    assert atomic_write(target, b"two") is False  # content-addressed: an existing file is kept
-    assert target.read_bytes() == b"one"
+    assert atomic_write(target, b"one") is False  # the very bytes are there: kept
+    assert atomic_write(target, b"two") is True  # anything else found there is not trusted
+    assert target.read_bytes() == b"two"
+
+
+def test_put_image_repairs_what_it_finds_damaged(store, tmp_path, jpeg):
+    """A stored image that was truncated, overwritten, or swapped for a symlink is rewritten by the
+    next put of the original bytes (the writer verifies, it does not trust the name)."""
+    stored = store.put_image(jpeg)
+    outside = tmp_path / "outside.jpg"
+    outside.write_bytes(b"not yours")
+    damage = {
+        "truncated": lambda p: p.write_bytes(jpeg[: len(jpeg) // 2]),
+        "replaced": lambda p: p.write_bytes(photo_bytes("coffee", "JPEG", SMALL)),
+        "same size, one byte flipped": lambda p: p.write_bytes(jpeg[:-1] + bytes([jpeg[-1] ^ 1])),
+        "emptied": lambda p: p.write_bytes(b""),
+        "a symlink": lambda p: (p.unlink(), p.symlink_to(outside)),
+    }
+    for name, hurt in damage.items():
+        hurt(stored.path)
+        with pytest.raises((HashMismatch, AssetOutsideRoot)):
+            store.read_hashed(stored.uri, stored.mm_hash)
+        assert store.put_image(jpeg) == stored, name
+        assert not stored.path.is_symlink() and stored.path.read_bytes() == jpeg, name
+        assert store.read_hashed(stored.uri, stored.mm_hash)[0] == jpeg, name
+    assert outside.read_bytes() == b"not yours"
+    assert _names(store.images_dir) == [stored.path.name]  # no temp files left
 
 
 def test_concurrent_puts_of_one_image(store, jpeg):
