@@ -1,10 +1,12 @@
-"""TTL sweep of the feature store: removes expired ``mm_features`` files, never images.
+"""TTL sweep of the feature store: removes expired ``mm_features`` files, never images (docs/PROTOCOL.md).
 
 Feature files are regenerable; images are the source of truth and are never touched. Removal is
 ``os.unlink`` of whole files, so a reader that already opened a file keeps reading it; a reader
 that arrives later gets ``AssetNotFound`` (404 ``asset_not_found`` on the server) and the client
 re-sends the item or an ``mmraw`` ref. Folders are kept: a writer may be about to use them.
 Writers refresh the mtime of an existing file (idempotent writes), so a file in use stays fresh.
+A writer's temp file (``.tmp-*``) is removed only once it is older than :data:`TEMP_GRACE_S` (and
+the TTL): a sweep with ``--ttl 0`` never pulls one from under a write in progress.
 
 CLI: ``python -m protocol.sweep OUTPUT_OR_ASSET_ROOT [--ttl 1800] [--dry-run]``.
 """
@@ -19,18 +21,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protocol.features import FEATURES_SUBDIR
+from protocol.store import TEMP_PREFIX
 
-__all__ = ["DEFAULT_TTL_S", "SweepReport", "sweep_features"]
+__all__ = ["DEFAULT_TTL_S", "TEMP_GRACE_S", "SweepReport", "sweep_features"]
 
 DEFAULT_TTL_S = 1800.0
+"""Seconds since a feature file's last write (or refresh) after which it expires."""
+TEMP_GRACE_S = 600.0
+"""A writer's temp file younger than this is being written: never removed, whatever the TTL."""
 
 
 @dataclass
 class SweepReport:
+    """What one :func:`sweep_features` call found and removed (or would remove, with ``dry_run``)."""
+
     scanned: int = 0
+    """Feature files and temp files looked at."""
     removed: int = 0
     removed_bytes: int = 0
     kept: int = 0
+    """Files still fresh, or not regular files (a symlink is never followed nor removed)."""
     removed_paths: list[Path] = field(default_factory=list)
 
 
@@ -57,7 +67,11 @@ def sweep_features(
         now: the current time (``time.time()``), for tests.
         dry_run: report what would be removed without removing it.
 
-    Never follows symlinks and never looks outside ``mm_features/v1/vllm-mmitem``.
+    Never follows symlinks and never looks outside ``mm_features/v1/vllm-mmitem``. A temp file
+    is removed only when older than ``max(ttl_s, TEMP_GRACE_S)``.
+
+    Raises:
+        ValueError: a negative ``ttl_s``.
     """
     if ttl_s < 0:
         raise ValueError(f"ttl_s must be >= 0, got {ttl_s}")
@@ -67,7 +81,8 @@ def sweep_features(
         for dirpath, _dirnames, filenames in os.walk(base, followlinks=False):
             for name in filenames:
                 path = Path(dirpath) / name
-                if not (name.endswith(".msgpack") or name.startswith(".tmp-")):
+                temp = name.startswith(TEMP_PREFIX)
+                if not (temp or name.endswith(".msgpack")):
                     continue
                 try:
                     st = path.lstat()
@@ -75,7 +90,8 @@ def sweep_features(
                     continue
                 report.scanned += 1
                 # lstat: a symlink (or anything but a regular file) is kept, never followed
-                if now - st.st_mtime <= ttl_s or not stat.S_ISREG(st.st_mode):
+                expiry = max(ttl_s, TEMP_GRACE_S) if temp else ttl_s
+                if now - st.st_mtime <= expiry or not stat.S_ISREG(st.st_mode):
                     report.kept += 1
                     continue
                 if not dry_run:

@@ -7,12 +7,13 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from helpers import photo_bytes
 from protocol.features import feature_path, read_feature_item, run_asset_root, write_feature_item
 from protocol.refs import FileRef
 from protocol.store import AssetStore
-from protocol.sweep import sweep_features
+from protocol.sweep import TEMP_GRACE_S, sweep_features
 
 FP = "ab" * 16
 
@@ -76,6 +77,37 @@ def test_sweep_is_safe_while_readers_run(tmp_path):
     for t in threads:
         t.join(10)
     assert report.removed == 40 and not errors
+
+
+def test_a_ttl_0_sweep_never_breaks_concurrent_writers(tmp_path):
+    """``--ttl 0`` removes every finished feature file but no temp file a writer is still filling
+    (it took all 30 concurrent writes down with a raw FileNotFoundError); a crashed writer's temp
+    file still goes once it is older than the grace period."""
+    _, first = feature(tmp_path, "ff" * 32)
+    crashed = first.parent / ".tmp-crashed.msgpack"
+    crashed.write_bytes(b"half")
+    os.utime(crashed, (time.time() - TEMP_GRACE_S - 60,) * 2)
+    in_progress = first.parent / ".tmp-writing.msgpack"  # a write that has just started
+    in_progress.write_bytes(b"half")
+    stop = threading.Event()
+    removed = []
+
+    def sweeper():
+        while not stop.is_set():
+            removed.extend(sweep_features(tmp_path, ttl_s=0).removed_paths)
+
+    thread = threading.Thread(target=sweeper)
+    thread.start()
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            payload = os.urandom(4 << 20)  # a few ms per write: a wide window for the sweeper
+            list(pool.map(lambda i: feature(tmp_path, f"{i:02x}" * 32, payload=payload), range(30)))
+    finally:
+        stop.set()
+        thread.join(30)
+    assert crashed in removed and not crashed.exists()
+    assert in_progress.exists()
+    assert not any(p.name.startswith(".tmp-") for p in removed if p != crashed)
 
 
 def test_cli(tmp_path):
