@@ -228,9 +228,9 @@ def miss_steps(resolver, jpeg: bytes, kwargs: dict) -> dict[str, Callable[[], ob
         "bare HF processor call": lambda: adapter.image_processor(images=[image], **kwargs),
         "full miss (_resolve_raw_sync)": lambda: resolver._resolve_raw_sync(body, ref),
         "parse_ref + check_ref": lambda: adapter.check_ref(parse_ref(ref), ref=ref),
-        "read + sha256 (read_verified)": lambda: resolver.store.read_verified(
-            body.raw_image_uri, body.mm_hash
-        ),
+        "read + sha256 (read_hashed)": lambda: resolver.store.read_hashed(body.raw_image_uri, body.mm_hash)[
+            0
+        ],
         "decode (load_image)": lambda: load_image(jpeg),
         "adapter.process (HF processor + wrap)": lambda: adapter.process(image, device_normalize=raw),
         "vLLM item (from_hf_inputs)": lambda: MultiModalKwargsItems.from_hf_inputs(

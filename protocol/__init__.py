@@ -7,23 +7,14 @@ explicitly where images are processed.
 from protocol.errors import MMRefError
 from protocol.refs import FileRef, RawRefBody, format_mmfile, format_mmraw, parse_ref
 from protocol.store import AssetStore, StoredImage
-from protocol.structs import (
-    EncodedTensor,
-    MicroBatch,
-    MMRefs,
-    RawMMItem,
-    RawMMRef,
-    TrainingSample,
-)
+from protocol.structs import MicroBatch, MMRefs, RawMMRef, TrainingSample
 
 __all__ = [
     "AssetStore",
-    "EncodedTensor",
     "FileRef",
     "MMRefError",
     "MMRefs",
     "MicroBatch",
-    "RawMMItem",
     "RawMMRef",
     "RawRefBody",
     "StoredImage",

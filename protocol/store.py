@@ -198,17 +198,6 @@ class AssetStore:
             raise AssetTooLarge(f"file is over {max_bytes} bytes", ref=ref)
         return data
 
-    def read_verified(
-        self,
-        uri: str,
-        mm_hash: str,
-        *,
-        max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
-        ref: str | None = None,
-    ) -> bytes:
-        """:meth:`read_hashed` without the digest."""
-        return self.read_hashed(uri, mm_hash, max_bytes=max_bytes, ref=ref)[0]
-
     def read_hashed(
         self,
         uri: str,

@@ -13,16 +13,13 @@ import re
 from typing import Annotated, Any, Literal
 
 import msgspec
-import numpy as np
 from msgspec import Meta
 
-from protocol.refs import FAMILY_RE, FINGERPRINT_RE, is_ref
+from protocol.refs import is_ref
 
 __all__ = [
-    "EncodedTensor",
     "MMRefs",
     "MicroBatch",
-    "RawMMItem",
     "RawMMRef",
     "TrainingSample",
     "decode_microbatch",
@@ -63,30 +60,6 @@ class RawMMRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ValueError("sha256 must be 64 lowercase hex characters")
 
 
-class RawMMItem(
-    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="kind", tag="raw_mm_item"
-):
-    """Trainer-side envelope of one raw item: ``{"kind": "raw_mm_item", "version": 1, ...}``.
-
-    ``payload`` is adapter-owned and must not carry pixels: legacy eager payloads
-    (``pixel_values`` inline) are rejected.
-    """
-
-    version: Literal[1] = 1
-    family: str
-    fingerprint: str
-    payload: dict[str, Any]
-
-    def __post_init__(self) -> None:
-        if not FAMILY_RE.fullmatch(self.family):
-            raise ValueError(f"family {self.family[:40]!r} does not match {FAMILY_RE.pattern}")
-        if not FINGERPRINT_RE.fullmatch(self.fingerprint):
-            raise ValueError("fingerprint must be 16-64 lowercase hex characters")
-        eager = {"pixel_values", "image_embeds"} & set(self.payload)
-        if eager:
-            raise ValueError(f"eager pixel payloads are not accepted (fields {sorted(eager)})")
-
-
 class MMRefs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The images of one sample, in prompt order."""
 
@@ -95,33 +68,6 @@ class MMRefs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """Per token of the sample (prompt and completion; a sample's ``input_ids`` length): 0 text,
     1 image placeholder. Locates image runs without trusting raw token ids (a text token equal
     to the placeholder id is not an image)."""
-
-
-class EncodedTensor(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """A tensor on the wire: dtype name, shape, little-endian C-order bytes. No torch needed."""
-
-    dtype: str
-    """numpy dtype name, e.g. ``"float32"``, ``"int64"``, ``"uint8"``."""
-    shape: list[_NonNegInt]
-    data: bytes
-
-    @classmethod
-    def from_numpy(cls, array: np.ndarray) -> EncodedTensor:
-        a = np.asarray(array, order="C")  # not ascontiguousarray: it turns scalars into shape [1]
-        a = a.astype(a.dtype.newbyteorder("<"), copy=False)
-        return cls(dtype=a.dtype.name, shape=list(a.shape), data=a.tobytes())
-
-    def to_numpy(self) -> np.ndarray:
-        """Zero-copy read-only view of the bytes.
-
-        Raises:
-            ValueError: the byte count does not match dtype and shape.
-        """
-        dtype = np.dtype(self.dtype).newbyteorder("<")
-        expected = int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize
-        if expected != len(self.data):
-            raise ValueError(f"{len(self.data)} bytes for {self.dtype}{self.shape} ({expected})")
-        return np.frombuffer(self.data, dtype=dtype).reshape(self.shape)
 
 
 def _check_token_arrays(obj: Any) -> int:
@@ -165,8 +111,6 @@ class MicroBatch(msgspec.Struct, kw_only=True, array_like=True, gc=False, omit_d
     sample_count: _NonNegInt
     mm_refs: list[RawMMRef] = msgspec.field(default_factory=list)
     """Every sample's refs, concatenated in sample order."""
-    position_ids: list[list[int]] | None = None
-    """Optional ``[rows][L]`` positions (Qwen MRoPE: 4 rows)."""
     mm_token_type_ids: list[Annotated[int, Meta(ge=0, le=1)]] | None = None
     """Per token: 0 text, 1 image placeholder (locates image runs without trusting token ids)."""
     images_per_sample: list[_NonNegInt] | None = None

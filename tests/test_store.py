@@ -1,4 +1,4 @@
-"""protocol.store: the content-addressed asset store on a real disk (DESIGN §1)."""
+"""protocol.store: the content-addressed asset store on a real disk (docs/PROTOCOL.md, "Asset store")."""
 
 from __future__ import annotations
 
@@ -146,14 +146,14 @@ def test_relative_root_gives_absolute_file_uris(tmp_path, monkeypatch, jpeg):
     expected = tmp_path.resolve() / "outputs" / "run_7" / "assets" / "images" / stored.path.name
     assert file_uri_to_path(stored.uri) == str(expected)
     monkeypatch.chdir("/")  # the URI keeps working from anywhere
-    assert store.read_verified(stored.uri, stored.mm_hash) == jpeg
+    assert store.read_hashed(stored.uri, stored.mm_hash)[0] == jpeg
 
 
 def test_uri_round_trips_odd_characters(tmp_path, jpeg):
     store = AssetStore(tmp_path / "out dir #1" / "run_ü" / "assets")
     stored = store.put_image(jpeg)
     assert "%20" in stored.uri and "%23" in stored.uri
-    assert store.read_verified(stored.uri, stored.mm_hash) == jpeg
+    assert store.read_hashed(stored.uri, stored.mm_hash)[0] == jpeg
 
 
 def test_atomic_write_leaves_no_temp_files(store):
@@ -214,50 +214,50 @@ def test_concurrent_puts_of_one_image(store, jpeg):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# read_verified
+# read_hashed
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_read_verified_good(store, jpeg):
+def test_read_hashed_good(store, jpeg):
     stored = store.put_image(jpeg)
-    assert store.read_verified(stored.uri, stored.mm_hash) == jpeg
-    assert store.read_verified(stored.uri, stored.sha256) == jpeg
-    assert store.read_verified(stored.uri, stored.sha256[:16]) == jpeg
+    assert store.read_hashed(stored.uri, stored.mm_hash) == (jpeg, stored.sha256)  # the full digest
+    assert store.read_hashed(stored.uri, stored.sha256)[0] == jpeg
+    assert store.read_hashed(stored.uri, stored.sha256[:16])[0] == jpeg
     localhost = stored.uri.replace("file://", "file://localhost", 1)
-    assert store.read_verified(localhost, stored.mm_hash) == jpeg
+    assert store.read_hashed(localhost, stored.mm_hash)[0] == jpeg
 
 
-def test_read_verified_hash_mismatch(store, jpeg):
+def test_read_hashed_hash_mismatch(store, jpeg):
     stored = store.put_image(jpeg)
     other = hashlib.sha256(jpeg + b"x").hexdigest()
     with pytest.raises(HashMismatch) as info:
-        store.read_verified(stored.uri, other[:32], ref="mmraw:x")
+        store.read_hashed(stored.uri, other[:32], ref="mmraw:x")
     assert info.value.ref == "mmraw:x"
     with pytest.raises(HashMismatch):
-        store.read_verified(stored.uri, stored.sha256 + "00")  # longer than any sha256
+        store.read_hashed(stored.uri, stored.sha256 + "00")  # longer than any sha256
 
 
-def test_read_verified_detects_a_changed_file(store, jpeg):
+def test_read_hashed_detects_a_changed_file(store, jpeg):
     stored = store.put_image(jpeg)
     stored.path.write_bytes(jpeg[:-1] + bytes([jpeg[-1] ^ 1]))
     with pytest.raises(HashMismatch):
-        store.read_verified(stored.uri, stored.mm_hash)
+        store.read_hashed(stored.uri, stored.mm_hash)
 
 
-def test_read_verified_missing(store, jpeg):
+def test_read_hashed_missing(store, jpeg):
     stored = store.put_image(jpeg)
     missing = (store.images_dir / ("0" * 16 + ".jpg")).as_uri()
     with pytest.raises(AssetNotFound) as info:
-        store.read_verified(missing, "0" * 32, ref="mmraw:y")
+        store.read_hashed(missing, "0" * 32, ref="mmraw:y")
     assert info.value.ref == "mmraw:y"
     with pytest.raises(AssetNotFound):  # a directory inside the root is not an asset
-        store.read_verified(store.images_dir.as_uri(), stored.mm_hash)
+        store.read_hashed(store.images_dir.as_uri(), stored.mm_hash)
     stored.path.unlink()
     with pytest.raises(FileNotFoundError):  # the builtin still catches it
-        store.read_verified(stored.uri, stored.mm_hash)
+        store.read_hashed(stored.uri, stored.mm_hash)
 
 
-def test_read_verified_rejects_dotdot_traversal(store, tmp_path, jpeg):
+def test_read_hashed_rejects_dotdot_traversal(store, tmp_path, jpeg):
     outside = tmp_path / "secret.jpg"
     outside.write_bytes(jpeg)
     store.put_image(jpeg)
@@ -265,30 +265,30 @@ def test_read_verified_rejects_dotdot_traversal(store, tmp_path, jpeg):
     uri = (store.images_dir / ".." / ".." / ".." / "secret.jpg").as_uri()
     assert "/../" in uri
     with pytest.raises(AssetOutsideRoot):
-        store.read_verified(uri, sha[:32])
+        store.read_hashed(uri, sha[:32])
     # A missing file outside the root is also "outside": no existence oracle beyond the root.
     with pytest.raises(AssetOutsideRoot):
-        store.read_verified((store.images_dir / ".." / ".." / ".." / "nope.jpg").as_uri(), sha[:32])
+        store.read_hashed((store.images_dir / ".." / ".." / ".." / "nope.jpg").as_uri(), sha[:32])
     with pytest.raises(AssetOutsideRoot):
-        store.read_verified(f"file://{store.root}/images/%2e%2e/%2e%2e/%2e%2e/secret.jpg", sha[:32])
+        store.read_hashed(f"file://{store.root}/images/%2e%2e/%2e%2e/%2e%2e/secret.jpg", sha[:32])
 
 
-def test_read_verified_rejects_absolute_paths_outside(store, tmp_path, jpeg):
+def test_read_hashed_rejects_absolute_paths_outside(store, tmp_path, jpeg):
     outside = tmp_path / "elsewhere.jpg"
     outside.write_bytes(jpeg)
     with pytest.raises(AssetOutsideRoot):
-        store.read_verified(outside.as_uri(), hashlib.sha256(jpeg).hexdigest()[:32])
+        store.read_hashed(outside.as_uri(), hashlib.sha256(jpeg).hexdigest()[:32])
 
 
-def test_read_verified_rejects_a_sibling_with_the_same_prefix(store, jpeg):
+def test_read_hashed_rejects_a_sibling_with_the_same_prefix(store, jpeg):
     sibling = store.root.parent / (store.root.name + "2") / "images" / "x.jpg"
     sibling.parent.mkdir(parents=True)
     sibling.write_bytes(jpeg)
     with pytest.raises(AssetOutsideRoot):
-        store.read_verified(sibling.as_uri(), hashlib.sha256(jpeg).hexdigest()[:32])
+        store.read_hashed(sibling.as_uri(), hashlib.sha256(jpeg).hexdigest()[:32])
 
 
-def test_read_verified_rejects_a_symlink_pointing_outside(store, tmp_path, jpeg):
+def test_read_hashed_rejects_a_symlink_pointing_outside(store, tmp_path, jpeg):
     outside = tmp_path / "secret.jpg"
     outside.write_bytes(jpeg)
     store.images_dir.mkdir(parents=True)
@@ -296,21 +296,21 @@ def test_read_verified_rejects_a_symlink_pointing_outside(store, tmp_path, jpeg)
     link.symlink_to(outside)
     sha = hashlib.sha256(jpeg).hexdigest()
     with pytest.raises(AssetOutsideRoot):
-        store.read_verified(link.as_uri(), sha[:32])
+        store.read_hashed(link.as_uri(), sha[:32])
     # A symlinked directory inside the root that leads outside is refused as well.
     (store.root / "escape").symlink_to(tmp_path, target_is_directory=True)
     with pytest.raises(AssetOutsideRoot):
-        store.read_verified((store.root / "escape" / "secret.jpg").as_uri(), sha[:32])
+        store.read_hashed((store.root / "escape" / "secret.jpg").as_uri(), sha[:32])
 
 
-def test_read_verified_allows_a_symlink_inside_the_root(store, jpeg):
+def test_read_hashed_allows_a_symlink_inside_the_root(store, jpeg):
     stored = store.put_image(jpeg)
     link = store.root / "alias.jpg"
     link.symlink_to(stored.path)
-    assert store.read_verified(link.as_uri(), stored.mm_hash) == jpeg
+    assert store.read_hashed(link.as_uri(), stored.mm_hash)[0] == jpeg
     relative = store.images_dir / "relative_alias.jpg"
     relative.symlink_to(stored.path.name)
-    assert store.read_verified(relative.as_uri(), stored.mm_hash) == jpeg
+    assert store.read_hashed(relative.as_uri(), stored.mm_hash)[0] == jpeg
 
 
 def test_store_opened_through_a_symlinked_root(tmp_path, jpeg):
@@ -321,15 +321,15 @@ def test_store_opened_through_a_symlinked_root(tmp_path, jpeg):
     assert store.root == real.resolve()
     stored = store.put_image(jpeg)
     via_link = (tmp_path / "link_assets" / "images" / stored.path.name).as_uri()
-    assert store.read_verified(via_link, stored.mm_hash) == jpeg
-    assert store.read_verified(stored.uri, stored.mm_hash) == jpeg
+    assert store.read_hashed(via_link, stored.mm_hash)[0] == jpeg
+    assert store.read_hashed(stored.uri, stored.mm_hash)[0] == jpeg
 
 
-def test_read_verified_size_limit(store, jpeg):
+def test_read_hashed_size_limit(store, jpeg):
     stored = store.put_image(jpeg)
-    assert store.read_verified(stored.uri, stored.mm_hash, max_bytes=len(jpeg)) == jpeg
+    assert store.read_hashed(stored.uri, stored.mm_hash, max_bytes=len(jpeg))[0] == jpeg
     with pytest.raises(AssetTooLarge) as info:
-        store.read_verified(stored.uri, stored.mm_hash, max_bytes=len(jpeg) - 1, ref="mmraw:z")
+        store.read_hashed(stored.uri, stored.mm_hash, max_bytes=len(jpeg) - 1, ref="mmraw:z")
     assert info.value.ref == "mmraw:z"
     assert info.value.http_status == 413
 
@@ -346,10 +346,10 @@ def test_read_verified_size_limit(store, jpeg):
         "file:///a%00.jpg",
     ],
 )
-def test_read_verified_rejects_non_file_uris(store, jpeg, uri):
+def test_read_hashed_rejects_non_file_uris(store, jpeg, uri):
     stored = store.put_image(jpeg)
     with pytest.raises(InvalidRef):
-        store.read_verified(uri, stored.mm_hash)
+        store.read_hashed(uri, stored.mm_hash)
 
 
 @pytest.mark.timeout(30)
@@ -362,9 +362,9 @@ def test_fifos_long_names_and_messages_never_block_crash_or_leak(store, jpeg):
     with pytest.raises(AssetNotFound):
         store.read_confined(fifo, max_bytes=1024)
     with pytest.raises(AssetNotFound):
-        store.read_verified(fifo.as_uri(), "a" * 16)
+        store.read_hashed(fifo.as_uri(), "a" * 16)
     with pytest.raises(AssetNotFound) as long_name:
-        store.read_verified((store.images_dir / ("a" * 300 + ".jpg")).as_uri(), "a" * 16)
+        store.read_hashed((store.images_dir / ("a" * 300 + ".jpg")).as_uri(), "a" * 16)
     with pytest.raises(AssetOutsideRoot) as outside:
         store.confine(store.root / ".." / "elsewhere.jpg")
     assert "File name too long" in str(long_name.value)

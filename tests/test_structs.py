@@ -1,4 +1,4 @@
-"""protocol.structs: strict decoding of the wire structs (DESIGN §3), EncodedTensor, no torch on import."""
+"""protocol.structs: strict decoding of the wire structs (docs/PROTOCOL.md, "Structs"), no torch on import."""
 
 from __future__ import annotations
 
@@ -9,15 +9,12 @@ import sys
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import pytest
 
 from protocol.refs import RawRefBody, format_mmraw
 from protocol.structs import (
-    EncodedTensor,
     MicroBatch,
     MMRefs,
-    RawMMItem,
     RawMMRef,
     TrainingSample,
     decode_microbatch,
@@ -280,14 +277,13 @@ def test_microbatch_round_trip():
         seq_lens=[2, 3],
         sample_count=2,
         mm_refs=[raw_ref(), raw_ref(ref=MMFILE)],
-        position_ids=[[0, 1, 0, 1, 2]] * 4,
     )
     data = encode(mb)
     assert isinstance(msgspec.msgpack.decode(data), list)
     assert decode_microbatch(data) == mb
     assert msgspec.json.decode(msgspec.json.encode(mb), type=MicroBatch) == mb
     plain = decode_microbatch(msgspec.msgpack.encode(microbatch_list()))
-    assert plain.mm_refs == [] and plain.position_ids is None
+    assert plain.mm_refs == [] and plain.mm_token_type_ids is None
 
 
 def test_microbatch_empty_is_consistent():
@@ -342,133 +338,6 @@ def test_microbatch_rejects_bad_refs():
         decode_microbatch(msgspec.msgpack.encode([*microbatch_list(), [{**raw_ref_dict(), "extra": 1}]]))
     with pytest.raises(msgspec.ValidationError):
         decode_microbatch(msgspec.msgpack.encode([*microbatch_list(), [raw_ref_dict(ref="not-a-ref")]]))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# RawMMItem
-# ---------------------------------------------------------------------------------------------------------
-
-
-def test_raw_mm_item_envelope_is_tagged():
-    item = RawMMItem(family="qwen2_vl", fingerprint=FINGERPRINT, payload={"image_grid_thw": [1, 4, 6]})
-    wire = msgspec.json.decode(msgspec.json.encode(item))
-    assert wire == {
-        "kind": "raw_mm_item",
-        "version": 1,
-        "family": "qwen2_vl",
-        "fingerprint": FINGERPRINT,
-        "payload": {"image_grid_thw": [1, 4, 6]},
-    }
-    assert msgspec.json.decode(msgspec.json.encode(wire), type=RawMMItem) == item
-    assert msgspec.msgpack.decode(encode(item), type=RawMMItem) == item
-
-
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        {"kind": "prime_raw_mm_item"},  # the trainer-side envelope of DESIGN §2 is a different kind
-        {"kind": "vllm.MultiModalKwargsItem"},
-        {"version": 2},
-        {"version": "1"},
-        {"family": "Qwen2-VL"},
-        {"fingerprint": "xyz"},
-        {"fingerprint": FINGERPRINT.upper()},
-        {"payload": [1, 4, 6]},
-        {"payload": {"image_grid_thw": [1, 4, 6], "pixel_values": [[0.0] * 4] * 6}},
-        {"payload": {"image_embeds": [[0.0]]}},
-        {"layout_fingerprint": FINGERPRINT},  # unknown field
-    ],
-    ids=repr,
-)
-def test_raw_mm_item_rejects(overrides):
-    wire = {
-        "kind": "raw_mm_item",
-        "version": 1,
-        "family": "qwen2_vl",
-        "fingerprint": FINGERPRINT,
-        "payload": {"image_grid_thw": [1, 4, 6]},
-        **overrides,
-    }
-    with pytest.raises(msgspec.ValidationError):
-        msgspec.json.decode(msgspec.json.encode(wire), type=RawMMItem)
-    with pytest.raises(msgspec.ValidationError):
-        msgspec.msgpack.decode(msgspec.msgpack.encode(wire), type=RawMMItem)
-
-
-def test_raw_mm_item_eager_payload_rejected_on_construction():
-    with pytest.raises(ValueError, match="pixel_values"):
-        RawMMItem(family="qwen2_vl", fingerprint=FINGERPRINT, payload={"pixel_values": b"\x00" * 16})
-
-
-# ---------------------------------------------------------------------------------------------------------
-# EncodedTensor
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _arrays():
-    rng = np.random.default_rng(0)
-    yield rng.standard_normal((3, 5)).astype(np.float32)
-    yield np.array([-(2**62), -1, 0, 1, 2**62], dtype=np.int64)
-    yield rng.integers(0, 256, size=(2, 3, 4), dtype=np.uint8)
-    yield np.array([[True, False, True], [False, False, True]])
-    for dtype in (np.float32, np.int64, np.uint8, np.bool_):
-        yield np.zeros((0,), dtype=dtype)
-        yield np.zeros((3, 0, 2), dtype=dtype)
-        yield np.ones((), dtype=dtype)  # 0-d
-    yield np.array([1.5, -2.25, np.inf], dtype=">f4")  # big-endian input: sent little-endian
-    yield np.arange(12, dtype=np.int64).reshape(3, 4).T  # non-contiguous
-    yield np.float32([np.nan, -0.0])
-
-
-@pytest.mark.parametrize("array", list(_arrays()), ids=lambda a: f"{a.dtype.str}{list(a.shape)}")
-def test_encoded_tensor_numpy_round_trip(array):
-    enc = EncodedTensor.from_numpy(array)
-    assert enc.dtype == array.dtype.name
-    assert enc.shape == list(array.shape)
-    assert len(enc.data) == array.size * array.dtype.itemsize
-    for wire in (enc, msgspec.msgpack.decode(encode(enc), type=EncodedTensor)):
-        back = wire.to_numpy()
-        assert back.shape == array.shape
-        assert back.dtype.name == array.dtype.name
-        assert back.dtype.byteorder in ("<", "=", "|")
-        np.testing.assert_array_equal(back, array)
-        assert back.tobytes() == np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<")).tobytes()
-
-
-def test_encoded_tensor_bytes_are_little_endian_c_order():
-    enc = EncodedTensor.from_numpy(np.array([[1, 2], [3, 4]], dtype=">i8").T)
-    assert enc.dtype == "int64" and enc.shape == [2, 2]
-    assert enc.data == b"".join(v.to_bytes(8, "little") for v in (1, 3, 2, 4))
-    assert msgspec.msgpack.decode(encode(enc)) == ["int64", [2, 2], enc.data]  # array-like on the wire
-
-
-def test_encoded_tensor_to_numpy_is_a_read_only_view():
-    enc = EncodedTensor.from_numpy(np.arange(4, dtype=np.float32))
-    view = enc.to_numpy()
-    assert not view.flags.writeable
-    with pytest.raises(ValueError):
-        view[0] = 1.0
-
-
-@pytest.mark.parametrize(
-    "dtype,shape,nbytes",
-    [
-        ("float32", [3, 5], 59),
-        ("float32", [3, 5], 61),
-        ("int64", [0], 8),
-        ("uint8", [], 0),
-        ("bool", [2, 2], 5),
-    ],
-)
-def test_encoded_tensor_byte_count_mismatch(dtype, shape, nbytes):
-    enc = EncodedTensor(dtype=dtype, shape=shape, data=b"\x00" * nbytes)
-    with pytest.raises(ValueError, match=f"{nbytes} bytes"):
-        enc.to_numpy()
-
-
-def test_encoded_tensor_negative_shape_rejected_on_decode():
-    with pytest.raises(msgspec.ValidationError):
-        msgspec.msgpack.decode(msgspec.msgpack.encode(["float32", [-1, 4], b""]), type=EncodedTensor)
 
 
 # ---------------------------------------------------------------------------------------------------------

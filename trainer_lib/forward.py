@@ -52,7 +52,6 @@ def packed_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = 4096,
-    use_cache: bool = False,
 ) -> ForwardResult:
     """Forward one packed micro-batch; per-token logprobs of the packed tokens.
 
@@ -66,7 +65,6 @@ def packed_logprobs(
             importance ratio needs; valid with top_p=1 and top_k off) are after temperature, so
             pass the sampling temperature; vLLM's default ``raw_logprobs`` are before it
             (vllm/v1/sample/sampler.py), so pass 1.0.
-        use_cache: must stay False; True exists only so tests can show the cross-sample leak.
 
     Raises:
         PackingUnsupported: see :func:`check_packable`.
@@ -88,7 +86,7 @@ def packed_logprobs(
         input_ids=inputs.input_ids,
         position_ids=inputs.position_ids,
         attention_mask=None,
-        use_cache=use_cache,
+        use_cache=False,  # with a cache object transformers' sdpa/eager mask spans the whole pack
         pixel_values=pixels,
         image_grid_thw=grid,
         **kwargs,

@@ -287,7 +287,7 @@ def rebuild_micro_batch(
         entries, placeholder_token_id=placeholder_token_id, num_placeholders=num_placeholders
     )
     for name in MicroBatch.__struct_fields__:
-        if name != "position_ids" and getattr(packed.micro_batch, name) != getattr(micro_batch, name):
+        if getattr(packed.micro_batch, name) != getattr(micro_batch, name):
             raise ValueError(f"the micro-batch does not rebuild to itself: {name} differs")
     return dataclasses.replace(packed, micro_batch=micro_batch)
 
