@@ -81,16 +81,29 @@ def _check_token_arrays(obj: Any) -> int:
 
 
 class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, omit_defaults=True):
-    """One rollout sample as the trainer receives it. Per-token lists have one length."""
+    """One rollout sample as the trainer receives it: prompt and completion, ``L`` tokens.
+
+    The per-token lists all have ``L`` entries (checked on construction, decoding and
+    ``msgspec.structs.replace``, a ``ValueError`` / ``msgspec.ValidationError`` naming the list).
+    On the wire it is a msgpack array in field order (``array_like``); defaults are omitted.
+    """
 
     input_ids: list[_NonNegInt]
+    """``[L]`` token ids; each image is a run of ``num_placeholders`` placeholder tokens."""
     loss_mask: list[bool]
+    """``[L]``: True where the token takes loss (completion tokens; never the first token)."""
     advantages: list[float]
+    """``[L]`` per-token advantages (computed by the RL framework)."""
     inference_logprobs: list[float]
+    """``[L]``: the rollout engine's logprob of token ``t`` given the tokens before it (0.0 where
+    it has none, e.g. prompt tokens)."""
     mm_refs: MMRefs | None = None
+    """The sample's images in prompt order; None for a text-only sample."""
     run_id: str = ""
+    """Packing isolation: samples of different ``(run_id, lora_id)`` never share a micro-batch."""
     lora_id: str | None = None
     is_padding: bool = False
+    """A zero-loss pad kept out of metrics (``trainer_lib.padding``)."""
 
     def __post_init__(self) -> None:
         n = _check_token_arrays(self)

@@ -20,6 +20,9 @@ __all__ = ["ForwardResult", "packed_logprobs"]
 
 @dataclass(frozen=True)
 class ForwardResult:
+    """What :func:`packed_logprobs` returns for one packed micro-batch of ``L`` tokens, on the
+    model's device."""
+
     logprobs: torch.Tensor
     """float32 ``[L]``: ``logprobs[t] = log p(input_ids[t] | input_ids[start:t])`` within the
     token's own sample (temperature-scaled); 0 at each sample's first token. Same alignment as

@@ -23,23 +23,36 @@ __all__ = ["PackedInputs", "check_placeholder_alignment", "packed_inputs"]
 
 @dataclass(frozen=True)
 class PackedInputs:
-    """Model-ready tensors of one packed micro-batch."""
+    """Model-ready tensors of one packed micro-batch of ``L`` tokens (one row, no padding).
+
+    Built by :func:`packed_inputs` on CPU; :meth:`to` moves them. What
+    :func:`~trainer_lib.packed_logprobs` passes to ``model.model(...)``.
+    """
 
     input_ids: torch.Tensor
-    """int64 ``[1, L]``."""
+    """int64 ``[1, L]``: every sample's tokens, concatenated in pack order."""
     position_ids: torch.Tensor
-    """int64 ``[4, 1, L]`` (MRoPE, row 0 = text positions restarting per sample)."""
+    """int64 ``[4, 1, L]``: row 0 text positions restarting at 0 per sample (transformers finds the
+    sample boundaries from it), rows 1-3 MRoPE (temporal, height, width) from ``get_rope_index``."""
     cu_seqlens: torch.Tensor
-    """int32 ``[num_samples + 1]``."""
+    """int32 ``[num_samples + 1]``: ``[0, l0, l0 + l1, ..., L]``, the varlen kernels' boundaries."""
     max_seqlen: int
+    """Tokens of the longest sample (the varlen kernels' ``max_seqlen``)."""
     loss_mask: torch.Tensor
     """bool ``[L]``: the micro-batch's loss mask without each sample's first token (no prefix)."""
     pixel_values: torch.Tensor | None = None
+    """float32 ``[sum(t*h*w), C * temporal_patch * patch**2]`` (Qwen-VL), every image in pack
+    order (or each distinct image once, with :attr:`image_index`); None without images."""
     image_grid_thw: torch.Tensor | None = None
+    """int64 ``[num images, 3]``: each image's ``[t, h, w]`` in patches (rows of the distinct
+    images with :attr:`image_index`); None without images."""
     image_index: torch.Tensor | None = None
-    """int64 ``[num images]`` when ``pixel_values``/``image_grid_thw`` hold distinct images only."""
+    """int64 ``[num images]`` when ``pixel_values``/``image_grid_thw`` hold distinct images only:
+    the row of ``image_grid_thw`` each image of the micro-batch shows."""
 
     def to(self, device: torch.device | str) -> PackedInputs:
+        """The same inputs on ``device`` (``non_blocking`` copies)."""
+
         def move(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.to(device, non_blocking=True)
 
@@ -64,12 +77,18 @@ def packed_inputs(
     """Build the model inputs and run the placeholder tripwire.
 
     Args:
-        packed: the micro-batch (after :func:`materialize_micro_batch` if it has images).
-        features: its features in pack order (``{}`` without images).
+        packed: the micro-batch (``MaterializedMicroBatch.packed`` if it has images: the loss mask
+            with replaced images zeroed).
+        features: its features in pack order, as :func:`~trainer_lib.materialize_micro_batch`
+            returns them (Qwen-VL: ``pixel_values`` float32 ``[sum(t*h*w), C*T*P*P]``,
+            ``image_grid_thw`` int64 ``[N, 3]``); ``{}`` without images.
         model_or_config: the HF model or its config (for ``get_rope_index``, ``image_token_id``
             and ``vision_config.spatial_merge_size``).
-        image_index: with deduplicated features (:func:`materialize_micro_batch` ``dedup=True``),
-            the row of ``image_grid_thw`` each image of the micro-batch shows.
+        image_index: int64 ``[num images]`` with deduplicated features (``dedup=True``): the row of
+            ``image_grid_thw`` each image of the micro-batch shows.
+
+    Returns:
+        :class:`PackedInputs` on CPU.
 
     Raises:
         ValueError: placeholder tokens != feature rows (:func:`check_placeholder_alignment`),

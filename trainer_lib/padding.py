@@ -49,7 +49,11 @@ def padded_sample_count(
 def make_pad_sample(
     *, pad_token_id: int, num_tokens: int = 2, run_id: str = "", lora_id: str | None = None
 ) -> TrainingSample:
-    """A minimal zero-loss text sample: ``num_tokens`` pad ids, ``is_padding=True``."""
+    """A minimal zero-loss text sample: ``num_tokens`` pad ids, ``is_padding=True``.
+
+    Raises:
+        ValueError: ``num_tokens < 1``.
+    """
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
     return TrainingSample(

@@ -29,8 +29,15 @@ def split_micro_batches(step: PackedBatch, dp_size: int) -> list[PackedBatch]:
 
     Each rank gets ``ceil(B / dp)`` or fewer micro-batches: first those with pixels (at most
     ``ceil(B_pixels / dp)`` per rank), then text ones; each goes, largest first, to the rank with
-    the fewest tokens that is below its quota (LPT). Ranks list pixel micro-batches first, each
-    group by decreasing size, so micro-batch ``k`` has similar sizes on every rank.
+    the fewest tokens that is below its quota (LPT, longest processing time first). Ranks list
+    pixel micro-batches first, each group by decreasing size, so micro-batch ``k`` has similar
+    sizes on every rank. The counts may still differ: :func:`balance_micro_batches` evens them.
+
+    Returns:
+        ``dp_size`` :class:`~trainer_lib.PackedBatch` es (same capacity), rank order.
+
+    Raises:
+        ValueError: ``dp_size < 1``.
     """
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")

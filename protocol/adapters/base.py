@@ -310,7 +310,15 @@ class ImageAdapter(ABC):
         )
 
     def collate(self, items: Sequence[ProcessedImage]) -> dict[str, torch.Tensor]:
-        """Concatenate per-image tensors along dim 0, in order (the model's batched input)."""
+        """Concatenate per-image tensors along dim 0, in order (the model's batched input).
+
+        Returns:
+            The family's field names to tensors, e.g. Qwen-VL ``pixel_values`` float32
+            ``[sum(t*h*w), C*T*P*P]`` and ``image_grid_thw`` int64 ``[N, 3]``.
+
+        Raises:
+            ValueError: no items (there is no empty batch of the family's tensors).
+        """
         if not items:
             raise ValueError("collate() needs at least one image")
         return {k: torch.cat([it.tensors[k] for it in items]) for k in items[0].tensors}
