@@ -78,7 +78,7 @@ class InvalidRequest(MMRefError, ValueError):
 
 
 class InvalidRef(MMRefError, ValueError):
-    """A ref string or one of its ids does not parse or fails the safe-id rules (DESIGN §2)."""
+    """A ref string or one of its ids does not parse or fails the safe-id rules (docs/PROTOCOL.md §1)."""
 
     code = "invalid_ref"
     http_status = 400

@@ -1,4 +1,4 @@
-"""Processed-item files of the feature store (``mmfile:v1`` refs, DESIGN §1).
+"""Processed-item files of the feature store (``mmfile:v1`` refs, docs/PROTOCOL.md §2.2).
 
 Layout under ``<output_root>/run_<run_id>/assets``::
 

@@ -1,4 +1,4 @@
-"""Layout fingerprints: one hash for everything that changes pixels or grids (DESIGN §2-3).
+"""Layout fingerprints: one hash for everything that changes pixels or grids (docs/PROTOCOL.md §4).
 
 ``layout_fingerprint`` = ``sha256(canonical JSON)[:32]`` of the family, the
 processor class and backend (``pil`` | ``torchvision``), the device it runs on,

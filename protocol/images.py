@@ -39,7 +39,8 @@ _MEDIA_TYPES = {
 def sniff_media_type(data: bytes) -> tuple[str, str]:
     """Return ``(media_type, file extension)`` from the bytes' header, without decoding pixels.
 
-    The extension follows the asset-store layout (DESIGN §1): ``.jpg .png .webp .gif``, else ``.img``.
+    The extension follows the asset-store layout (docs/PROTOCOL.md §2): ``.jpg .png .webp .gif``,
+    else ``.img``.
 
     Raises:
         ImageUnreadable: the header is not one of :data:`ALLOWED_FORMATS`.

@@ -1,4 +1,4 @@
-"""Ref strings: the wire format of the public renderers client (DESIGN §2).
+"""Ref strings: the wire format of the public renderers client (docs/PROTOCOL.md §1).
 
 Two kinds travel in ``GenerateRequest.features.kwargs_data[modality][i]`` slots
 (where upstream vLLM puts a base64 msgpack item, or ``None``):

@@ -1,4 +1,4 @@
-"""Protocol structs (DESIGN §3): msgspec, strict decoding, msgpack on the wire, JSON on HTTP.
+"""Protocol structs (docs/PROTOCOL.md §3): msgspec, strict decoding, msgpack on the wire, JSON on HTTP.
 
 Request/control structs are ``frozen, kw_only, forbid_unknown_fields``; bulk
 structs (:class:`TrainingSample`, :class:`MicroBatch`) are ``array_like`` with

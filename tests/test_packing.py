@@ -402,7 +402,7 @@ def test_a_sample_longer_than_the_cap_gets_a_bin_of_its_own():
 
 
 def test_stray_placeholder_text_never_shares_a_bin_with_pixels():
-    """A literal <|image_pad|> in tool-call text (NOTES Lessons (1)): the scatter would count N+1 vs N."""
+    """A literal <|image_pad|> in tool-call text (docs/PACKING.md §1): the scatter would count N+1 vs N."""
     ref = make_ref(2, 2)
     stray = make_sample([5, 6, TOK, 7], typed=True)  # types say text: not an image
     image = make_sample([1, 2], [ref], typed=True)

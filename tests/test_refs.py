@@ -1,4 +1,4 @@
-"""protocol.refs: the mmraw / mmfile ref strings (DESIGN §2) and file:// URIs."""
+"""protocol.refs: the mmraw / mmfile ref strings (docs/PROTOCOL.md §1) and file:// URIs."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def test_unknown_prefix_is_rejected(ref):
         "eyJm+YW1",  # '+' is standard base64, not base64url
         "eyJm/YW1",
         "eyJm YW1",
-        "e30=",  # '{}' with padding: refs are written and read without padding (DESIGN §2)
+        "e30=",  # '{}' with padding: refs are written and read without padding (docs/PROTOCOL.md §1)
         " e30",
     ],
 )

@@ -8,7 +8,7 @@ order, ``attention_mask=None``. Attention must stay inside each sample. Backends
 - ``"sdpa"`` / ``"eager"`` (CPU): transformers builds the block-diagonal causal mask from row 0
   (``masking_utils.find_packed_sequence_indices``) — **only** with ``attention_mask=None`` and
   ``use_cache=False``: with a cache object present it silently builds a plain causal mask across
-  the whole pack (NOTES-vllm-cpu.md: error ~0.5).
+  the whole pack (logprob error ~0.24 on the tiny Qwen2-VL; docs/PACKING.md §7).
 - ``"mmref_varlen"`` (CUDA): PyTorch's ``torch.nn.attention.varlen.varlen_attn``
   (FlashAttention varlen, fp16/bf16), registered with ``transformers.AttentionInterface`` and
   ``transformers.masking_utils.AttentionMaskInterface`` (``flash_attention_mask``: no dense mask).
@@ -19,9 +19,10 @@ order, ``attention_mask=None``. Attention must stay inside each sample. Backends
   own varlen path, which derives ``cu_seqlens`` from the text position ids.
 
 sdpa is refused for packed CUDA batches (dense masks: out of memory at RL lengths, and slower
-than varlen; NOTES "GPU facts"). Models whose packed boundaries cannot be respected here
-(linear-attention layers, e.g. Qwen3.5 / Qwen3-Next, which need flash-linear-attention's
-varlen kernels) raise :class:`PackingUnsupported` instead of leaking state across samples.
+than varlen, as measured on a lent H100: docs/PACKING.md §6). Models whose packed boundaries
+cannot be respected here (linear-attention layers, e.g. Qwen3.5 / Qwen3-Next, which need
+flash-linear-attention's varlen kernels) raise :class:`PackingUnsupported` instead of leaking
+state across samples.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def register_varlen_attention() -> str:
     """Register :data:`VARLEN_ATTENTION` with transformers (idempotent); returns the name.
 
     ``AttentionInterface.register(name, fn)`` plus ``AttentionMaskInterface.register(name,
-    flash_attention_mask)`` (no dense mask is built; NOTES "GPU facts"). Safe to call on CPU.
+    flash_attention_mask)`` (no dense mask is built). Safe to call on CPU.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask

@@ -1,4 +1,4 @@
-"""Rank-wide fail-fast for data-parallel training (DESIGN §6, NOTES "Lessons" (6)).
+"""Rank-wide fail-fast for data-parallel training (docs/PACKING.md §5).
 
 A materialization or packing error on one rank (a missing image under ``policy="error"``, a
 placeholder mismatch) must fail **every** rank before any collective of the step; otherwise the

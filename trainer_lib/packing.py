@@ -1,4 +1,4 @@
-"""Pack training samples into multimodal micro-batches (DESIGN §6, docs/PACKING.md).
+"""Pack training samples into multimodal micro-batches (docs/PACKING.md §1).
 
 Samples are placed first-fit-decreasing (by token count) into bins of at most
 ``micro_batch_max_tokens`` tokens (default ``seq_len``; a larger cap is an error). A sample

@@ -1,4 +1,4 @@
-"""Padding samples: zero-loss, out of metrics, never a copy of a real sample (docs/PACKING.md §5).
+"""Padding samples: zero-loss, out of metrics, never a copy of a real sample (docs/PACKING.md §3).
 
 Every pad has ``is_padding=True``, ``loss_mask`` all False, advantages 0 and its own token ids,
 and no group, so group-relative advantages computed elsewhere never see it:

@@ -1,4 +1,4 @@
-"""One training step's plan: pad, split into mini-batches, pack, deal to ranks, balance (docs/PACKING.md §5).
+"""One training step's plan: pad, split into mini-batches, pack, deal to ranks, balance (docs/PACKING.md §3).
 
 :func:`plan_step` runs the whole chain: pad the sample count (:mod:`trainer_lib.padding`), split
 into mini-batches (real samples spread evenly, so no optimizer step is pads alone), pack each

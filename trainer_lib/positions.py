@@ -1,4 +1,4 @@
-"""Position ids and ``cu_seqlens`` for packed micro-batches (docs/PACKING.md §3).
+"""Position ids and ``cu_seqlens`` for packed micro-batches (docs/PACKING.md §2).
 
 **Qwen-VL (MRoPE)**: ``position_ids`` is ``[4, 1, L]`` int64. transformers 5.19 reads a 4-row
 tensor as ``text_position_ids = position_ids[0]`` and MRoPE ``position_ids[1:]``

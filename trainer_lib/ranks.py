@@ -1,4 +1,4 @@
-"""Deal a packed mini-batch's micro-batches to data-parallel ranks and align them (docs/PACKING.md §5).
+"""Deal a packed mini-batch's micro-batches to data-parallel ranks and align them (docs/PACKING.md §3).
 
 Every rank must run the same number of forward/backward passes, and with a sharded model (FSDP)
 micro-batch ``k`` must run the vision tower on every rank or on none (its parameters are

@@ -1,4 +1,4 @@
-"""Per-family adapters behind one registry (DESIGN §4). Imports torch and transformers.
+"""Per-family adapters behind one registry (docs/PROTOCOL.md §5). Imports torch and transformers.
 
 ``protocol`` itself stays torch-free; import this subpackage where processing happens.
 """

@@ -1,4 +1,4 @@
-"""The adapter contract: one family's image processing behind one small interface (DESIGN §4).
+"""The adapter contract: one family's image processing behind one small interface (docs/PROTOCOL.md §5).
 
 An adapter wraps the model's own HF image processor (never a re-implementation)
 and knows the family's tensor names, grid shape and placeholder arithmetic. The
