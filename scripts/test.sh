@@ -6,4 +6,5 @@ bash scripts/install.sh
 export HF_HUB_OFFLINE=1
 .venv/bin/python scripts/make_tiny_models.py --family all
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 .venv/bin/python -m pytest "$@"

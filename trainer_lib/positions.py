@@ -50,8 +50,10 @@ RopeIndexFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def mrope_model_types() -> tuple[str, ...]:
-    """HF model types whose adapter says ``rope == "mrope"`` (transformers' ``get_rope_index``)."""
-    return tuple(model_type for model_type, cls in ADAPTERS.items() if cls.rope == "mrope")
+    """HF model types whose adapter says ``rope == "mrope"`` (transformers' ``get_rope_index``).
+
+    A family that does not say is not packed (and a test in ``tests/test_forward.py`` fails)."""
+    return tuple(t for t, cls in ADAPTERS.items() if getattr(cls, "rope", None) == "mrope")
 
 
 def cu_seqlens(seq_lens: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
