@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from trainer_lib import PackingUnsupported
 
@@ -67,7 +68,10 @@ FLA_PACKAGE = "flash-linear-attention"
 """The PyPI distribution that ships the ``fla`` package (also ``fla-core``)."""
 
 _KNOWN_LAYER_TYPES = frozenset({"full_attention", "linear_attention"})
-_GDN_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm")
+_GDN_PARTS = (  # what _gated_delta_net reads: Qwen3.5's layer (Qwen3-Next's fuses qkvz / ba instead)
+    *("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias", "norm", "out_proj"),
+    *("key_dim", "value_dim", "head_k_dim", "head_v_dim", "num_k_heads", "num_v_heads", "activation"),
+)
 _INSTALLED = "_mmref_linear_attention"
 _HOOK = "_mmref_linear_attention_hook"
 
@@ -187,7 +191,7 @@ def _torch_kernels(layer_cls: type) -> _Kernels:
         pieces = [conv_fn(x[:, lo:hi].transpose(1, 2), weight, bias, activation) for lo, hi in _bounds(cu)]
         return torch.cat(pieces, dim=2).transpose(1, 2)
 
-    def rule(q, k, v, g, beta, cu: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu: Tensor) -> Tensor:
         pieces = [
             rule_fn(
                 q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g=g[:, lo:hi], beta=beta[:, lo:hi],
@@ -210,7 +214,7 @@ def _fla_kernels() -> _Kernels:
     ) -> torch.Tensor:
         return causal_conv1d(x=x, weight=weight, bias=bias, activation=activation, cu_seqlens=cu.long())[0]
 
-    def rule(q, k, v, g, beta, cu: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu: Tensor) -> Tensor:
         return chunk_gated_delta_rule(
             q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
             use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long(),
