@@ -10,6 +10,8 @@ import os
 from protocol.adapters.base import ImageAdapter, ProcessedImage
 from protocol.adapters.kimi_k25 import KimiK25Adapter
 from protocol.adapters.kimi_vl import KimiVLAdapter, KimiVLImageProcessor
+from protocol.adapters.qwen3_5 import Qwen35Adapter
+from protocol.adapters.qwen3_vl_moe import Qwen3VLMoeAdapter
 from protocol.adapters.qwen_vl import QwenVLAdapter
 from protocol.adapters.registry import ADAPTERS, adapter_class, load_adapter, supported_families
 from protocol.store import AssetStore
@@ -22,6 +24,8 @@ __all__ = [
     "KimiVLAdapter",
     "KimiVLImageProcessor",
     "ProcessedImage",
+    "Qwen3VLMoeAdapter",
+    "Qwen35Adapter",
     "QwenVLAdapter",
     "adapter_class",
     "load_adapter",

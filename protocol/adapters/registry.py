@@ -10,6 +10,8 @@ from typing import Any
 from protocol.adapters.base import ImageAdapter
 from protocol.adapters.kimi_k25 import KimiK25Adapter
 from protocol.adapters.kimi_vl import KimiVLAdapter
+from protocol.adapters.qwen3_5 import Qwen35Adapter
+from protocol.adapters.qwen3_vl_moe import Qwen3VLMoeAdapter
 from protocol.adapters.qwen_vl import QwenVLAdapter
 from protocol.errors import UnsupportedFamily
 
@@ -19,6 +21,9 @@ ADAPTERS: dict[str, type[ImageAdapter]] = {
     "qwen2_vl": QwenVLAdapter,
     "qwen2_5_vl": QwenVLAdapter,
     "qwen3_vl": QwenVLAdapter,
+    "qwen3_vl_moe": Qwen3VLMoeAdapter,
+    "qwen3_5": Qwen35Adapter,
+    "qwen3_5_moe": Qwen35Adapter,  # also Qwen3.6-35B-A3B
     "kimi_vl": KimiVLAdapter,  # vLLM's KimiVLConfig.model_type (vllm/transformers_utils/configs/kimi_vl.py)
     "kimi_k25": KimiK25Adapter,  # transformers' Kimi_K25Config.model_type
 }

