@@ -64,7 +64,7 @@ CU_SEQLENS_KWARG = "mmref_cu_seqlens"
 """Model-call keyword carrying the micro-batch's int ``[num_samples + 1]`` sample boundaries."""
 PER_SEGMENT_TORCH = "per_segment_torch"
 FLA_VARLEN = "fla_varlen"
-FLA_PACKAGE = "flash-linear-attention"
+_FLA_PACKAGE = "flash-linear-attention"
 """The PyPI distribution that ships the ``fla`` package (also ``fla-core``)."""
 
 _KNOWN_LAYER_TYPES = frozenset({"full_attention", "linear_attention"})
@@ -136,12 +136,12 @@ def _choose(device_type: str, fla_available: bool, requested: str | None) -> str
         return PER_SEGMENT_TORCH
     if device_type != "cuda":
         raise PackingUnsupported(
-            f"{FLA_VARLEN} runs {FLA_PACKAGE}'s Triton kernels on CUDA, not on {device_type}"
+            f"{FLA_VARLEN} runs {_FLA_PACKAGE}'s Triton kernels on CUDA, not on {device_type}"
         )
     if not fla_available:
         raise PackingUnsupported(
-            f"packing linear-attention layers on CUDA needs {FLA_PACKAGE}'s varlen kernels: "
-            f"`pip install {FLA_PACKAGE}` (import name `fla`), or ask for {PER_SEGMENT_TORCH!r} (slow)"
+            f"packing linear-attention layers on CUDA needs {_FLA_PACKAGE}'s varlen kernels: "
+            f"`pip install {_FLA_PACKAGE}` (import name `fla`), or ask for {PER_SEGMENT_TORCH!r} (slow)"
         )
     return FLA_VARLEN
 
