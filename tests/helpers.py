@@ -25,6 +25,7 @@ __all__ = [
     "ensure_tiny_model",
     "photo_array",
     "photo_bytes",
+    "refusal",
     "start_server",
 ]
 
@@ -47,3 +48,20 @@ def photo_bytes(name: str, fmt: str = "JPEG", size: tuple[int, int] | None = Non
     buf = io.BytesIO()
     image.save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
     return buf.getvalue()
+
+
+def refusal(response) -> tuple[int, str | None]:
+    """``(HTTP status, mmref_code)`` of an error answer of the generate route.
+
+    Checks what every error body must be: vLLM's ``ErrorResponse`` (parsed with vLLM's own model,
+    integer ``code`` equal to the status), no traceback, no object address. ``mmref_code`` is None
+    for stock vLLM's own refusals, the stable string code for the plugin's.
+    """
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+    text = response.text
+    assert "Traceback" not in text and 'File "' not in text and " at 0x" not in text, text[:300]
+    parsed = ErrorResponse.model_validate_json(text)
+    assert parsed.error.code == response.status_code, text[:300]
+    assert isinstance(parsed.error.message, str) and parsed.error.message, text[:300]
+    return response.status_code, response.json()["error"].get("mmref_code")
