@@ -30,7 +30,16 @@ from vllm_plugin import metrics
 from vllm_plugin.protocol import MMRefGenerateRequest, error_body
 from vllm_plugin.serving import MMRefServing
 
-__all__ = ["attach_router", "error_response", "mmref_serving", "router"]
+__all__ = [
+    "attach_router",
+    "error_response",
+    "generate",
+    "mmref_serving",
+    "parse_request",
+    "read_body",
+    "resolve",
+    "router",
+]
 
 logger = logging.getLogger("vllm.mmref")  # a child of vLLM's configured logger
 router = APIRouter()

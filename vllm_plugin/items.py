@@ -56,12 +56,14 @@ def decode_item(payload: bytes | str, error: type[MMRefError], what: str, ref: s
     Raises:
         ``error``: not base64, not msgpack, or not a ``MultiModalKwargsItem`` of tensors; the
             message names ``what`` and the decoder's error type, never the bytes.
+        ImportError: vLLM's codec cannot be imported (a server fault, never a client 4xx).
     """
     import pybase64
 
+    decoder = _thread_codec()[1]  # outside the try: a broken vLLM install is the server's error
     try:
         raw = pybase64.b64decode(payload, validate=True) if isinstance(payload, str) else payload
-        item = _thread_codec()[1].decode(raw)
+        item = decoder.decode(raw)
         if not item or not all(hasattr(v, "data") and hasattr(v.data, "shape") for v in item.values()):
             raise ValueError("no tensor fields")
     except Exception as e:  # untrusted bytes: any failure is the sender's
