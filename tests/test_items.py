@@ -56,13 +56,10 @@ def replaced(item, key: str, data=None, field=None):
     )
 
 
-def test_a_real_item_passes_with_its_grid_count_and_engine_size(layout, photo_item, qwen2_vl_adapter):
-    from vllm.multimodal.cache.base import MultiModalCache
-
+def test_a_real_item_passes_with_its_grid_and_count(layout, photo_item, qwen2_vl_adapter):
     checked = layout.check(photo_item, InvalidRequest, "item")
     grid = tuple(photo_item["image_grid_thw"].data.tolist())
     assert checked.grid == grid and checked.num_placeholders == qwen2_vl_adapter.num_placeholders(grid)
-    assert checked.nbytes == MultiModalCache.get_item_size(photo_item) > 0
     assert photo_item["pixel_values"].data.dtype == torch.uint8
     # the float32 item of the same image has the same layout (pixel dtype follows the pixel mode)
     floats = replaced(photo_item, "pixel_values", photo_item["pixel_values"].data.float())

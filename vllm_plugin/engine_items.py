@@ -11,12 +11,15 @@ hash. The API process cannot ask the engine; it can know:
   API process's sender cache; ``is_cached_item`` is exact, and items sent through
   ``/inference/v1/generate`` never enter it.
 - **lru** (vLLM's default with one API server): every item reaches the engine through this API
-  process, either vLLM's own processing (mirrored by the sender cache, ``is_cached_item``) or this
-  route (:class:`EngineItems` mirrors those: same LRU class, capacity and size function as the
-  receiver cache, updated in the same order). An item the engine holds is in one of the two, so a
-  hash in neither is certainly absent. The converse is not exact (the receiver LRU also evicts for
-  items of the other path): a recorded item the engine has since evicted reaches the engine and
-  gets stock's answer (HTTP 500 "Internal server error", the engine keeps serving).
+  process: vLLM's own processing (its sender cache mirrors the receiver cache for those:
+  ``is_cached_item``) or this route (:class:`EngineItems` remembers every hash it sent with data,
+  up to :data:`SEEN_HASHES` of them). A hash in neither was never sent: the engine lacks it.
+
+Residuals (documented in docs/SECURITY.md): a remembered item the engine has since evicted reaches
+the engine and gets stock's answer (HTTP 500 "Internal server error"; the engine keeps serving);
+an item that reached the engine only through vLLM's own processing and that vLLM's sender cache
+has dropped while the engine still holds it is refused (vLLM's sender cache does not see this
+route's items, so it can evict earlier than the engine under mixed traffic).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-__all__ = ["CacheMode", "EngineItems", "RecordedItem"]
+__all__ = ["SEEN_HASHES", "CacheMode", "EngineItems", "RecordedItem"]
 
 
 class CacheMode(str, Enum):
@@ -60,43 +63,41 @@ class CacheMode(str, Enum):
 class RecordedItem:
     num_placeholders: int
     """Placeholder tokens the item takes (checked against a ``null`` slot's range)."""
-    nbytes: int
-    """Bytes the receiver cache counts for it."""
+
+
+SEEN_HASHES = 1 << 18
+"""Hashes :class:`EngineItems` remembers (least recently used forgotten first; ~80 MB at most).
+More than the engine's processor cache holds of real images (4 GiB by default: ~40k items of
+100 kB)."""
 
 
 class EngineItems:
-    """The items this route sent the engine with data, mirroring the engine's receiver cache.
+    """The items this route sent the engine with data, and what vLLM's sender cache holds.
 
     Args:
         sender_cache: vLLM's API-process processor cache (``renderer.mm_processor_cache``) or None.
-        capacity_bytes: the receiver cache's capacity (``--mm-processor-cache-gb`` in bytes).
     """
 
-    def __init__(self, sender_cache: Any, capacity_bytes: float) -> None:
+    def __init__(self, sender_cache: Any) -> None:
         from vllm.utils.cache import LRUCache
 
         self.mode = CacheMode.of(sender_cache)
         self.sender_cache = sender_cache
-        self._sent: LRUCache[str, RecordedItem] = LRUCache(capacity_bytes, getsizeof=lambda v: v.nbytes)
+        self._sent: LRUCache[str, RecordedItem] = LRUCache(SEEN_HASHES)
 
     def sent(self, mm_hash: str, item: RecordedItem) -> None:
-        """An item went to the engine with data: the receiver cache replaces its entry (pop, then
-        insert if it fits), and so does the record."""
+        """An item went to the engine with data (the engine caches it under ``mm_hash``)."""
         if self.mode is CacheMode.LRU:
-            self._sent.pop(mm_hash, None)
-            self._sent.put_if_fits(mm_hash, item)
+            self._sent.put(mm_hash, item)
 
     def lookup(self, mm_hash: str) -> tuple[bool, RecordedItem | None]:
         """Whether the engine may hold ``mm_hash``, and the recorded item if this route sent it.
 
-        ``(False, None)`` means the engine certainly lacks it (see the module doc); a found item
-        is touched, as the engine touches it when the slot reaches it.
+        ``(False, None)`` means the engine certainly lacks it (see the module doc).
         """
         if self.mode is CacheMode.UNKNOWN:
             return True, None
         if self.mode is CacheMode.NONE:
             return False, None
         recorded = self._sent.get(mm_hash) if self.mode is CacheMode.LRU else None
-        if recorded is not None:
-            return True, recorded
-        return bool(self.sender_cache.is_cached_item(mm_hash)), None
+        return recorded is not None or bool(self.sender_cache.is_cached_item(mm_hash)), recorded

@@ -25,7 +25,7 @@ from typing import Any
 from protocol.adapters import ImageAdapter
 from protocol.errors import MMRefError
 
-__all__ = ["CheckedItem", "ItemLayout", "decode_item", "encode_item", "engine_nbytes"]
+__all__ = ["CheckedItem", "ItemLayout", "decode_item", "encode_item"]
 
 _codecs = threading.local()
 
@@ -71,13 +71,6 @@ def decode_item(payload: bytes | str, error: type[MMRefError], what: str, ref: s
     return item
 
 
-def engine_nbytes(item: Any) -> int:
-    """Bytes the engine's processor cache counts for ``item`` (vLLM ``MultiModalCache.get_item_size``)."""
-    from vllm.multimodal.cache.base import MultiModalCache
-
-    return int(MultiModalCache.get_item_size(item))
-
-
 @dataclass(frozen=True)
 class CheckedItem:
     """What the plugin knows about one item once :meth:`ItemLayout.check` accepted it."""
@@ -85,8 +78,6 @@ class CheckedItem:
     grid: tuple[int, ...]
     num_placeholders: int
     """Placeholder tokens (embeddings) the item takes in the prompt."""
-    nbytes: int
-    """Engine cache bytes (:func:`engine_nbytes`)."""
 
 
 class ItemLayout:
@@ -169,7 +160,7 @@ class ItemLayout:
                     raise ValueError(f"field {key!r} rows {list(elem.data.shape)} do not fit {grid_field}")
         except (ValueError, TypeError, IndexError, RuntimeError) as e:
             raise error(f"{what}: {e}", ref=ref) from e
-        return CheckedItem(grid, self.adapter.num_placeholders(grid), engine_nbytes(item))
+        return CheckedItem(grid, self.adapter.num_placeholders(grid))
 
 
 def _is_flat(field: Any) -> bool:

@@ -31,7 +31,7 @@ from protocol.store import AssetStore
 from vllm_plugin import metrics
 from vllm_plugin.cache import ByteBudgetLRU
 from vllm_plugin.config import PluginConfig
-from vllm_plugin.items import ItemLayout, decode_item, encode_item, engine_nbytes
+from vllm_plugin.items import ItemLayout, decode_item, encode_item
 
 __all__ = ["ENGINE_HASH_PREFIX", "MMRefResolver", "ResolvedItem"]
 
@@ -53,8 +53,6 @@ class ResolvedItem:
     """vLLM's base64 msgpack ``MultiModalKwargsItem``."""
     grid: tuple[int, ...]
     num_placeholders: int
-    engine_nbytes: int
-    """Bytes vLLM's processor caches count for the item."""
 
     @property
     def nbytes(self) -> int:
@@ -165,7 +163,6 @@ class MMRefResolver:
             encoded=encode_item(item),
             grid=processed.grid,
             num_placeholders=processed.num_placeholders,
-            engine_nbytes=engine_nbytes(item),
         )
 
     def _resolve_file_sync(self, ref_ids: FileRef, ref: str) -> ResolvedItem:
@@ -205,5 +202,4 @@ class MMRefResolver:
             encoded=pybase64.b64encode(item_file.payload).decode("ascii"),
             grid=checked.grid,
             num_placeholders=checked.num_placeholders,
-            engine_nbytes=checked.nbytes,
         )

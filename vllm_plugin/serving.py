@@ -202,7 +202,7 @@ class MMRefServing:
                 slots[i], hashes[i], metadata[i] = result.encoded, result.engine_hash, None
                 sent.append((result.engine_hash, _recorded(result)))
             elif isinstance(result, CheckedItem):
-                sent.append((hashes[i], RecordedItem(result.num_placeholders, result.nbytes)))
+                sent.append((hashes[i], RecordedItem(result.num_placeholders)))
         return MultiModalFeatures(
             mm_hashes={m: hashes},
             mm_placeholders={m: ranges},
@@ -258,7 +258,7 @@ class MMRefServing:
         merged = MultiModalKwargsItem({**(item or {}), **(meta or {})})
         if item is None:  # metadata-only (encoder-cache transfer): only its grid and range are checked
             grid = tuple(int(g) for g in merged[self.adapter.grid_field].data.reshape(-1).tolist())
-            return CheckedItem(grid, self.adapter.num_placeholders(grid), 0)
+            return CheckedItem(grid, self.adapter.num_placeholders(grid))
         return self.resolver.layout.check(merged, InvalidRequest, where)
 
     @staticmethod
@@ -271,7 +271,7 @@ class MMRefServing:
 
 
 def _recorded(item: ResolvedItem) -> RecordedItem:
-    return RecordedItem(item.num_placeholders, item.engine_nbytes)
+    return RecordedItem(item.num_placeholders)
 
 
 def _check_declared(declared: RawMMRef, item: ResolvedItem) -> None:

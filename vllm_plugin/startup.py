@@ -49,8 +49,7 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
         device_normalize=bool(model_config.multimodal_config.mm_device_do_normalize),
         max_placeholders=_max_placeholders(mm_processor, adapter.vllm_modality),
     )
-    mm_config = model_config.multimodal_config
-    engine_items = EngineItems(renderer.mm_processor_cache, mm_config.mm_processor_cache_gb * (1 << 30))
+    engine_items = EngineItems(renderer.mm_processor_cache)
     body_limit = config.max_body_bytes or default_body_limit(
         max_model_len=model_config.max_model_len,
         bytes_per_placeholder=layout.float32_bytes_per_placeholder,
