@@ -293,16 +293,15 @@ def test_hostile_requests_get_stable_4xx_codes(server, bad, prompt):
             "JSON array body": (b"[1, 2, 3]", "application/json", STOCK),
             "malformed msgpack": (b"\xc1\xff\x00", "application/msgpack", "invalid_request"),
             "msgpack non-map": (msgspec.msgpack.encode([1, 2]), "application/msgpack", STOCK),
-            "nesting 1500 deep": (
-                b'{"token_ids": ' + b"[" * 1500 + b"]" * 1500 + b"}",
-                "application/json",
-                STOCK,
-            ),
             "no content type": (msgspec.json.encode(base), "", STOCK),
         }
         for name, (content, ctype, code) in raw_cases.items():
             r = c.post("/inference/v1/generate", content=content, headers={"content-type": ctype})
             check_error(r, 400, code, name)
+        # JSON nested deeper than the parser's recursion: FastAPI's own answer, as on stock
+        deep = b'{"token_ids": ' + b"[" * 1500 + b"]" * 1500 + b"}"
+        r = c.post("/inference/v1/generate", content=deep, headers={"content-type": "application/json"})
+        assert (r.status_code, r.json()) == (400, {"detail": "There was an error parsing the body"})
         # mm_metadata at a ref slot (vLLM merges it over the item) is dropped, never merged:
         # garbage there would otherwise fail vLLM's decoder or override the resolved tensors
         slot_body = {"token_ids": prompt, "sampling_params": GREEDY, "features": {

@@ -18,10 +18,11 @@ from http import HTTPStatus
 from typing import Any
 
 import msgspec
-from fastapi import APIRouter, FastAPI, HTTPException, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.utils.api_utils import load_aware_call, with_cancellation
 
@@ -139,7 +140,8 @@ def _decode_json(raw: bytearray) -> Any:
     except json.JSONDecodeError as e:
         error = {"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {}}
         raise RequestValidationError([{**error, "ctx": {"error": e.msg}}], body=e.doc) from e
-    except (UnicodeDecodeError, RecursionError) as e:  # FastAPI's answer to any other parse failure
+    except (UnicodeDecodeError, RecursionError) as e:  # FastAPI's answer to any other parse failure,
+        # raised as FastAPI raises it (Starlette's class: FastAPI's default handler, ``{"detail"}``)
         raise HTTPException(status_code=400, detail="There was an error parsing the body") from e
 
 
