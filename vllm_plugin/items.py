@@ -125,6 +125,24 @@ class ItemLayout:
                 _check_flat_span(cfg.field, batch[key], key)
         return items[modality][0]
 
+    def grid_of(
+        self, item: Any, error: type[MMRefError], what: str, ref: str | None = None
+    ) -> tuple[int, ...]:
+        """The item's grid: ``grid_len`` ints in ``1..2**20``, read without sizing anything.
+
+        Raises:
+            ``error``: no grid field, or not such ints.
+        """
+        grid_field = self.adapter.grid_field
+        try:
+            values = item[grid_field].data.reshape(-1)[: self.adapter.grid_len + 1].tolist()
+            grid = tuple(int(g) for g in values)
+            if len(grid) != self.adapter.grid_len or min(grid) < 1 or max(grid) >= 1 << 20:
+                raise ValueError(f"{grid_field} {list(grid)} is not {self.adapter.grid_len} ints in 1..2^20")
+        except (KeyError, ValueError, TypeError, RuntimeError) as e:
+            raise error(f"{what}: {e}", ref=ref) from e
+        return grid
+
     def check(self, item: Any, error: type[MMRefError], what: str, ref: str | None = None) -> CheckedItem:
         """Check ``item`` (a decoded ``MultiModalKwargsItem``) against the served layout.
 
@@ -148,12 +166,8 @@ class ItemLayout:
                 )
             if key != "pixel_values" and elem.data.dtype != dtype:
                 raise error(f"{what} field {key!r} is {elem.data.dtype}, not {dtype}", ref=ref)
+        grid = self.grid_of(item, error, what, ref)
         try:
-            grid = tuple(int(g) for g in item[grid_field].data.reshape(-1).tolist())
-            if len(grid) != self.adapter.grid_len or min(grid) < 1 or max(grid) >= 1 << 20:
-                raise ValueError(
-                    f"{grid_field} {list(grid)[:8]} is not {self.adapter.grid_len} ints in 1..2^20"
-                )
             rebuilt = self._rebuild({key: elem.field.reduce_data([elem]) for key, elem in item.items()})
             for key, elem in item.items():
                 if tuple(rebuilt[key].data.shape) != tuple(elem.data.shape):

@@ -179,8 +179,8 @@ class MMRefResolver:
         )
         what = f"feature payload ({self.adapter.family})"
         item = decode_item(item_file.payload, CorruptFeature, what, ref)
+        self.check_grid_bound(self.layout.grid_of(item, CorruptFeature, what, ref), ref)
         checked = self.layout.check(item, CorruptFeature, what, ref)
-        self.check_grid_bound(checked.grid, ref)
         want_dtype = "torch.uint8" if self.device_normalize else "torch.float32"
         pixels = item["pixel_values"].data
         if str(pixels.dtype) != want_dtype:

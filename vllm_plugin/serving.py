@@ -257,7 +257,7 @@ class MMRefServing:
         )
         merged = MultiModalKwargsItem({**(item or {}), **(meta or {})})
         if item is None:  # metadata-only (encoder-cache transfer): only its grid and range are checked
-            grid = tuple(int(g) for g in merged[self.adapter.grid_field].data.reshape(-1).tolist())
+            grid = self.resolver.layout.grid_of(merged, InvalidRequest, where)
             return CheckedItem(grid, self.adapter.num_placeholders(grid))
         return self.resolver.layout.check(merged, InvalidRequest, where)
 
