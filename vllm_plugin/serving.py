@@ -15,7 +15,8 @@ Differences from upstream ``vllm/entrypoints/scale_out/token_in_token_out/servin
   tokens only); inline items must have the served model's layout (``items.py``); a ``null`` slot
   the engine certainly lacks is a 404 (``engine_items.py``); a prompt with placeholder tokens and
   no image at all is a 422; a ``content_parts`` ``file://`` URL is refused when the server loads no
-  local files, and when it names something other than a regular file.
+  local files, and under ``--allowed-local-media-path`` when it names no file (stock: 500) or
+  something other than a regular file (a FIFO blocks vLLM's loader thread for good).
 - Placeholder tokens outside every range (e.g. a literal ``<|image_pad|>`` in user text beside a
   correctly ranged image) pass: vLLM merges embeddings by the ranges, not by token id.
 """
@@ -28,7 +29,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from protocol.errors import InvalidRequest, NotCached, PlaceholderMismatch
+from protocol.errors import AssetNotFound, InvalidRequest, NotCached, PlaceholderMismatch
 from protocol.placeholders import check_range, locate_image_runs
 from protocol.refs import RawRefBody, is_ref, parse_ref
 from protocol.structs import RawMMRef
@@ -135,11 +136,14 @@ class MMRefServing:
         try:
             spec = parse_url(url)
             path = Path(url2pathname((spec.netloc or "") + (spec.path or ""))).resolve()
-            if self.local_media not in path.parents:
-                return
+        except ValueError:
+            return  # unparsable: vLLM refuses it (400) as it does without the plugin
+        if self.local_media not in path.parents:
+            return  # vLLM refuses paths outside --allowed-local-media-path (400)
+        try:
             mode = os.stat(path).st_mode
-        except (OSError, ValueError):
-            return  # missing or unparsable: vLLM answers as it does without the plugin
+        except OSError as e:  # stock: a 500 from the FileNotFoundError
+            raise AssetNotFound("a content_parts file:// URL names no readable file") from e
         if not stat.S_ISREG(mode):
             raise InvalidRequest("a content_parts file:// URL names something other than a regular file")
 
