@@ -4,7 +4,8 @@
 lookup) is the only launch path that honours ``--api-server-count``. Each API process loads the
 entry point; vLLM then has no receiver cache in the engine (``processor_only``), so a ``null``
 slot can never be served and is refused. ``--allowed-local-media-path`` is passed here (and only
-when asked): a FIFO under it would block vLLM's loader thread for good, and is refused.
+when asked): a FIFO under it would block vLLM's loader thread for good, and is refused. A body
+over ``MMREF_MAX_BODY_BYTES`` is refused and logged.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
 GREEDY = {"temperature": 0, "max_tokens": 6, "logprobs": 0}
 PAD = 261
+BODY_LIMIT = 4 << 20
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +43,7 @@ def cli_server(qwen2_vl_dir, output_root, photo_refs, media, tmp_path_factory) -
         cli=True,
         allowed_local_media_path=media,
         extra_args=("--api-server-count", "2"),
+        extra_env={"MMREF_MAX_BODY_BYTES": str(BODY_LIMIT)},
     )
     try:
         warm_up(srv)
@@ -107,3 +110,15 @@ def test_null_slots_and_local_files(cli_server, media):
         served = c.post("/inference/v1/generate", json=content((media / "cat.jpg").as_uri()))
         assert served.status_code == 200, served.text
         assert c.get("/health").status_code == 200
+
+
+def test_a_body_over_the_limit_is_refused_and_logged(cli_server):
+    body = {"token_ids": [7] * 900_000, "sampling_params": GREEDY}  # 1.8-2.7 MB of JSON
+    with cli_server.client() as c:
+        r = c.post("/inference/v1/generate", json={**body, "token_ids": [7] * 2_500_000})
+        assert refusal(r) == (413, "asset_too_large")
+        assert (
+            c.post("/inference/v1/generate", json=body).status_code == 400
+        )  # within: stock's own refusal (too long)
+    assert f"request body: limit {BODY_LIMIT} bytes (MMREF_MAX_BODY_BYTES)" in cli_server.log()
+    assert f"body limit {BODY_LIMIT} bytes" in cli_server.log()

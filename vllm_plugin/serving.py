@@ -185,6 +185,8 @@ class MMRefServing:
         if other:
             raise InvalidRequest(f"features modalities {other[:4]} are not served; this server takes {m!r}")
         hashes = list(features.mm_hashes.get(m, ()))
+        if not hashes:
+            return features  # no items: vLLM's answer as is
         ranges = list(features.mm_placeholders.get(m, ()))
         slots = list((features.kwargs_data or {}).get(m) or [None] * len(hashes))
         metadata = list((features.mm_metadata or {}).get(m) or [None] * len(hashes))
