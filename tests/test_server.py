@@ -74,12 +74,13 @@ def tokens_and_logprobs(response) -> tuple[list[int], list[float]]:
     return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
 
 
-def test_entry_point_loads_and_overrides_the_core_route(server):
+def test_entry_point_loads_and_overrides_the_core_route(server, qwen2_vl_adapter):
     log = server.log()
     assert "Loaded endpoint plugin mmref" in log
     assert "Endpoint plugin overrides POST /inference/v1/generate" in log
     assert "mmref: serving refs for qwen2_vl" in log
-    assert "body limit 90527062 bytes, at most 64 placeholders per image, engine item cache lru" in log
+    most = qwen2_vl_adapter.grid_limits()[1]
+    assert f"body limit 90527062 bytes, grids of at most {most} patches, engine item cache lru" in log
     assert "mmref: routes attached (vLLM 0.32.0, supported >=0.32.0,<0.34)" in log
 
 

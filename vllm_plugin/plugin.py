@@ -80,13 +80,13 @@ class MMRefEndpointPlugin:
         resolver = serving.resolver
         logger.info(
             "mmref: serving refs for %s (fingerprint %s, %s pixels, backend %s) from %s; body limit %d "
-            "bytes, grids within %s, engine item cache %s",
+            "bytes, grids of at most %d patches, engine item cache %s",
             serving.adapter.family,
             serving.adapter.fingerprint,
             resolver.pixel_mode,
             serving.adapter.backend,
             serving.config.asset_root,
             serving.max_body_bytes,
-            serving.adapter.grid_limits(),
+            serving.adapter.grid_limits()[1],
             serving.engine_items.mode.value,
         )
