@@ -17,6 +17,7 @@ import pytest
 import torch
 from test_forward import Family, chat, reference_logprobs, run_packed, vllm_positions
 
+import trainer_lib.linear_attention as la
 from trainer_lib import (
     PackingUnsupported,
     build_position_ids,
@@ -223,3 +224,60 @@ def test_unknown_layer_kinds_are_refused():
     model.config.text_config.layer_types = ["mamba", *model.config.text_config.layer_types[1:]]
     with pytest.raises(PackingUnsupported, match=r"layer kinds \['mamba'\]"):
         prepare_model_for_packing(model)
+
+
+# --- GPU (skipped without CUDA; scripts/gpu_check.sh runs it with flash-linear-attention) ----------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _packed_and_alone(fam: Family, model, samples) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token logprobs of ``samples`` packed in one micro-batch, and of each sample packed alone."""
+    (mb,) = pack(fam, samples).micro_batches
+    m = materialize_micro_batch(mb, fam.adapter, fam.root)
+    packed = packed_logprobs(model, packed_inputs(m.packed, m.features, model)).logprobs
+    alone = []
+    for s in samples:
+        (one,) = pack(fam, [s]).micro_batches
+        mm = materialize_micro_batch(one, fam.adapter, fam.root)
+        alone.append(packed_logprobs(model, packed_inputs(mm.packed, mm.features, model)).logprobs)
+    return packed, torch.cat(alone)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("family", HYBRID)
+def test_gpu_fla_varlen_packed_matches_one_sample_at_a_time(families, family, monkeypatch):
+    """bf16 on CUDA: varlen attention + flash-linear-attention's varlen conv and delta rule, packed
+    vs each sample alone through the same kernels; the leak control runs FLA's kernels over the
+    whole row (no boundaries) and must be far off. Unverified until a GPU run records it."""
+    from transformers import AutoModelForImageTextToText
+
+    pytest.importorskip("fla", reason="flash-linear-attention (fla-core) not installed")
+    fam = families[family]
+    model = AutoModelForImageTextToText.from_pretrained(fam.dir, dtype=torch.bfloat16).cuda().eval()
+    backend = prepare_model_for_packing(model)
+    assert linear_attention_path(model) == FLA_VARLEN
+    samples = fam.samples()[:5]  # photos mixed with text-only samples, one micro-batch
+    with torch.no_grad():
+        packed, alone = _packed_and_alone(fam, model, samples)
+        worst = (packed - alone).abs().max().item()
+        base = la._fla_kernels()
+
+        def whole(cu: torch.Tensor) -> torch.Tensor:
+            return cu[[0, -1]]
+
+        monkeypatch.setattr(
+            la,
+            "_kernels",
+            lambda cls, path: la._Kernels(
+                lambda x, w, b, act, cu: base.conv(x, w, b, act, whole(cu)),
+                lambda q, k, v, g, beta, cu: base.rule(q, k, v, g, beta, whole(cu)),
+            ),
+        )
+        leaked = (_packed_and_alone(fam, model, samples)[0] - alone).abs().max().item()
+    print(
+        f"\n{family} {backend} + {FLA_VARLEN} bf16 on {torch.cuda.get_device_name()}: packed vs alone "
+        f"max |d| {worst:.2e}; FLA without boundaries (the leak) {leaked:.2e}"
+    )
+    assert worst <= 1e-2 and leaked > 10 * max(worst, 1e-3)

@@ -42,7 +42,7 @@ from trainer_lib.materialize import (
     materialize_micro_batch,
 )
 from trainer_lib.micro_batch import ImageSpan, PackedBatch, PackedMicroBatch, SampleSlot
-from trainer_lib.mismatch import MismatchStats, logprob_mismatch, recompute_logprobs
+from trainer_lib.mismatch import BF16_NOISE_FACTOR, MismatchStats, logprob_mismatch, recompute_logprobs
 from trainer_lib.model_inputs import PackedInputs, check_placeholder_alignment, packed_inputs
 from trainer_lib.packing import PackEntry, pack_samples, rebuild_micro_batch
 from trainer_lib.padding import make_pad_sample, pad_samples, padded_sample_count
@@ -51,6 +51,7 @@ from trainer_lib.positions import build_position_ids, cu_seqlens, mrope_position
 from trainer_lib.ranks import balance_micro_batches, split_micro_batches
 
 __all__ = [
+    "BF16_NOISE_FACTOR",
     "CU_SEQLENS_KWARG",
     "VARLEN_ATTENTION",
     "ForwardResult",
