@@ -13,7 +13,8 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
 - :func:`packed_inputs`, :func:`check_placeholder_alignment` — model inputs and the tripwire
   (:mod:`trainer_lib.model_inputs`).
 - :func:`prepare_model_for_packing` — attention backends (:mod:`trainer_lib.attention`) and, for
-  hybrid models, the linear-attention path (:mod:`trainer_lib.linear_attention`).
+  hybrid models, the linear-attention path (:mod:`trainer_lib.linear_attention`,
+  :func:`linear_attention_path` reports it).
 - :func:`packed_logprobs` — the packed forward (:mod:`trainer_lib.forward`).
 - :func:`fail_fast`, :func:`check_all_ranks` — rank-wide errors (:mod:`trainer_lib.distributed`).
 - :func:`recompute_logprobs`, :func:`logprob_mismatch` — trainer vs inference (:mod:`trainer_lib.mismatch`).

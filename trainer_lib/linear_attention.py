@@ -24,8 +24,10 @@ Paths (:func:`linear_attention_path` reports the installed one, like the attenti
   in backward takes the same path).
 - ``"fla_varlen"`` (CUDA): flash-linear-attention's varlen kernels,
   ``fla.modules.convolution.causal_conv1d(..., cu_seqlens=)`` and
-  ``fla.ops.gated_delta_rule.chunk_gated_delta_rule(..., cu_seqlens=)`` (PyPI
-  ``flash-linear-attention`` / ``fla-core``, Triton). Not run on this project's CPU machines.
+  ``fla.ops.gated_delta_rule.chunk_gated_delta_rule(..., cu_seqlens=)`` (PyPI ``fla-core``,
+  also pulled in by ``flash-linear-attention``; Triton; written against 0.6.0, where
+  ``fla.modules.convolution`` is the alias of ``fla.modules.causal_conv1d``). Unverified: not run
+  on this project's CPU machines, and no GPU run recorded yet (docs/PACKING.md §9).
 
 Both paths compute the layer as ``Qwen3_5GatedDeltaNet.forward`` does without a cache
 (transformers ``models/qwen3_5/modeling_qwen3_5.py``, mirrored by :func:`_gated_delta_net`; the
