@@ -3,6 +3,8 @@ counts, the pad rule of vision slots, the micro-batch floor and the token-spread
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -254,9 +256,13 @@ def test_balanced_plans_build_runnable_aligned_micro_batches(bench_balance, seed
         adapter=pack._QwenCounts(),
         cost_model=cm,
     )
+    total = len(samples) + plan.num_padding_samples
+    assert total % math.lcm(dp, mbs) == 0 and len(plan.mini_batches) == total // mbs  # divisibility
     seen = []
     for ranks in plan.mini_batches:
         assert len(ranks) == dp and len({r.num_micro_batches for r in ranks}) == 1
+        indexed = [s.index for r in ranks for mb in r.micro_batches for s in mb.slots if s.index is not None]
+        assert len(indexed) == mbs  # the mini-batch's samples and sample-count pads, each once
         for k in range(ranks[0].num_micro_batches):
             assert len({r.micro_batches[k].has_pixels for r in ranks}) == 1
         for r in ranks:
