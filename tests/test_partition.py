@@ -1,5 +1,7 @@
-"""trainer_lib.partition: balanced data-parallel slots (every sample once, isolation, equal slot
-counts, the pad rule of vision slots, the micro-batch floor and the token-spread guarantee)."""
+"""trainer_lib.partition and trainer_lib.cost: balanced data-parallel slots (every sample once,
+isolation, equal slot counts, the pad rule of vision slots, the micro-batch floor, the token-spread
+guarantee, the long-sample slots), the FLOP cost model and the sync-idle measure; and the same
+through plan_step on bench/pack.py's mix."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_errors import _isort_style_key, _public_top_level_names
 
-from trainer_lib import partition
-from trainer_lib.packing import NEUTRAL, PIXELS, STRAY
-from trainer_lib.partition import CostModel, min_micro_batches, partition_mini_batch, sync_idle
+from trainer_lib import cost, partition
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY
+from trainer_lib.cost import CostModel, sync_idle
+from trainer_lib.partition import min_micro_batches, partition_mini_batch
+from trainer_lib.plan import plan_step
 
 
 def slot_spread(part, k: int) -> int:
@@ -31,30 +35,47 @@ def mini_batches(draw, max_size: int = 80):
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(batch=mini_batches(), dp=st.integers(1, 6), reserve=st.sampled_from([0, 0, 3, 6]))
-def test_partition_rules(batch, dp, reserve):
+@given(
+    batch=mini_batches(),
+    dp=st.integers(1, 6),
+    reserve=st.sampled_from([0, 0, 3, 6]),
+    stretch=st.booleans(),
+)
+def test_partition_rules(batch, dp, reserve, stretch):
     lengths, keys, kinds, vision, cap = batch
     part = partition_mini_batch(
-        lengths, dp_size=dp, cap=cap, keys=keys, kinds=kinds, vision_cost=vision, reserve=reserve
+        lengths,
+        dp_size=dp,
+        cap=cap,
+        keys=keys,
+        kinds=kinds,
+        vision_cost=vision,
+        reserve=reserve,
+        stretch_cap=stretch,
     )
+    reserve = reserve if dp > 1 else 0  # one rank: nothing to align, no pad
     m = part.num_micro_batches
     assert len(part.ranks) == len(part.tokens) == dp
     assert all(len(row) == m for row in part.ranks) and all(len(row) == m for row in part.tokens)
     seen = sorted(i for row in part.ranks for b in row for i in b)
     assert seen == list(range(len(lengths)))  # every sample exactly once
-    for r, row in enumerate(part.ranks):
-        for k, b in enumerate(row):
+    for k in range(m):
+        longest = max(lengths[i] for row in part.ranks for i in row[k])
+        room = max(cap, longest) if stretch else cap  # stretched: up to the slot's longest sample
+        for r, row in enumerate(part.ranks):
+            b = row[k]
             assert b == sorted(b) and part.tokens[r][k] == sum(lengths[i] for i in b)
             assert len({keys[i] for i in b}) <= 1  # isolation
             has = {kinds[i] for i in b}
             assert not has >= {PIXELS, STRAY}
-            assert part.tokens[r][k] <= cap or len(b) == 1  # the cap, unless one long sample
+            assert part.tokens[r][k] <= room or len(b) == 1  # the cap, unless one long sample
             if part.slot_has_pixels[k]:  # the vision tower runs on every rank
                 assert STRAY not in has
-                assert PIXELS in has or part.tokens[r][k] + reserve <= cap  # room for the image pad
+                assert PIXELS in has or part.tokens[r][k] + reserve <= room  # room for the image pad
             else:
                 assert PIXELS not in has
-    assert m >= min_micro_batches(lengths, dp_size=dp, cap=cap, kinds=kinds, reserve=reserve)
+    if not stretch:
+        assert m >= min_micro_batches(lengths, dp_size=dp, cap=cap, kinds=kinds, reserve=reserve)
     assert m == 0 or any(part.ranks[r][-1] for r in range(dp))  # no slot of pads alone at the end
     # the guarantee that always holds: ranks differ by at most the largest spread inside a slot
     spread = max(part.rank_tokens) - min(part.rank_tokens)
@@ -147,13 +168,17 @@ def test_bad_arguments_are_refused():
 
 
 def test_sync_idle_counts_each_stage_at_its_slowest_rank():
-    assert sync_idle([[4, 4], [4, 4]]) == 0.0
-    assert sync_idle([[4], [2]]) == pytest.approx(1 - 6 / 8)
+    assert sync_idle([[[4, 4], [4, 4]]]) == 0.0
+    assert sync_idle([[[4], [2]]]) == pytest.approx(1 - 6 / 8)
     # two stages: vision 2 vs 0 and language 1 vs 3 -> waits 2*2 + 2*3 = 10 for 6 of work
-    assert sync_idle([[2], [0]], [[1], [3]]) == pytest.approx(1 - 6 / 10)
-    assert sync_idle([[], []]) == 0.0
+    assert sync_idle([[[2], [0]], [[1], [3]]]) == pytest.approx(1 - 6 / 10)
+    # pads take time but do no work: 4 + 0 of work, the slot lasts 2 + 3 on rank 1
+    assert sync_idle([[[4], [2]]], [[[0], [3]]]) == pytest.approx(1 - 6 / 10)
+    assert sync_idle([[[], []]]) == 0.0
     with pytest.raises(ValueError, match="slot counts"):
-        sync_idle([[1, 2], [1]])
+        sync_idle([[[1, 2], [1]]])
+    with pytest.raises(ValueError, match="slot counts"):
+        sync_idle([[[1], [1]]], [[[1], [1, 2]]])
 
 
 def test_cost_model_of_qwen2_vl_2b_from_its_published_shapes():
@@ -215,15 +240,16 @@ def test_cost_model_names_the_supported_families():
 
 
 @pytest.fixture(scope="module")
-def bench_balance():
-    """``bench/balance.py`` (its ``plan_step_balanced`` is the planned ``plan_step`` integration) and
-    ``bench/pack.py`` (the mix)."""
+def bench_mix():
+    """``bench/pack.py``: the realistic mix and its Qwen2-VL placeholder arithmetic."""
     import importlib
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    return importlib.import_module("balance"), importlib.import_module("pack")
+    pack = importlib.import_module("pack")
+    models = importlib.import_module("_models")
+    return pack, CostModel.from_config(models.qwen2_vl_2b_config())
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -231,21 +257,23 @@ def bench_balance():
     seed=st.integers(0, 10_000),
     dp=st.integers(1, 4),
     mbs=st.sampled_from([3, 8, 16]),
-    cap=st.sampled_from([4096, 16384]),
+    cap=st.sampled_from([2048, 4096, 16384]),
+    stretch=st.booleans(),
 )
-def test_balanced_plans_build_runnable_aligned_micro_batches(bench_balance, seed, dp, mbs, cap):
-    """Partition + the existing ``build_micro_batch`` and pads: every sample once, the same slot
-    count on every rank, the vision tower on every rank or none in each slot, the cap kept."""
+def test_plan_step_on_the_bench_mix(bench_mix, seed, dp, mbs, cap, stretch):
+    """plan_step with a cost model on real-shaped samples (images of 64..1296 tokens, a stray
+    placeholder next to them): every sample once, divisibility, the same slot count on every rank,
+    the vision tower on every rank or none in each slot, the cap (or the slot's longest sample)
+    kept, the rank totals within the largest slot spread, and the reports add up."""
     import numpy as np
 
-    balance, pack = bench_balance
+    pack, cm = bench_mix
     samples = pack.make_step(np.random.default_rng(seed), prompts=3, rollouts=4)
-    samples[1] = balance.TrainingSample(  # a stray placeholder in text, next to images
+    samples[1] = pack.TrainingSample(  # a stray placeholder in text, next to images
         input_ids=[5, pack.TOK, 6, 7], loss_mask=[False, False, True, True], advantages=[0.5] * 4,
         inference_logprobs=[-1.0] * 4, run_id="run_1",
     )  # fmt: skip
-    cm = CostModel.from_config(balance.qwen2_vl_2b_config())
-    plan = balance.plan_step_balanced(
+    plan = plan_step(
         samples,
         dp_size=dp,
         mini_batch_size=mbs,
@@ -255,23 +283,54 @@ def test_balanced_plans_build_runnable_aligned_micro_batches(bench_balance, seed
         pad_token_id=pack.PAD,
         adapter=pack._QwenCounts(),
         cost_model=cm,
+        stretch_cap=stretch,
     )
     total = len(samples) + plan.num_padding_samples
     assert total % math.lcm(dp, mbs) == 0 and len(plan.mini_batches) == total // mbs  # divisibility
     seen = []
-    for ranks in plan.mini_batches:
+    for ranks, loads in zip(plan.mini_batches, plan.rank_loads, strict=True):
         assert len(ranks) == dp and len({r.num_micro_batches for r in ranks}) == 1
-        indexed = [s.index for r in ranks for mb in r.micro_batches for s in mb.slots if s.index is not None]
-        assert len(indexed) == mbs  # the mini-batch's samples and sample-count pads, each once
-        for k in range(ranks[0].num_micro_batches):
-            assert len({r.micro_batches[k].has_pixels for r in ranks}) == 1
-        for r in ranks:
-            for mb in r.micro_batches:
-                assert mb.num_tokens <= cap or mb.num_real_samples == 1
+        indexed = [s.sample_index for r in ranks for mb in r.micro_batches for s in mb.slots]
+        assert len([i for i in indexed if i is not None]) == mbs  # samples and sample-count pads, once
+        slots = list(zip(*(r.micro_batches for r in ranks), strict=True))
+        for column in slots:
+            assert len({mb.has_pixels for mb in column}) == 1
+            longest = max(s.length for mb in column for s in mb.slots if s.sample_index is not None)
+            room = max(cap, longest) if stretch else cap
+            for mb in column:
+                assert mb.num_tokens <= room or mb.sample_count == 1
                 assert not (mb.has_pixels and any(s.stray_placeholders for s in mb.slots))
-                seen += [s.index for s in mb.slots if s.index is not None and not s.is_padding]
+        work = [[sum(s.length for s in mb.slots if s.sample_index is not None) for mb in c] for c in slots]
+        spread = [max(c) - min(c) for c in work]
+        rank_work = [sum(c[r] for c in work) for r in range(dp)]
+        assert max(rank_work) - min(rank_work) <= max(spread)  # (G1)
+        for share, load in zip(ranks, loads, strict=True):
+            assert load.micro_batches == share.num_micro_batches and load.tokens == share.num_tokens
+            assert load.loss_tokens == share.num_loss_tokens
+            assert load.vision_tokens == sum(
+                im.length for mb in share.micro_batches for im in mb.images if im.ref is not None
+            )
+            seen += [s.sample_index for mb in share.micro_batches for s in mb.slots if not s.is_padding]
     assert sorted(seen) == list(range(len(samples)))
     assert plan.num_loss_tokens == sum(sum(s.loss_mask) for s in samples)
+    assert 0.0 <= plan.sync_idle() < 1.0 and 0.0 <= plan.sync_idle(cm) < 1.0
+
+
+def test_long_samples_share_a_slot_and_stretching_fills_it():
+    """Two 1500-token samples above a 1000-token cap run alone: they share one slot, whose other
+    bins hold at most the cap; with stretch_cap they take up to 1500 tokens instead of idling."""
+    lengths = [1500, 1500] + [500] * 12
+    strict = partition_mini_batch(lengths, dp_size=4, cap=1000)
+    assert sorted(row[0] for row in strict.tokens) == [1000, 1000, 1500, 1500]
+    assert strict.num_micro_batches == 2
+    stretched = partition_mini_batch(lengths, dp_size=4, cap=1000, stretch_cap=True)
+    assert [row[0] for row in stretched.tokens] == [1500] * 4
+    assert stretched.num_micro_batches == 2  # 6 x 500 left for 4 ranks: LPT, spread one sample
+    assert sorted(row[1] for row in stretched.tokens) == [500, 500, 1000, 1000]
+
+
+def test_cost_modules_are_documented_in_all():
+    assert cost.__all__ == sorted(cost.__all__, key=_isort_style_key)
 
 
 def test_dunder_all_sorted_and_complete():

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NEUTRAL", "PIXELS", "STRAY", "bin_capacity", "plan_bins", "spread_bins"]
+__all__ = ["NEUTRAL", "PIXELS", "STRAY", "bin_capacity", "plan_bins"]
 
 NEUTRAL, PIXELS, STRAY = 0, 1, 2
 """Bin-compatibility classes: text without placeholder tokens joins any bin; a sample with
@@ -64,8 +64,45 @@ def plan_bins(
     out: list[list[int]] = []
     for members in groups.values():
         order = sorted(members, key=lambda i: -lengths_list[i])  # stable: ties keep input order
-        out.extend(sorted(b) for b in _first_fit(order, lengths_list, kinds_list, cap))
+        few = sum(lengths_list[i] for i in members) <= _SCAN_BINS * cap
+        fit = _first_fit_scan if few else _first_fit
+        out.extend(sorted(b) for b in fit(order, lengths_list, kinds_list, cap))
     return out
+
+
+_SCAN_BINS = 192
+"""Below about this many bins a plain scan of the open bins beats one numpy search per item
+(measured: 256 samples, ~36 bins: 4x faster; 1024 samples at cap 8k, ~290 bins: 0.8x)."""
+
+
+def _first_fit_scan(order: list[int], lengths: list[int], kinds: list[int], cap: int) -> list[list[int]]:
+    """:func:`_first_fit` by scanning the bins in creation order (same result, no numpy)."""
+    bins: list[list[int]] = []
+    rooms: list[int] = []
+    holds: list[int] = []  # per bin: PIXELS or STRAY once it holds one, else NEUTRAL
+    smallest = lengths[order[-1]] if order else 0
+    first = 0  # bins before this one have no room for any item left
+    for i in order:
+        size, kind = lengths[i], kinds[i]
+        clash = STRAY if kind == PIXELS else PIXELS if kind == STRAY else -1
+        while first < len(rooms) and rooms[first] < smallest:
+            first += 1
+        j = -1
+        if size <= cap:
+            for b in range(first, len(rooms)):
+                if rooms[b] >= size and holds[b] != clash:
+                    j = b
+                    break
+        if j < 0:
+            bins.append([i])
+            rooms.append(cap - size if size <= cap else -1)  # an oversized item closes its bin
+            holds.append(kind)
+        else:
+            bins[j].append(i)
+            rooms[j] -= size
+            if kind != NEUTRAL:
+                holds[j] = kind
+    return bins
 
 
 def _first_fit(order: list[int], lengths: list[int], kinds: list[int], cap: int) -> list[list[int]]:
@@ -109,21 +146,3 @@ def _first_fit(order: list[int], lengths: list[int], kinds: list[int], cap: int)
             has_stray[j] = True
             room[PIXELS][j] = -1
     return bins
-
-
-def spread_bins(
-    lengths: list[int], cap: int, keys: list[Any], kinds: list[int], target: int
-) -> list[list[int]] | None:
-    """FFD bins at the smallest bin size in ``[total / target, cap]`` that needs ``<= target`` bins
-    (binary search; FFD's count is almost monotonic in the size, the result is checked)."""
-    fitting = [n for n in lengths if n <= cap]
-    lo = max([-(-sum(fitting) // target), *fitting], default=1)
-    hi, best = cap, None
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        bins = plan_bins(lengths, mid, keys=keys, kinds=kinds)
-        if len(bins) <= target:
-            best, hi = bins, mid - 1
-        else:
-            lo = mid + 1
-    return best

@@ -1,4 +1,4 @@
-"""Balanced data-parallel micro-batches: every rank gets the same slots with the same work (docs/BALANCE.md).
+"""Balanced data-parallel micro-batches: every rank, the same slots, the same work (docs/PACKING.md §3).
 
 :func:`partition_mini_batch` takes one mini-batch's sample lengths (with their isolation keys, bin
 kinds and vision-tower costs) and returns, for every data-parallel rank, the sample indices of each
@@ -21,7 +21,7 @@ gathered layer by layer), so the slowest rank of a slot sets its pace. The algor
    smallest samples (LPT cannot balance around it).
 4. **Deal.** Slot by slot, the bin with the most tokens goes to the rank with the fewest so far.
 
-Guarantee (proof in docs/BALANCE.md): rank token totals differ by at most the largest token spread
+Guarantee (proof in docs/PACKING.md §3): rank token totals differ by at most the largest token spread
 inside one slot. With one isolation key, no sample above the cap and a last slot holding at most
 ``dp * (cap - largest sample)`` tokens, every slot's spread, hence the ranks' spread, is at most
 the largest sample. verl balances whole-rank token totals with Karmarkar-Karp and packs each rank's
@@ -35,93 +35,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from trainer_lib.packing import NEUTRAL, PIXELS, STRAY, plan_bins
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, plan_bins
 
-__all__ = ["CostModel", "DpPartition", "min_micro_batches", "partition_mini_batch", "sync_idle"]
+__all__ = ["DpPartition", "min_micro_batches", "partition_mini_batch"]
 
 _VISION, _TEXT, _EITHER = 0, 1, 2
 """Where a sample may go: vision slots only (pixels), text slots only, either (plain text)."""
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Forward FLOPs of one sample; backward is ~2x forward for every term, so ratios hold.
-
-    language model: ``llm_per_token * n + llm_per_token_sq * n**2`` for an ``n``-token sample
-    (linear layers + LM head; causal attention); vision tower, per image of ``v`` placeholder
-    tokens: ``vision_per_token * v + vision_per_token_sq * v**2`` (linear layers; full attention
-    over the image's patches). Units: FLOPs (multiply-add = 2).
-    """
-
-    llm_per_token: float
-    llm_per_token_sq: float
-    vision_per_token: float = 0.0
-    vision_per_token_sq: float = 0.0
-
-    def language(self, num_tokens: int) -> float:
-        """FLOPs of the language model (and LM head) for one ``num_tokens``-token sample."""
-        return self.llm_per_token * num_tokens + self.llm_per_token_sq * num_tokens**2
-
-    def vision(self, image_tokens: Sequence[int]) -> float:
-        """FLOPs of the vision tower for one sample's images (placeholder tokens per image)."""
-        return sum(self.vision_per_token * v + self.vision_per_token_sq * v * v for v in image_tokens)
-
-    @classmethod
-    def from_config(cls, config: Any) -> CostModel:
-        """Coefficients from a Qwen2-VL / Qwen2.5-VL / Qwen3-VL config (``text_config``, ``vision_config``).
-
-        Per layer and token: projections ``2*d*(2*H*hd + 2*kv*hd)``, gated MLP ``6*d*I``; causal
-        attention ``2*H*hd*n**2`` per sample; LM head ``2*d*vocab`` (Kaplan et al. 2020, Table 1;
-        Narayanan et al. 2021, §5.1). Vision, per patch (``merge**2`` per placeholder token): qkv+proj
-        ``8*E**2``, MLP ``2*m*E*I_v`` (``m`` matrices: 3 when gated, Qwen2.5-VL), attention
-        ``4*E*p**2`` per ``p``-patch image (Qwen2.5-VL: ``fullatt_block_indexes`` layers; windowed
-        ones count as linear), patch embedding, merger(s). ValueError for another vision family.
-        """
-        t, v = config.text_config, config.vision_config
-        d, heads = t.hidden_size, t.num_attention_heads
-        hd = getattr(t, "head_dim", None) or d // heads
-        proj = 2 * d * (2 * heads * hd + 2 * t.num_key_value_heads * hd) + 6 * d * t.intermediate_size
-        llm = t.num_hidden_layers * proj + 2 * d * t.vocab_size
-        llm_sq = t.num_hidden_layers * 2 * heads * hd
-        kind = v.model_type.removesuffix("_vision")
-        if kind == "qwen2_vl":
-            width, inner, matrices, out, mergers = v.embed_dim, v.embed_dim * v.mlp_ratio, 2, v.hidden_size, 1
-        elif kind in ("qwen2_5_vl", "qwen3_vl"):
-            width, inner, out = v.hidden_size, v.intermediate_size, v.out_hidden_size
-            matrices = 3 if kind == "qwen2_5_vl" else 2
-            mergers = 1 + len(getattr(v, "deepstack_visual_indexes", None) or ())
-        else:
-            raise ValueError(
-                f"no cost model for vision config {v.model_type!r}; supported: qwen2_vl, qwen2_5_vl, qwen3_vl"
-            )
-        merge = v.spatial_merge_size**2
-        full = v.depth if kind != "qwen2_5_vl" else len(v.fullatt_block_indexes)
-        window = (v.window_size // v.patch_size) ** 2 if kind == "qwen2_5_vl" else 0
-        per_patch = v.depth * (8 * width**2 + 2 * matrices * width * inner)
-        per_patch += (v.depth - full) * 4 * width * window
-        per_patch += 2 * v.in_channels * v.temporal_patch_size * v.patch_size**2 * width
-        per_token = merge * per_patch + mergers * 2 * (merge * width) * (merge * width + out)
-        return cls(llm, llm_sq, per_token, full * 4 * width * merge**2)
-
-
-def sync_idle(*stages: Sequence[Sequence[float]]) -> float:
-    """``1 - work / (dp * sum over stages and slots of the slowest rank's cost)``: the idle share.
-
-    ``stages``: one ``[rank][slot]`` cost table per synchronous stage (tokens alone, as
-    ``bench/pack.py`` counts; or vision-tower and language-model FLOPs, which FSDP gathers layer by
-    layer, so each waits for its own slowest rank). 0.0 without work; ValueError when ranks have
-    different slot counts.
-    """
-    busy = peak = 0.0
-    for table in stages:
-        if len({len(row) for row in table}) > 1:
-            raise ValueError(f"ranks have different slot counts: {[len(row) for row in table]}")
-        for column in zip(*table, strict=True):
-            busy += sum(column)
-            peak += len(column) * max(column)
-    return 1.0 - busy / peak if peak else 0.0
 
 
 @dataclass(frozen=True)
@@ -164,7 +84,9 @@ def min_micro_batches(
     """
     keys = [None] * len(lengths) if keys is None else keys
     kinds = [NEUTRAL] * len(lengths) if kinds is None else kinds
-    return _floor(lengths, keys, _places(lengths, kinds, cap, reserve), dp_size, cap, reserve)
+    reserve = reserve if dp_size > 1 else 0  # one rank: no slot to align, no pad to make room for
+    place = _places(lengths, kinds, cap, reserve)
+    return _floor(range(len(lengths)), lengths, keys, place, dp_size, cap, reserve)
 
 
 def partition_mini_batch(
@@ -176,6 +98,7 @@ def partition_mini_batch(
     kinds: Sequence[int] | None = None,
     vision_cost: Sequence[float] | None = None,
     reserve: int = 0,
+    stretch_cap: bool = False,
 ) -> DpPartition:
     """Deal one mini-batch's samples to ``dp_size`` ranks as equal-count, equal-work micro-batches.
 
@@ -189,6 +112,9 @@ def partition_mini_batch(
             placeholder counts); groups the vision slots. Default: all equal.
         reserve: tokens a vision-slot bin keeps free for a multimodal pad (``[pad] +
             placeholders + [pad]`` of the minimal grid: 6 for Qwen2-VL).
+        stretch_cap: in a slot holding samples above the cap, fill the other bins up to the
+            slot's longest sample instead of the cap (no bin then exceeds the longest sample of
+            the mini-batch).
 
     Returns:
         A :class:`DpPartition` in which every sample index appears exactly once.
@@ -207,23 +133,65 @@ def partition_mini_batch(
         raise ValueError(f"{n} lengths but {len(keys)} keys, {len(kinds)} kinds, {len(weight)} vision costs")
     if (n and min(lengths) < 1) or not set(kinds) <= {NEUTRAL, PIXELS, STRAY}:
         raise ValueError("every length must be >= 1 and every kind NEUTRAL, PIXELS or STRAY")
+    if dp_size == 1:  # nothing to align: first-fit-decreasing is the plan
+        bins = plan_bins(lengths, cap, keys=keys, kinds=kinds)
+        slots = [[(sum(lengths[i] for i in b), b)] for b in bins]
+        return _deal(slots, kinds, 1)
+    place = _places(lengths, kinds, cap, reserve) if PIXELS in kinds else [_EITHER] * n
+    long_slots, rest = _long_slots(lengths, keys, kinds, place, cap, reserve, dp_size, stretch_cap)
     if PIXELS not in kinds:
-        return _deal(_section(list(range(n)), lengths, keys, kinds, cap, dp_size, weight), kinds, dp_size)
-    place = _places(lengths, kinds, cap, reserve)
-    vision = [i for i in range(n) if place[i] == _VISION]
-    text = [i for i in range(n) if place[i] == _TEXT]
-    free = [i for i in range(n) if place[i] == _EITHER]
+        return _deal(long_slots + _section(rest, lengths, keys, kinds, cap, dp_size, weight), kinds, dp_size)
+    vision = [i for i in rest if place[i] == _VISION]
+    text = [i for i in rest if place[i] == _TEXT]
+    free = [i for i in rest if place[i] == _EITHER]
     text_slots: list[list[tuple[int, list[int]]]] = []
     if text:
-        target = min(cap, sum(lengths) / (dp_size * _floor(lengths, keys, place, dp_size, cap, reserve)))
+        floor = _floor(rest, lengths, keys, place, dp_size, cap, reserve)
+        target = min(cap, sum(lengths[i] for i in rest) / (dp_size * max(floor, 1)))
         x = _slots_needed(text, lengths, keys, cap, dp_size)
         while (dealt := _lpt(text, lengths, keys, x * dp_size, cap, free, target)) is None:
             x += 1
         bins, free = dealt
         text_slots = _slots(_sized(bins, lengths), [], x, dp_size)
     vision += free
-    slots = _section(vision, lengths, keys, kinds, cap - reserve, dp_size, weight) + text_slots
+    slots = long_slots + _section(vision, lengths, keys, kinds, cap - reserve, dp_size, weight) + text_slots
     return _deal(slots, kinds, dp_size)
+
+
+def _long_slots(
+    lengths: Sequence[int],
+    keys: Sequence[Hashable],
+    kinds: Sequence[int],
+    place: Sequence[int],
+    cap: int,
+    reserve: int,
+    dp: int,
+    stretch: bool,
+) -> tuple[list[list[tuple[int, list[int]]]], list[int]]:
+    """Slots for the samples above the cap (they run alone): per side (with pixels, without),
+    largest first, ``dp`` to a slot; the other bins of the slot are filled, largest sample first,
+    up to the cap (``stretch``: up to the slot's longest sample). Returns the slots and the
+    samples left for the sections."""
+    n = len(lengths)
+    used: set[int] = set()
+    slots = []
+    for pixels in (True, False):
+        over = sorted(
+            (i for i in range(n) if lengths[i] > cap and (kinds[i] == PIXELS) == pixels),
+            key=lambda i: -lengths[i],
+        )
+        ok = (_VISION, _EITHER) if pixels else (_TEXT, _EITHER)
+        for c in range(0, len(over), dp):
+            group = over[c : c + dp]
+            room = (lengths[group[0]] if stretch else cap) - (reserve if pixels else 0)
+            pool = [i for i in range(n) if i not in used and lengths[i] <= cap and place[i] in ok]
+            pool = [i for i in pool if kinds[i] != STRAY or not pixels]
+            dealt = _lpt(group, lengths, keys, dp, max(room, lengths[group[0]]), pool, room)
+            if dealt is None:
+                return slots, [i for i in range(n) if i not in used]
+            slots.append(_sized(dealt[0], lengths) + [(0, [])] * (dp - len(dealt[0])))
+            used.update(i for b in dealt[0] for i in b)
+    return slots, [i for i in range(n) if i not in used]
 
 
 def _places(lengths: Sequence[int], kinds: Sequence[int], cap: int, reserve: int) -> list[int]:
@@ -248,12 +216,18 @@ def _slots_needed(
 
 
 def _floor(
-    lengths: Sequence[int], keys: Sequence[Hashable], place: Sequence[int], dp: int, cap: int, reserve: int
+    items: Sequence[int],
+    lengths: Sequence[int],
+    keys: Sequence[Hashable],
+    place: Sequence[int],
+    dp: int,
+    cap: int,
+    reserve: int,
 ) -> int:
-    """:func:`min_micro_batches` from the samples' places."""
-    total = _slots_needed(range(len(lengths)), lengths, keys, cap, dp)
-    pix = [i for i, p in enumerate(place) if p == _VISION]
-    text = [i for i, p in enumerate(place) if p == _TEXT]
+    """:func:`min_micro_batches` of ``items`` from the samples' places."""
+    total = _slots_needed(items, lengths, keys, cap, dp)
+    pix = [i for i in items if place[i] == _VISION]
+    text = [i for i in items if place[i] == _TEXT]
     split = _slots_needed(pix, lengths, keys, cap - reserve, dp) + _slots_needed(text, lengths, keys, cap, dp)
     return max(total, split) if pix else total
 
