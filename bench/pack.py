@@ -138,7 +138,18 @@ DP = [
     ("dp 8, mini-batch 1024, cap 16k", {}, 1024, SEQ_LEN),
     ("dp 8, mini-batch 256, cap 16k, 4 LoRAs", {"lora_ids": ("a", "b", "c", "d")}, 256, SEQ_LEN),
 ]
-PLANS = {"today": plan_today, "verl KK": plan_verl, "balanced": plan_step}
+PLANS = {
+    "today": (plan_today, {}),
+    "verl KK": (plan_verl, {}),
+    "balanced": (plan_step, {}),
+    "balanced, stretch_cap": (plan_step, {"stretch_cap": True}),
+}
+"""Name: (plan function, its options). The balanced plans also get the cost model."""
+
+
+def plans_for(cap: int) -> list[str]:
+    """The plans of a scenario: ``stretch_cap`` only changes a plan when a sample exceeds the cap."""
+    return [name for name in PLANS if cap < SEQ_LEN or "stretch" not in name]
 
 
 def run_single(rng, mix: dict, cap: int, steps: int, repeats: int, prompts: int) -> tuple:
@@ -224,19 +235,21 @@ def plan_rate(name: str, inputs: list[tuple], dp: int, cap: int, repeats: int) -
                 )
 
     def balanced() -> None:
+        stretch = "stretch" in name
         for lengths, keys, kinds, vision in inputs:
             partition_mini_batch(
-                lengths, dp_size=dp, cap=cap, keys=keys, kinds=kinds, vision_cost=vision, reserve=RESERVE
-            )
+                lengths, dp_size=dp, cap=cap, keys=keys, kinds=kinds, vision_cost=vision, reserve=RESERVE,
+                stretch_cap=stretch,
+            )  # fmt: skip
 
-    fn = {"today": today, "verl KK": verl, "balanced": balanced}[name]
+    fn = {"today": today, "verl KK": verl}.get(name, balanced)
     return n / timeit(fn, repeat=repeats * 3).best
 
 
 def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
     out = {
         name: {"m": [], "real": 0, "cap": 0, "pad": 0, "all": 0, "idle": [], "flop": [], "plan": [], "ms": []}
-        for name in PLANS
+        for name in plans_for(cap)
     }
     out["floor"] = {"m": [], "waste": [], "idle": []}
     kwargs = {"dp_size": 8, "mini_batch_size": mbs, "seq_len": SEQ_LEN, "micro_batch_max_tokens": cap}
@@ -244,10 +257,10 @@ def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
     for _ in range(args.steps):
         samples = make_step(rng, **{"prompts": args.prompts, **mix})
         inputs = mini_batch_inputs(samples, 8, mbs, cm)
-        for name, fn in PLANS.items():
-            run = functools.partial(
-                fn, samples, **kwargs, **({"cost_model": cm} if name == "balanced" else {})
-            )
+        for name in plans_for(cap):
+            fn, options = PLANS[name]
+            balanced = {"cost_model": cm} if name.startswith("balanced") else {}
+            run = functools.partial(fn, samples, **kwargs, **options, **balanced)
             plan, r = run(), out[name]
             shares = [s for ranks in plan.mini_batches for s in ranks]
             r["m"] += [ranks[0].num_micro_batches for ranks in plan.mini_batches]
@@ -266,9 +279,10 @@ def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
     return out
 
 
-def target_rows(name: str, r: dict) -> list[tuple]:
-    """The issue's targets for the balanced plan, each with its floor."""
-    b, f = r["balanced"], r["floor"]
+def target_rows(name: str, plan: str, r: dict) -> list[tuple]:
+    """The issue's targets for a balanced plan, each with its floor (under the cap)."""
+    b, f = r[plan], r["floor"]
+    name = f"{name}, {plan}"
     waste, idle = 1 - b["real"] / b["cap"], float(np.mean(b["idle"]))
     waste_floor, idle_floor = float(np.mean(f["waste"])), float(np.mean(f["idle"]))
     compute, rate = b["pad"] / b["all"], float(np.median(b["plan"]))
@@ -346,7 +360,7 @@ def main() -> None:
     for name, mix, mbs, cap in DP:
         r = run_dp(rng, mix, mbs, cap, cm, args)
         f = r["floor"]
-        for plan in PLANS:
+        for plan in plans_for(cap):
             p = r[plan]
             rows.append((
                 name, plan, f"{np.mean(p['m']):.2f} ({np.mean(f['m']):.2f})",
@@ -355,7 +369,12 @@ def main() -> None:
                 f"{np.median(p['plan']):,.0f}", f"{np.median(p['ms']):.0f}",
             ))  # fmt: skip
         if mbs == 256 and "LoRA" not in name:
-            targets += target_rows(name, r)
+            targets += [
+                row
+                for plan in plans_for(cap)
+                if plan.startswith("balanced")
+                for row in target_rows(name, plan, r)
+            ]
     header = ("scenario", "plan", "micro-batches/rank (floor)", "waste, capacity (floor)", "waste, compute")
     header += ("sync idle (floor)", "FLOP idle", "plan samples/s", "plan_step ms/1024")
     print_table(

@@ -5,7 +5,7 @@
 # Then one device `run` with carry [".whl", ".cache/tiny_models"]: `bash scripts/gpu_check.sh`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PKGS=(msgspec pydantic pydantic_core pydantic-settings annotated-types typing-inspection python-dotenv typing_extensions)
+PKGS=(msgspec pydantic pydantic_core pydantic-settings annotated-types typing-inspection python-dotenv typing_extensions prometheus_client)
 mkdir -p .whl
 for p in "${PKGS[@]}"; do
   v=$(.venv/bin/python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from test_errors import _isort_style_key, _public_top_level_names
 
 from trainer_lib import cost, partition
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, lpt_bins
 from trainer_lib.cost import CostModel, sync_idle
 from trainer_lib.partition import min_micro_batches, partition_mini_batch
 from trainer_lib.plan import plan_step
@@ -103,6 +103,17 @@ def test_one_key_spread_is_at_most_the_largest_sample(cap, data, dp, stray):
     if last <= dp * (cap - largest):
         assert slot_spread(part, m - 1) <= largest
         assert max(part.rank_tokens) - min(part.rank_tokens) <= largest
+
+
+def test_lpt_bins_fills_the_least_loaded_bin_and_skips_what_no_longer_fits():
+    lengths = [5, 4, 3, 3, 1]
+    keys = [None] * 5
+    # needed: 5 | 4; optional, largest first, only within 7: 3 -> the 4-bin (7); the next 3 fits
+    # no bin any more (least load 5), the 1 joins the 5-bin
+    bins, left = lpt_bins([0, 1], lengths, keys, 2, 10, optional=[2, 3, 4], target=7)
+    assert bins == [[0, 4], [1, 2]] and left == [3]
+    assert lpt_bins([0, 1, 2], [8, 8, 8], keys[:3], 2, 10) is None  # 8 + 8 > 10 in one bin
+    assert lpt_bins([0, 1], lengths, ["a", "b", None, None, None], 1, 10) is None  # two keys, one bin
 
 
 def test_equal_samples_fill_every_slot_exactly():

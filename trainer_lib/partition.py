@@ -6,37 +6,37 @@ of its ``M`` micro-batches. ``M`` is the same on every rank, and micro-batch ``k
 holds nearly the same tokens on every rank: with FSDP every slot is synchronous (parameters are
 gathered layer by layer), so the slowest rank of a slot sets its pace. The algorithm:
 
+0. **Long slots.** Samples above the cap run alone; per side (with images, without) they are
+   grouped largest first, ``dp`` to a slot, and the slot's other bins are filled by LPT up to the
+   cap (``stretch_cap``: up to the slot's longest sample).
 1. **Sections.** With images, a slot runs the vision tower on every rank or on none. Samples with
    pixels go to *vision* slots; stray-placeholder text, and text within ``reserve`` tokens of the
    cap (no room for an image pad), to *text* slots, topped up with plain text (LPT, up to the
    expected fill). Other text joins the vision slots, whose bins keep ``reserve`` tokens free for
-   the multimodal pad a bin without images gets there.
-2. **Head.** A section is packed first-fit-decreasing (:func:`trainer_lib.packing.plan_bins`:
-   isolation keys and kinds respected). Every FFD bin but the last of its key holds more than
-   ``cap - largest sample`` tokens; whole slots of these full bins form the head, grouped by
-   descending vision cost so that the vision tower's work is balanced inside each slot too.
-3. **Tail.** The other bins' samples are re-dealt, largest first, to the least-loaded of ``dp``
-   bins per remaining slot (LPT, Graham 1969), per key; if that overflows a bin, FFD's are kept.
-   A tail sample larger than the tail's mean bin first trades its bin for the head bin of the
-   smallest samples (LPT cannot balance around it).
+   the synthetic-image pad a bin without images gets there.
+2. **Head.** A section is packed first-fit-decreasing (:func:`~trainer_lib.bins.plan_bins`).
+   Every FFD bin but the last of its key holds more than ``cap - largest sample`` tokens; whole
+   slots of these full bins form the head, grouped by descending vision cost.
+3. **Tail.** The other bins' samples are re-dealt to ``dp`` bins per remaining slot by LPT
+   (:func:`~trainer_lib.bins.lpt_bins`); if that overflows a bin, FFD's are kept. A tail sample
+   larger than the tail's mean bin first trades its bin for the head bin of the smallest samples.
 4. **Deal.** Slot by slot, the bin with the most tokens goes to the rank with the fewest so far.
 
-Guarantee (proof in docs/PACKING.md §3): rank token totals differ by at most the largest token spread
-inside one slot. With one isolation key, no sample above the cap and a last slot holding at most
-``dp * (cap - largest sample)`` tokens, every slot's spread, hence the ranks' spread, is at most
-the largest sample. verl balances whole-rank token totals with Karmarkar-Karp and packs each rank's
-share afterwards (``verl/utils/seqlen_balancing.py``: ``get_seqlen_balanced_partitions``,
+Guarantees (proofs in docs/PACKING.md §3): (G1) rank token totals differ by at most the largest
+token spread inside one slot; (G2) with one isolation key, no image, no sample above the cap and a
+last slot of at most ``dp * (cap - largest sample)`` tokens, every slot's spread, hence the ranks',
+is at most the largest sample. verl balances whole-rank token totals with Karmarkar-Karp and packs
+each rank's share afterwards (``verl/utils/seqlen_balancing.py``: ``get_seqlen_balanced_partitions``,
 ``rearrange_micro_batches``); here the slots, the points every rank waits at, are balanced.
-Pure Python on top of the existing packer; no torch.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, plan_bins
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
 
 __all__ = ["DpPartition", "min_micro_batches", "partition_mini_batch"]
 
@@ -149,7 +149,7 @@ def partition_mini_batch(
         floor = _floor(rest, lengths, keys, place, dp_size, cap, reserve)
         target = min(cap, sum(lengths[i] for i in rest) / (dp_size * max(floor, 1)))
         x = _slots_needed(text, lengths, keys, cap, dp_size)
-        while (dealt := _lpt(text, lengths, keys, x * dp_size, cap, free, target)) is None:
+        while (dealt := lpt_bins(text, lengths, keys, x * dp_size, cap, free, target)) is None:
             x += 1
         bins, free = dealt
         text_slots = _slots(_sized(bins, lengths), [], x, dp_size)
@@ -173,24 +173,29 @@ def _long_slots(
     up to the cap (``stretch``: up to the slot's longest sample). Returns the slots and the
     samples left for the sections."""
     n = len(lengths)
+    over_all = [i for i in range(n) if lengths[i] > cap]
+    if not over_all:
+        return [], list(range(n))
+    length = lengths.__getitem__
     used: set[int] = set()
     slots = []
     for pixels in (True, False):
-        over = sorted(
-            (i for i in range(n) if lengths[i] > cap and (kinds[i] == PIXELS) == pixels),
-            key=lambda i: -lengths[i],
-        )
+        over = sorted((i for i in over_all if (kinds[i] == PIXELS) == pixels), key=length, reverse=True)
         ok = (_VISION, _EITHER) if pixels else (_TEXT, _EITHER)
+        pool = [
+            i
+            for i in range(n)
+            if lengths[i] <= cap and place[i] in ok and not (pixels and kinds[i] == STRAY) and i not in used
+        ]
         for c in range(0, len(over), dp):
             group = over[c : c + dp]
             room = (lengths[group[0]] if stretch else cap) - (reserve if pixels else 0)
-            pool = [i for i in range(n) if i not in used and lengths[i] <= cap and place[i] in ok]
-            pool = [i for i in pool if kinds[i] != STRAY or not pixels]
-            dealt = _lpt(group, lengths, keys, dp, max(room, lengths[group[0]]), pool, room)
+            dealt = lpt_bins(group, lengths, keys, dp, max(room, lengths[group[0]]), pool, room)
             if dealt is None:
                 return slots, [i for i in range(n) if i not in used]
-            slots.append(_sized(dealt[0], lengths) + [(0, [])] * (dp - len(dealt[0])))
-            used.update(i for b in dealt[0] for i in b)
+            bins, pool = dealt
+            slots.append(_sized(bins, lengths) + [(0, [])] * (dp - len(bins)))
+            used.update(i for b in bins for i in b)
     return slots, [i for i in range(n) if i not in used]
 
 
@@ -232,61 +237,10 @@ def _floor(
     return max(total, split) if pix else total
 
 
-def _lpt(
-    items: list[int],
-    lengths: Sequence[int],
-    keys: Sequence[Hashable],
-    nbins: int,
-    cap: int,
-    optional: Sequence[int] = (),
-    target: float = 0.0,
-) -> tuple[list[list[int]], list[int]] | None:
-    """``items`` largest first into the least-loaded of ``nbins`` bins of their key (LPT).
-
-    Then ``optional`` samples, largest first, join only where the bin stays within ``target``
-    tokens; the others come back as leftovers. Bins per key: one for each key with
-    ``items``, then each next bin to the key with the most tokens per bin (at most one bin per
-    sample). A sample above ``cap`` takes an empty bin and closes it. None: an item did not fit.
-    """
-    need = set(items)
-    members: dict[Hashable, list[int]] = {}
-    for i in [*sorted(items, key=lambda i: -lengths[i]), *sorted(optional, key=lambda i: -lengths[i])]:
-        members.setdefault(keys[i], []).append(i)
-    total = {k: sum(lengths[i] for i in group) for k, group in members.items()}
-    alloc = {k: int(not need.isdisjoint(group)) for k, group in members.items()}
-    if sum(alloc.values()) > nbins:
-        return None
-    queue = [(-total[k] / (a or 0.5), n, k) for n, (k, a) in enumerate(alloc.items()) if len(members[k]) > a]
-    heapq.heapify(queue)
-    for _ in range(nbins - sum(alloc.values())):
-        if not queue:
-            break
-        _, n, k = heapq.heappop(queue)
-        alloc[k] += 1
-        if len(members[k]) > alloc[k]:
-            heapq.heappush(queue, (-total[k] / alloc[k], n, k))
-    out: list[list[int]] = []
-    left: list[int] = []
-    for k, group in members.items():
-        heap = [(0, len(out) + j) for j in range(alloc[k])]
-        out.extend([] for _ in range(alloc[k]))
-        for i in group:
-            n = lengths[i]
-            if i not in need and (not heap or heap[0][0] + n > target):
-                left.append(i)
-                continue
-            if not heap or (heap[0][0] + n > cap and out[heap[0][1]]):
-                return None
-            load, b = heapq.heappop(heap)
-            out[b].append(i)
-            if load + n <= cap:
-                heapq.heappush(heap, (load + n, b))
-    return out, left
-
-
 def _sized(bins: list[list[int]], lengths: Sequence[int]) -> list[tuple[int, list[int]]]:
     """``(tokens, bin)`` pairs, most tokens first."""
-    return sorted(((sum(lengths[i] for i in b), b) for b in bins), key=lambda x: -x[0])
+    length = lengths.__getitem__
+    return sorted(((sum(map(length, b)), b) for b in bins), key=itemgetter(0), reverse=True)
 
 
 def _slots(
@@ -319,13 +273,16 @@ def _section(
     head_slots = min(len(full) // dp, num_slots)
     head = full[: head_slots * dp]
     tail = _sized([*(b for _, b in full[head_slots * dp :]), *(bins[j] for j in last.values())], lengths)
-    largest = max((lengths[i] for i in items if lengths[i] <= cap), default=0)
+    largest = max(map(lengths.__getitem__, items))
+    if largest > cap:  # a sample above the cap runs alone: the largest one that shares counts
+        largest = max((lengths[i] for i in items if lengths[i] <= cap), default=0)
     _swap_big_samples_out(head, tail, (num_slots - head_slots) * dp, cap - largest, lengths)
     if tail and (
-        dealt := _lpt([i for _, b in tail for i in b], lengths, keys, (num_slots - head_slots) * dp, cap)
+        dealt := lpt_bins([i for _, b in tail for i in b], lengths, keys, (num_slots - head_slots) * dp, cap)
     ):
         tail = _sized(dealt[0], lengths)
-    head.sort(key=lambda x: (-max(x[0] - cap, 0), -sum(weight[i] for i in x[1])))  # oversized bins first
+    cost = weight.__getitem__
+    head.sort(key=lambda x: (-max(x[0] - cap, 0), -sum(map(cost, x[1]))))  # oversized bins first
     return _slots(head, tail, num_slots, dp)
 
 
@@ -339,10 +296,10 @@ def _swap_big_samples_out(
     """While the tail's largest sample exceeds its mean bin (LPT could not balance around it), swap
     that sample's bin into the head for the head bin of the smallest samples. Head bins stay above
     ``full`` tokens."""
-    biggest = [max(lengths[i] for i in b) for _, b in head]
+    biggest = [max(map(lengths.__getitem__, b)) for _, b in head]
     for _ in range(len(tail)):
         j, big = max(
-            ((j, max(lengths[i] for i in b)) for j, (_, b) in enumerate(tail) if b),
+            ((j, max(map(lengths.__getitem__, b))) for j, (_, b) in enumerate(tail) if b),
             key=lambda x: x[1],
             default=(0, 0),
         )
@@ -362,8 +319,8 @@ def _deal(slots: list[list[tuple[int, list[int]]]], kinds: Sequence[int], dp: in
     tokens: list[list[int]] = [[] for _ in range(dp)]
     total = [0] * dp
     for slot in slots:
-        order = sorted(range(dp), key=lambda r: (total[r], r))
-        for (load, b), r in zip(sorted(slot, key=lambda x: -x[0]), order, strict=True):
+        order = sorted(range(dp), key=total.__getitem__)  # stable: ties to the lower rank
+        for (load, b), r in zip(sorted(slot, key=itemgetter(0), reverse=True), order, strict=True):
             ranks[r].append(sorted(b))
             tokens[r].append(load)
             total[r] += load
