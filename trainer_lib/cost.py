@@ -1,4 +1,4 @@
-"""What a sample costs the model, and what an unbalanced plan costs in waiting (docs/PACKING.md §4).
+"""What a sample costs the model, and what an unbalanced plan costs in waiting (docs/PACKING.md §3.4).
 
 :class:`CostModel` counts forward FLOPs of the language model and the vision tower from a Qwen-VL
 config (backward is ~2x forward for every term, so shares hold); :func:`sync_idle` turns

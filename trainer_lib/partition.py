@@ -6,9 +6,10 @@ of its ``M`` micro-batches. ``M`` is the same on every rank, and micro-batch ``k
 holds nearly the same tokens on every rank: with FSDP every slot is synchronous (parameters are
 gathered layer by layer), so the slowest rank of a slot sets its pace. The algorithm:
 
-0. **Long slots.** Samples above the cap run alone; per side (with images, without) they are
-   grouped largest first, ``dp`` to a slot, and the slot's other bins are filled by LPT up to the
-   cap (``stretch_cap``: up to the slot's longest sample).
+0. **Long slots** (``stretch_cap`` only). Samples above the cap run alone; per side (with images,
+   without) they are grouped largest first, ``dp`` to a slot, and the slot's other bins are
+   filled by LPT up to the slot's longest sample. Without it, the long samples' FFD bins lead the
+   head of their section (step 2), so they share slots with the fullest bins.
 1. **Sections.** With images, a slot runs the vision tower on every rank or on none. Samples with
    pixels go to *vision* slots; stray-placeholder text, and text within ``reserve`` tokens of the
    cap (no room for an image pad), to *text* slots, topped up with plain text (LPT, up to the
@@ -112,9 +113,9 @@ def partition_mini_batch(
             placeholder counts); groups the vision slots. Default: all equal.
         reserve: tokens a vision-slot bin keeps free for a multimodal pad (``[pad] +
             placeholders + [pad]`` of the minimal grid: 6 for Qwen2-VL).
-        stretch_cap: in a slot holding samples above the cap, fill the other bins up to the
-            slot's longest sample instead of the cap (no bin then exceeds the longest sample of
-            the mini-batch).
+        stretch_cap: group the samples above the cap into slots of their own first and fill the
+            other bins of such a slot up to its longest sample instead of the cap (no bin then
+            exceeds the longest sample of the mini-batch).
 
     Returns:
         A :class:`DpPartition` in which every sample index appears exactly once.
@@ -138,7 +139,11 @@ def partition_mini_batch(
         slots = [[(sum(lengths[i] for i in b), b)] for b in bins]
         return _deal(slots, kinds, 1)
     place = _places(lengths, kinds, cap, reserve) if PIXELS in kinds else [_EITHER] * n
-    long_slots, rest = _long_slots(lengths, keys, kinds, place, cap, reserve, dp_size, stretch_cap)
+    long_slots, rest = (
+        _long_slots(lengths, keys, kinds, place, cap, reserve, dp_size)
+        if stretch_cap
+        else ([], list(range(n)))
+    )
     if PIXELS not in kinds:
         return _deal(long_slots + _section(rest, lengths, keys, kinds, cap, dp_size, weight), kinds, dp_size)
     vision = [i for i in rest if place[i] == _VISION]
@@ -166,12 +171,10 @@ def _long_slots(
     cap: int,
     reserve: int,
     dp: int,
-    stretch: bool,
 ) -> tuple[list[list[tuple[int, list[int]]]], list[int]]:
-    """Slots for the samples above the cap (they run alone): per side (with pixels, without),
-    largest first, ``dp`` to a slot; the other bins of the slot are filled, largest sample first,
-    up to the cap (``stretch``: up to the slot's longest sample). Returns the slots and the
-    samples left for the sections."""
+    """``stretch_cap``'s slots for the samples above the cap: per side (with pixels, without),
+    largest first, ``dp`` to a slot, the slot's other bins filled by LPT up to its longest sample
+    (less ``reserve`` on the vision side). Returns the slots and the samples left for the sections."""
     n = len(lengths)
     over_all = [i for i in range(n) if lengths[i] > cap]
     if not over_all:
@@ -189,7 +192,7 @@ def _long_slots(
         ]
         for c in range(0, len(over), dp):
             group = over[c : c + dp]
-            room = (lengths[group[0]] if stretch else cap) - (reserve if pixels else 0)
+            room = lengths[group[0]] - (reserve if pixels else 0)
             dealt = lpt_bins(group, lengths, keys, dp, max(room, lengths[group[0]]), pool, room)
             if dealt is None:
                 return slots, [i for i in range(n) if i not in used]
