@@ -6,10 +6,9 @@ of its ``M`` micro-batches. ``M`` is the same on every rank, and micro-batch ``k
 holds nearly the same tokens on every rank: with FSDP every slot is synchronous (parameters are
 gathered layer by layer), so the slowest rank of a slot sets its pace. The algorithm:
 
-0. **Long slots** (``stretch_cap`` only). Samples above the cap run alone; per side (with images,
-   without) they are grouped largest first, ``dp`` to a slot, and the slot's other bins are
-   filled by LPT up to the slot's longest sample. Without it, the long samples' FFD bins lead the
-   head of their section (step 2), so they share slots with the fullest bins.
+0. **Long slots.** Samples above the cap run alone; per side (with images, without) they are
+   grouped largest first, ``dp`` to a slot, and the slot's other bins are filled by LPT up to the
+   cap (``stretch_cap``: up to the slot's longest sample).
 1. **Sections.** With images, a slot runs the vision tower on every rank or on none. Samples with
    pixels go to *vision* slots; stray-placeholder text, and text within ``reserve`` tokens of the
    cap (no room for an image pad), to *text* slots, topped up with plain text (LPT, up to the
@@ -51,7 +50,8 @@ class DpPartition:
 
     Every rank has the same slot count; an empty list is a slot that rank fills with a pad
     micro-batch. ``slot_has_pixels[k]``: slot ``k`` runs the vision tower on every rank, so a bin
-    there without images gets a multimodal pad (vision-section bins keep ``reserve`` tokens free).
+    there without images gets a synthetic-image pad (vision-section bins keep ``reserve`` tokens
+    free).
     """
 
     ranks: list[list[list[int]]]
@@ -108,11 +108,11 @@ def partition_mini_batch(
         dp_size: data-parallel ranks.
         cap: micro-batch token cap (``micro_batch_max_tokens``); a longer sample runs alone.
         keys: isolation key per sample (``(run_id, lora_id)``); keys never share a micro-batch.
-        kinds: :data:`~trainer_lib.packing.NEUTRAL`, ``PIXELS`` or ``STRAY`` per sample.
+        kinds: :data:`~trainer_lib.bins.NEUTRAL`, ``PIXELS`` or ``STRAY`` per sample.
         vision_cost: vision-tower work per sample, any unit (``CostModel.vision`` of its images'
             placeholder counts); groups the vision slots. Default: all equal.
-        reserve: tokens a vision-slot bin keeps free for a multimodal pad (``[pad] +
-            placeholders + [pad]`` of the minimal grid: 6 for Qwen2-VL).
+        reserve: tokens a vision-slot bin keeps free for a synthetic-image pad (``[pad] +
+            placeholders + [pad]`` of the smallest grid: 6 for Qwen2-VL).
         stretch_cap: group the samples above the cap into slots of their own first and fill the
             other bins of such a slot up to its longest sample instead of the cap (no bin then
             exceeds the longest sample of the mini-batch).
@@ -139,28 +139,38 @@ def partition_mini_batch(
         slots = [[(sum(lengths[i] for i in b), b)] for b in bins]
         return _deal(slots, kinds, 1)
     place = _places(lengths, kinds, cap, reserve) if PIXELS in kinds else [_EITHER] * n
-    long_slots, rest = (
-        _long_slots(lengths, keys, kinds, place, cap, reserve, dp_size)
-        if stretch_cap
-        else ([], list(range(n)))
-    )
+    long_slots, rest = _long_slots(lengths, keys, kinds, place, cap, reserve, dp_size, stretch_cap)
     if PIXELS not in kinds:
         return _deal(long_slots + _section(rest, lengths, keys, kinds, cap, dp_size, weight), kinds, dp_size)
-    vision = [i for i in rest if place[i] == _VISION]
-    text = [i for i in rest if place[i] == _TEXT]
-    free = [i for i in rest if place[i] == _EITHER]
-    text_slots: list[list[tuple[int, list[int]]]] = []
-    if text:
-        floor = _floor(rest, lengths, keys, place, dp_size, cap, reserve)
-        target = min(cap, sum(lengths[i] for i in rest) / (dp_size * max(floor, 1)))
-        x = _slots_needed(text, lengths, keys, cap, dp_size)
-        while (dealt := lpt_bins(text, lengths, keys, x * dp_size, cap, free, target)) is None:
-            x += 1
-        bins, free = dealt
-        text_slots = _slots(_sized(bins, lengths), [], x, dp_size)
-    vision += free
+    text_slots, free = _text_slots(rest, lengths, keys, place, cap, reserve, dp_size)
+    vision = [i for i in rest if place[i] == _VISION] + free
     slots = long_slots + _section(vision, lengths, keys, kinds, cap - reserve, dp_size, weight) + text_slots
     return _deal(slots, kinds, dp_size)
+
+
+def _text_slots(
+    items: list[int],
+    lengths: Sequence[int],
+    keys: Sequence[Hashable],
+    place: Sequence[int],
+    cap: int,
+    reserve: int,
+    dp: int,
+) -> tuple[list[list[tuple[int, list[int]]]], list[int]]:
+    """Step 1's text slots: the samples that must not meet the vision tower, LPT into the fewest
+    slots that hold them, topped up with plain text up to the mini-batch's expected fill. Returns
+    the slots and the plain text left for the vision slots."""
+    text = [i for i in items if place[i] == _TEXT]
+    free = [i for i in items if place[i] == _EITHER]
+    if not text:
+        return [], free
+    floor = _floor(items, lengths, keys, place, dp, cap, reserve)
+    target = min(cap, sum(lengths[i] for i in items) / (dp * max(floor, 1)))
+    x = _slots_needed(text, lengths, keys, cap, dp)
+    while (dealt := lpt_bins(text, lengths, keys, x * dp, cap, free, target)) is None:
+        x += 1
+    bins, free = dealt
+    return _slots(_sized(bins, lengths), [], x, dp), free
 
 
 def _long_slots(
@@ -171,10 +181,12 @@ def _long_slots(
     cap: int,
     reserve: int,
     dp: int,
+    stretch: bool,
 ) -> tuple[list[list[tuple[int, list[int]]]], list[int]]:
-    """``stretch_cap``'s slots for the samples above the cap: per side (with pixels, without),
-    largest first, ``dp`` to a slot, the slot's other bins filled by LPT up to its longest sample
-    (less ``reserve`` on the vision side). Returns the slots and the samples left for the sections."""
+    """Slots for the samples above the cap (they run alone): per side (with pixels, without),
+    largest first, ``dp`` to a slot; the slot's other bins are filled by LPT up to the cap
+    (``stretch``: up to the slot's longest sample), less ``reserve`` on the vision side. Returns
+    the slots and the samples left for the sections."""
     n = len(lengths)
     over_all = [i for i in range(n) if lengths[i] > cap]
     if not over_all:
@@ -192,7 +204,7 @@ def _long_slots(
         ]
         for c in range(0, len(over), dp):
             group = over[c : c + dp]
-            room = lengths[group[0]] - (reserve if pixels else 0)
+            room = (lengths[group[0]] if stretch else cap) - (reserve if pixels else 0)
             dealt = lpt_bins(group, lengths, keys, dp, max(room, lengths[group[0]]), pool, room)
             if dealt is None:
                 return slots, [i for i in range(n) if i not in used]
