@@ -66,10 +66,14 @@ TEXT = "Describe the picture."
 
 
 def build_resolver(model: Path, *, device_normalize: bool):
-    """The plugin's resolver, built in process the way ``plugin.init_state`` builds it."""
+    """The plugin's serving object (its resolver at ``.resolver``), built in process the way
+    ``vllm_plugin.startup.build_serving`` builds it (no engine: ``null`` slots pass, nothing serves)."""
     from protocol.adapters import adapter_class
     from vllm_plugin.config import PluginConfig
-    from vllm_plugin.serving import MMRefResolver
+    from vllm_plugin.engine_items import EngineItems
+    from vllm_plugin.items import ItemLayout
+    from vllm_plugin.resolver import MMRefResolver
+    from vllm_plugin.serving import MMRefServing
 
     mc, proc = vllm_processor(model, device_normalize=device_normalize)
     hf_config = mc.hf_config
@@ -78,21 +82,38 @@ def build_resolver(model: Path, *, device_normalize: bool):
     resolver = MMRefResolver(
         adapter,
         PluginConfig(asset_root=BENCH_OUTPUTS),
-        fields_config=lambda hf_inputs: proc._get_mm_fields_config(hf_inputs, {}),
+        layout=ItemLayout(adapter, lambda hf_inputs: proc._get_mm_fields_config(hf_inputs, {})),
         device_normalize=bool(mc.multimodal_config.mm_device_do_normalize),
-        placeholder_token_id=adapter.placeholder_token_id(hf_config),
     )
-    return resolver, mc, proc
+    serving = MMRefServing(
+        resolver,
+        EngineItems(object()),
+        placeholder_token_id=adapter.placeholder_token_id(hf_config),
+        serving_tokens=None,
+        allowed_local_media_path=None,
+        ec_transfer=False,
+        max_body_bytes=1 << 30,
+    )
+    return serving, mc, proc
+
+
+async def fill_features(serving, body: dict):
+    """What the route does to a body before vLLM's ``serve_tokens``: validate, check, resolve."""
+    from vllm_plugin.api_router import parse_request
+
+    request, _ = await serving.prepare(parse_request({"sampling_params": {}, **body}))
+    return request
 
 
 def part_a(model: Path) -> list[tuple]:
     from protocol.adapters import offload_image
     from protocol.placeholders import expand_image_placeholders
 
-    resolver, _, _ = build_resolver(model, device_normalize=True)
+    serving, _, _ = build_resolver(model, device_normalize=True)
+    resolver = serving.resolver
     refs = [offload_image(jpeg, bench_asset_root(), resolver.adapter) for jpeg in unique_photos(8)]
     n = 20000
-    pad = resolver.placeholder_token_id
+    pad = serving.placeholder_token_id
     one = expand_image_placeholders([1, 2, pad, 3], refs[:1], pad)
     eight = expand_image_placeholders([1, *([pad, 7] * GROUP), 3], refs, pad)
 
@@ -107,11 +128,11 @@ def part_a(model: Path) -> list[tuple]:
             hit.append((time.perf_counter() - t0) / n)
             t0 = time.perf_counter()
             for _ in range(n // 20):
-                await resolver.fill_features({"token_ids": one, "mm_refs": [refs[0].ref]})
+                await fill_features(serving, {"token_ids": one, "mm_refs": [refs[0].ref]})
             fill1.append((time.perf_counter() - t0) / (n // 20))
             t0 = time.perf_counter()
             for _ in range(n // 100):
-                await resolver.fill_features({"token_ids": eight, "mm_refs": [r.ref for r in refs]})
+                await fill_features(serving, {"token_ids": eight, "mm_refs": [r.ref for r in refs]})
             fill8.append((time.perf_counter() - t0) / (n // 100) / GROUP)
         return hit, fill1, fill8
 
@@ -119,7 +140,7 @@ def part_a(model: Path) -> list[tuple]:
     assert resolver.cache.stats.misses == len(refs), resolver.cache.stats
     h = statistics.median(hit)
     return [
-        *_per_request_hit_rows(resolver, refs[0], one, model),
+        *_per_request_hit_rows(serving, refs[0], one, model),
         (
             "(a) resolve() cache hit, per image",
             fmt_ms(h),
@@ -131,10 +152,10 @@ def part_a(model: Path) -> list[tuple]:
     ]
 
 
-def _per_request_hit_rows(resolver, ref, token_ids: list[int], model: Path) -> list[tuple]:
+def _per_request_hit_rows(serving, ref, token_ids: list[int], model: Path) -> list[tuple]:
     """What one request with an already-seen image costs the API server, per path (in process).
 
-    refs today: ``fill_features`` (cache hit) + ``GenerateRequest.model_validate`` + vLLM's
+    refs today: ``fill_features`` (validation, checks, cache hit) + vLLM's
     ``mm_kwargs_from_features`` (base64 + msgpack decode of the cached item, as ``serve_tokens``
     does), then the item's tensor travels to the engine core. refs with a cache-only (``None``)
     slot: the same without the item. data URL on a vLLM processor-cache hit: vLLM's
@@ -143,7 +164,6 @@ def _per_request_hit_rows(resolver, ref, token_ids: list[int], model: Path) -> l
     import base64 as b64
 
     from vllm.entrypoints.scale_out.token_in_token_out.mm_features import mm_kwargs_from_features
-    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
     from vllm.multimodal.hasher import MultiModalHasher
     from vllm.multimodal.media.connector import MediaConnector
 
@@ -153,16 +173,14 @@ def _per_request_hit_rows(resolver, ref, token_ids: list[int], model: Path) -> l
     body = {"token_ids": token_ids, "mm_refs": [ref.ref], "sampling_params": sampling}
 
     def refs_today() -> object:
-        filled = asyncio.run(resolver.fill_features(body))
-        request = GenerateRequest.model_validate(filled)
+        request = asyncio.run(fill_features(serving, body))
         return mm_kwargs_from_features(request.features)
 
-    filled = asyncio.run(resolver.fill_features(body))
-    cache_only = {**filled, "features": {**filled["features"], "kwargs_data": {"image": [None]}}}
+    filled = asyncio.run(fill_features(serving, body)).features.model_dump()
+    cache_only = {**body, "mm_refs": None, "features": {**filled, "kwargs_data": {"image": [None]}}}
 
     def refs_cache_only() -> object:
-        asyncio.run(resolver.fill_features(body))
-        request = GenerateRequest.model_validate(cache_only)
+        request = asyncio.run(fill_features(serving, cache_only))
         return mm_kwargs_from_features(request.features)
 
     jpeg = Path(file_uri_to_path(parse_ref(ref.ref).raw_image_uri)).read_bytes()
@@ -206,7 +224,7 @@ class Breakdown:
         return statistics.median(self.rows[name])
 
 
-def miss_steps(resolver, jpeg: bytes, kwargs: dict) -> dict[str, Callable[[], object]]:
+def miss_steps(serving, jpeg: bytes, kwargs: dict) -> dict[str, Callable[[], object]]:
     """Each step of one cache miss for ``jpeg`` (already in the store), as a callable."""
     import pybase64
     from transformers import BatchFeature
@@ -217,12 +235,14 @@ def miss_steps(resolver, jpeg: bytes, kwargs: dict) -> dict[str, Callable[[], ob
     from protocol.images import load_image
     from protocol.refs import parse_ref
 
+    resolver = serving.resolver
     adapter, raw = resolver.adapter, resolver.device_normalize
     ref = offload_image(jpeg, bench_asset_root(), adapter).ref
     body = parse_ref(ref)
     image = load_image(jpeg)
     hf_inputs = BatchFeature(dict(adapter.process(image, device_normalize=raw).tensors))
-    (item,) = MultiModalKwargsItems.from_hf_inputs(hf_inputs, resolver.fields_config(hf_inputs))["image"]
+    fields_config = resolver.layout.fields_config
+    (item,) = MultiModalKwargsItems.from_hf_inputs(hf_inputs, fields_config(hf_inputs))["image"]
     packed = _encoder.encode(item)[0]
     return {
         "bare HF processor call": lambda: adapter.image_processor(images=[image], **kwargs),
@@ -234,7 +254,7 @@ def miss_steps(resolver, jpeg: bytes, kwargs: dict) -> dict[str, Callable[[], ob
         "decode (load_image)": lambda: load_image(jpeg),
         "adapter.process (HF processor + wrap)": lambda: adapter.process(image, device_normalize=raw),
         "vLLM item (from_hf_inputs)": lambda: MultiModalKwargsItems.from_hf_inputs(
-            hf_inputs, resolver.fields_config(hf_inputs)
+            hf_inputs, resolver.layout.fields_config(hf_inputs)
         ),
         "msgpack encode (vLLM MsgpackEncoder)": lambda: _encoder.encode(item),
         "base64 encode (pybase64)": lambda: pybase64.b64encode(packed).decode("ascii"),
@@ -247,13 +267,13 @@ def part_b(model: Path, photos: int, repeat: int) -> tuple[list[tuple], list[tup
 
     targets, breakdown_rows = [], []
     for mode in ("raw", "normalized"):
-        resolver, _, _ = build_resolver(model, device_normalize=mode == "raw")
+        serving, _, _ = build_resolver(model, device_normalize=mode == "raw")
         kwargs = {"return_tensors": "pt", "device": "cpu"}
         if mode == "raw":  # what vLLM's merge_mm_processor_kwargs passes with mm_device_do_normalize
             kwargs.update(do_rescale=False, do_normalize=False)
         b = Breakdown()
         for jpeg in unique_photos(photos):
-            steps = miss_steps(resolver, jpeg, kwargs)
+            steps = miss_steps(serving, jpeg, kwargs)
             for _ in range(repeat):  # interleave: each step once per round
                 for name, fn in steps.items():
                     b.add(name, timeit(fn, repeat=1, warmup=0).best)

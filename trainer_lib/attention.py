@@ -19,10 +19,16 @@ order, ``attention_mask=None``. Attention must stay inside each sample. Backends
   own varlen path, which derives ``cu_seqlens`` from the text position ids.
 
 sdpa is refused for packed CUDA batches (dense masks: out of memory at RL lengths, and slower
-than varlen, as measured on a lent H100: docs/PACKING.md §6). Models whose packed boundaries
-cannot be respected here (linear-attention layers, e.g. Qwen3.5 / Qwen3-Next, which need
-flash-linear-attention's varlen kernels) raise :class:`PackingUnsupported` instead of leaking
-state across samples.
+than varlen, as measured on a lent H100: docs/PACKING.md §6).
+
+Hybrid models (Qwen3.5 / Qwen3.5-MoE: Gated DeltaNet layers beside full attention) also need a
+linear-attention path that resets the conv and recurrent state at every sample boundary
+(:mod:`trainer_lib.linear_attention`): ``"per_segment_torch"`` on CPU, ``"fla_varlen"``
+(flash-linear-attention) on CUDA. :func:`prepare_model_for_packing` installs it beside the
+attention backend; the boundaries reach those layers as the model-call keyword
+:data:`CU_SEQLENS_KWARG`. A combination that cannot pack safely (CUDA without
+flash-linear-attention, an unknown layer kind, a hybrid model not prepared) raises
+:class:`PackingUnsupported` instead of leaking state across samples.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +46,8 @@ import torch
 from trainer_lib.positions import mrope_model_types
 
 __all__ = [
+    "CU_SEQLENS_KWARG",
+    "MAX_SEQLEN_KWARG",
     "VARLEN_ATTENTION",
     "PackingUnsupported",
     "check_packable",
@@ -49,7 +58,15 @@ __all__ = [
 
 VARLEN_ATTENTION = "mmref_varlen"
 """Name under which :func:`register_varlen_attention` registers PyTorch's varlen attention."""
+CU_SEQLENS_KWARG = "mmref_cu_seqlens"
+"""Model-call keyword carrying a packed row's int ``[num_samples + 1]`` sample boundaries, read by
+:data:`VARLEN_ATTENTION` and by the linear-attention layers (:mod:`trainer_lib.linear_attention`).
+transformers forwards unknown keywords to every decoder layer; the vision tower takes
+``cu_seqlens`` / ``position_ids`` itself, so those names are not used."""
+MAX_SEQLEN_KWARG = "mmref_max_seqlen"
+"""Model-call keyword with the longest sample's token count (:data:`VARLEN_ATTENTION` only)."""
 _CPU_BACKENDS = ("sdpa", "eager")
+_log = logging.getLogger(__name__)
 _CUDA_BACKENDS = (VARLEN_ATTENTION, "flash_attention_2", "flash_attention_3")
 
 
@@ -83,7 +100,7 @@ def _varlen_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``query [1, H, L, D]`` -> ``([1, L, H, D], None)``.
 
-    Causal (text) calls run ``varlen_attn`` over ``kwargs["mmref_cu_seqlens"]`` (else derived
+    Causal (text) calls run ``varlen_attn`` over ``kwargs[CU_SEQLENS_KWARG]`` (else derived
     from the zeros of ``kwargs["position_ids"]``); non-causal calls (one vision chunk each) go to
     transformers' ``sdpa_attention_forward``. The kernel's keywords are read from its signature,
     which changed across torch releases: ``is_causal`` (older) or ``window_size=(-1, 0)``; ``scale``
@@ -120,12 +137,12 @@ def _varlen_attention_forward(
 def _boundaries(kwargs: dict[str, Any]) -> tuple[torch.Tensor, int]:
     """``(cu_seqlens, max_seqlen)``: passed down by :func:`~trainer_lib.packed_logprobs`, else
     derived from the zeros of the text position ids."""
-    cu = kwargs.get("mmref_cu_seqlens")
+    cu = kwargs.get(CU_SEQLENS_KWARG)
     if cu is not None:
-        return cu, int(kwargs["mmref_max_seqlen"])
+        return cu, int(kwargs[MAX_SEQLEN_KWARG])
     pos = kwargs.get("position_ids")
     if pos is None:
-        raise PackingUnsupported(f"{VARLEN_ATTENTION} needs mmref_cu_seqlens or text position ids")
+        raise PackingUnsupported(f"{VARLEN_ATTENTION} needs {CU_SEQLENS_KWARG} or text position ids")
     starts = torch.nonzero(pos.reshape(-1) == 0).flatten()
     cu = torch.cat([starts, torch.tensor([pos.shape[-1]], device=starts.device)]).to(torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max())
@@ -182,27 +199,37 @@ def select_backend(model: torch.nn.Module) -> str:
     return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else VARLEN_ATTENTION
 
 
-def check_packable(model: torch.nn.Module, backend: str | None = None) -> None:
+def check_packable(
+    model: torch.nn.Module, backend: str | None = None, linear_attention: str | None = None
+) -> str | None:
     """Raise :class:`PackingUnsupported` where a packed forward would mix samples.
 
-    Refused: model types that are not MRoPE (:func:`trainer_lib.positions.mrope_model_types`: Kimi);
-    linear-attention layers (recurrent state would flow across sample boundaries without
-    flash-linear-attention's varlen kernels); sdpa/eager on CUDA; float32 on CUDA (the varlen
-    kernels take float16/bfloat16 only).
+    Args:
+        backend: the attention backend to check; default the model's current one.
+        linear_attention: the linear-attention path to check (``"per_segment_torch"`` /
+            ``"fla_varlen"``); default the installed one, else the one
+            :func:`~trainer_lib.linear_attention.select_linear_attention_path` picks for the device.
+
+    Returns:
+        The linear-attention path a packed forward of this model needs, None for a model without
+        linear-attention layers.
+
+    Raises:
+        PackingUnsupported: model types that are not MRoPE
+            (:func:`trainer_lib.positions.mrope_model_types`: Kimi); sdpa/eager on CUDA; float32
+            on CUDA (the varlen kernels take float16/bfloat16 only); linear-attention layers that
+            cannot be packed with that path (CUDA without flash-linear-attention, ``"fla_varlen"``
+            off CUDA, unknown layer kinds or Gated DeltaNet classes).
+        ValueError: an unknown ``linear_attention`` path.
     """
+    from trainer_lib import linear_attention as la  # it imports this module's PackingUnsupported
+
     config = model.config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    layer_types = list(getattr(text, "layer_types", None) or [])
-    if "linear_attention" in layer_types:
-        raise PackingUnsupported(
-            f"{config.model_type}: {layer_types.count('linear_attention')} linear-attention layers carry "
-            f"recurrent state across packed samples; packing them needs flash-linear-attention's varlen "
-            f"kernels (CUDA), not available on {_device(model).type}: run these samples unpacked"
-        )
     if config.model_type not in mrope_model_types():
         raise PackingUnsupported(
             f"packed forward supports {list(mrope_model_types())}, not {config.model_type!r}"
         )
+    text = config.get_text_config()
     backend = backend or text._attn_implementation
     device = _device(model).type
     allowed = _CUDA_BACKENDS if device == "cuda" else (*_CPU_BACKENDS, VARLEN_ATTENTION)
@@ -216,21 +243,36 @@ def check_packable(model: torch.nn.Module, backend: str | None = None) -> None:
         raise PackingUnsupported(
             f"{backend} (FlashAttention varlen) takes float16/bfloat16 on CUDA, the model is {dtype}"
         )
+    return la.select_linear_attention_path(model, linear_attention or la.linear_attention_path(model))
 
 
-def prepare_model_for_packing(model: torch.nn.Module, backend: str | None = None) -> str:
+def prepare_model_for_packing(
+    model: torch.nn.Module, backend: str | None = None, *, linear_attention: str | None = None
+) -> str:
     """Check the model and switch it to the packing backend; returns the backend name.
+
+    Hybrid models also get their linear-attention path installed
+    (:func:`~trainer_lib.linear_attention.prepare_linear_attention`); it is logged beside the
+    backend, reported by :func:`~trainer_lib.linear_attention.linear_attention_path` and by every
+    :class:`~trainer_lib.ForwardResult` (e.g. ``sdpa`` + ``per_segment_torch`` on CPU).
 
     Args:
         backend: default :func:`select_backend`. :data:`VARLEN_ATTENTION` is registered first.
+        linear_attention: default ``"per_segment_torch"`` off CUDA, ``"fla_varlen"`` on CUDA.
 
     Raises:
-        PackingUnsupported: see :func:`check_packable`.
+        PackingUnsupported, ValueError: see :func:`check_packable`.
+        ImportError: ``"fla_varlen"`` with an ``fla`` that lacks the varlen entry points.
     """
+    from trainer_lib import linear_attention as la  # it imports this module's PackingUnsupported
+
     backend = backend or select_backend(model)
-    check_packable(model, backend)
+    path = check_packable(model, backend, linear_attention)
     if backend == VARLEN_ATTENTION:
         register_varlen_attention()
     if model.config.get_text_config()._attn_implementation != backend:
         model.set_attn_implementation(backend)
+    if path is not None:
+        la.prepare_linear_attention(model, path)
+    _log.info("packed %s: attention %s, linear attention %s", model.config.model_type, backend, path)
     return backend

@@ -1,8 +1,10 @@
 """Run a Hugging Face Qwen-VL model on a packed micro-batch; per-token logprobs (docs/PACKING.md).
 
 One packed micro-batch is one row (:class:`~trainer_lib.model_inputs.PackedInputs`); attention
-stays inside each sample through the backend :mod:`trainer_lib.attention` set up. The LM head
-runs in chunks (float32 log-softmax; no ``[L, vocab]`` tensor at once).
+stays inside each sample through the backend :mod:`trainer_lib.attention` set up, and the
+linear-attention layers of hybrid models (Qwen3.5) through the path
+:mod:`trainer_lib.linear_attention` installed. The LM head runs in chunks (float32 log-softmax;
+no ``[L, vocab]`` tensor at once).
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ from typing import Any
 
 import torch
 
-from trainer_lib.attention import VARLEN_ATTENTION, check_packable
+from trainer_lib.attention import (
+    CU_SEQLENS_KWARG,
+    MAX_SEQLEN_KWARG,
+    VARLEN_ATTENTION,
+    PackingUnsupported,
+    check_packable,
+)
+from trainer_lib.linear_attention import linear_attention_path
 from trainer_lib.model_inputs import PackedInputs
 
 __all__ = ["ForwardResult", "packed_logprobs"]
@@ -31,6 +40,9 @@ class ForwardResult:
     """bool ``[L]``: :attr:`PackedInputs.loss_mask`."""
     backend: str
     """The attention implementation that ran."""
+    linear_attention: str | None
+    """The linear-attention path that ran (``"per_segment_torch"`` / ``"fla_varlen"``), None for
+    a model without linear-attention layers."""
 
 
 def _repeated_image_features(model: torch.nn.Module, pixels: torch.Tensor, inputs: PackedInputs) -> Any:
@@ -60,7 +72,9 @@ def packed_logprobs(
 
     Runs ``model.model(input_ids, position_ids [4,1,L], pixel_values, image_grid_thw,
     attention_mask=None, use_cache=False)`` then the LM head in ``chunk_size``-token chunks
-    (float32 log-softmax; no ``[L, vocab]`` tensor at once). Gradients flow when enabled.
+    (float32 log-softmax; no ``[L, vocab]`` tensor at once). Gradients flow when enabled. The
+    sample boundaries (``cu_seqlens``) go down as :data:`~trainer_lib.attention.CU_SEQLENS_KWARG`
+    only where a layer reads them: the ``mmref_varlen`` backend and linear-attention layers.
 
     Args:
         temperature: logits are divided by it. To compare with a vLLM server's logprobs, match
@@ -70,15 +84,22 @@ def packed_logprobs(
             (vllm/v1/sample/sampler.py), so pass 1.0.
 
     Raises:
-        PackingUnsupported: see :func:`check_packable`.
+        PackingUnsupported: see :func:`check_packable`; a hybrid model whose linear-attention
+            path is not installed (:func:`~trainer_lib.prepare_model_for_packing` not called).
     """
-    check_packable(model)
+    linear = check_packable(model)
+    if linear is not None and linear_attention_path(model) != linear:
+        raise PackingUnsupported(
+            f"{model.config.model_type}: its linear-attention layers would carry state across packed "
+            f"samples; call trainer_lib.prepare_model_for_packing(model) first"
+        )
     backend = model.config.get_text_config()._attn_implementation
-    device = next(model.parameters()).device
-    inputs = inputs.to(device)
+    inputs = inputs.to(next(model.parameters()).device)
     kwargs: dict[str, Any] = {}
+    if backend == VARLEN_ATTENTION or linear is not None:
+        kwargs[CU_SEQLENS_KWARG] = inputs.cu_seqlens
     if backend == VARLEN_ATTENTION:
-        kwargs.update(mmref_cu_seqlens=inputs.cu_seqlens, mmref_max_seqlen=inputs.max_seqlen)
+        kwargs[MAX_SEQLEN_KWARG] = inputs.max_seqlen
     dtype = next(model.parameters()).dtype
     pixels = None if inputs.pixel_values is None else inputs.pixel_values.to(dtype)
     grid = inputs.image_grid_thw
@@ -95,6 +116,17 @@ def packed_logprobs(
         **kwargs,
     )
     hidden = out.last_hidden_state[0, :-1]  # position t predicts token t+1
+    logprobs = _token_logprobs(model, hidden, inputs, temperature, chunk_size)
+    return ForwardResult(
+        logprobs=logprobs, loss_mask=inputs.loss_mask, backend=backend, linear_attention=linear
+    )
+
+
+def _token_logprobs(
+    model: torch.nn.Module, hidden: torch.Tensor, inputs: PackedInputs, temperature: float, chunk_size: int
+) -> torch.Tensor:
+    """float32 ``[L]`` from ``hidden [L - 1, H]`` (positions ``0..L-2``, predicting tokens ``1..L-1``):
+    the LM head in ``chunk_size``-token chunks, no ``[L, vocab]`` tensor at once; 0 at sample starts."""
     targets = inputs.input_ids[0, 1:]
     head = model.get_output_embeddings()
     pieces = []
@@ -102,7 +134,5 @@ def packed_logprobs(
         logits = head(hidden[lo : lo + chunk_size]).float() / temperature
         picked = logits.gather(-1, targets[lo : lo + chunk_size, None]).squeeze(-1)
         pieces.append(picked - torch.logsumexp(logits, dim=-1))
-    logprobs = torch.cat([torch.zeros(1, device=device), *pieces])
-    starts = inputs.cu_seqlens[:-1].long()
-    logprobs = logprobs.index_fill(0, starts, 0.0)
-    return ForwardResult(logprobs=logprobs, loss_mask=inputs.loss_mask, backend=backend)
+    logprobs = torch.cat([torch.zeros(1, device=hidden.device), *pieces])
+    return logprobs.index_fill(0, inputs.cu_seqlens[:-1].long(), 0.0)

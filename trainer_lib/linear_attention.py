@@ -5,12 +5,14 @@ Qwen3.5's text model mixes full-attention layers with Gated DeltaNet layers
 delta-rule recurrence). transformers 5.19's forward of those layers sees one packed row as one
 sequence: the conv carries ``kernel - 1`` tokens and the recurrent state carries everything into
 the next sample (measured on the tiny models: packed vs one-sample-at-a-time logprobs off by
-2e-2, docs/QWEN35.md). :func:`prepare_linear_attention` replaces the forward of every such layer
-instance with one that honours the micro-batch's ``cu_seqlens``, passed to the model call as the
-keyword :data:`CU_SEQLENS_KWARG` (transformers forwards unknown keywords down to every layer; the
-vision tower ignores this name, unlike ``cu_seqlens`` / ``position_ids``, which it takes). The
-full-attention layers keep the attention backend rules of :mod:`trainer_lib.forward`
-(``mmref_varlen`` reads the same keyword).
+4e-2, docs/PACKING.md §9). :func:`prepare_linear_attention` replaces the forward of every such
+layer instance with one that honours the micro-batch's ``cu_seqlens``, passed to the model call as
+the keyword :data:`~trainer_lib.attention.CU_SEQLENS_KWARG` (transformers forwards unknown keywords
+down to every layer; the vision tower ignores this name, unlike ``cu_seqlens`` / ``position_ids``,
+which it takes). The full-attention layers keep the attention backend rules of
+:mod:`trainer_lib.attention` (``mmref_varlen`` reads the same keyword).
+:func:`trainer_lib.prepare_model_for_packing` calls :func:`prepare_linear_attention` and
+:func:`trainer_lib.packed_logprobs` passes the keyword; this module is the layer-level part.
 
 Paths (:func:`linear_attention_path` reports the installed one, like the attention backend):
 
@@ -22,13 +24,15 @@ Paths (:func:`linear_attention_path` reports the installed one, like the attenti
   in backward takes the same path).
 - ``"fla_varlen"`` (CUDA): flash-linear-attention's varlen kernels,
   ``fla.modules.convolution.causal_conv1d(..., cu_seqlens=)`` and
-  ``fla.ops.gated_delta_rule.chunk_gated_delta_rule(..., cu_seqlens=)`` (PyPI
-  ``flash-linear-attention`` / ``fla-core``, Triton). Not run on this project's CPU machines.
+  ``fla.ops.gated_delta_rule.chunk_gated_delta_rule(..., cu_seqlens=)`` (PyPI ``fla-core``,
+  also pulled in by ``flash-linear-attention``; Triton; written against 0.6.0, where
+  ``fla.modules.convolution`` is the alias of ``fla.modules.causal_conv1d``). Unverified: not run
+  on this project's CPU machines, and no GPU run recorded yet (docs/PACKING.md §9).
 
 Both paths compute the layer as ``Qwen3_5GatedDeltaNet.forward`` does without a cache
 (transformers ``models/qwen3_5/modeling_qwen3_5.py``, mirrored by :func:`_gated_delta_net`; the
 MoE variant's layer is the same code). A packed row whose model call lacks the keyword is
-refused (:class:`~trainer_lib.forward.PackingUnsupported`), found from text position ids that
+refused (:class:`~trainer_lib.attention.PackingUnsupported`), found from text position ids that
 restart inside the row; so are layer kinds and models this module cannot pack safely.
 """
 
@@ -47,10 +51,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer_lib import PackingUnsupported
+from trainer_lib.attention import CU_SEQLENS_KWARG, PackingUnsupported
 
 __all__ = [
-    "CU_SEQLENS_KWARG",
     "FLA_VARLEN",
     "PER_SEGMENT_TORCH",
     "linear_attention_layers",
@@ -60,8 +63,6 @@ __all__ = [
     "select_linear_attention_path",
 ]
 
-CU_SEQLENS_KWARG = "mmref_cu_seqlens"
-"""Model-call keyword carrying the micro-batch's int ``[num_samples + 1]`` sample boundaries."""
 PER_SEGMENT_TORCH = "per_segment_torch"
 FLA_VARLEN = "fla_varlen"
 _FLA_PACKAGE = "flash-linear-attention"
@@ -334,7 +335,7 @@ def prepare_linear_attention(model: torch.nn.Module, path: str | None = None) ->
     transformers' own forward (one sample per row). A model call whose text position ids restart
     inside the row must pass it (``model.model(..., mmref_cu_seqlens=cu_seqlens)``, int
     ``[num_samples + 1]`` as :func:`trainer_lib.positions.cu_seqlens` builds it) and raises
-    :class:`~trainer_lib.forward.PackingUnsupported` without it. Stays installed (through backward
+    :class:`~trainer_lib.attention.PackingUnsupported` without it. Stays installed (through backward
     and gradient-checkpoint recomputation too) until :func:`remove_linear_attention`; bound
     methods, so ``copy.deepcopy`` of the model keeps it.
 

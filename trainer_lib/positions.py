@@ -2,12 +2,13 @@
 
 **Qwen-VL (MRoPE)**: ``position_ids`` is ``[4, 1, L]`` int64. transformers 5.19 reads a 4-row
 tensor as ``text_position_ids = position_ids[0]`` and MRoPE ``position_ids[1:]``
-(``Qwen2VLTextModel.forward``, same in Qwen2.5-VL and Qwen3-VL): row 0 only builds the
-attention mask — ``masking_utils.find_packed_sequence_indices`` starts a new sequence wherever
-row 0 does not step by +1, so it must **restart at 0 per sample** — and rows 1-3 (temporal,
-height, width) rotate the queries and keys. Rows 1-3 of each sample come from transformers'
-own ``get_rope_index`` (a method of ``Qwen2VLModel`` / ``Qwen2_5_VLModel`` / ``Qwen3VLModel``,
-i.e. ``model.model.get_rope_index``), called once per sample with that sample's
+(``Qwen2VLTextModel.forward``, same in Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE and Qwen3.5): row 0
+only builds the attention mask — ``masking_utils.find_packed_sequence_indices`` starts a new
+sequence wherever row 0 does not step by +1, so it must **restart at 0 per sample** — and rows
+1-3 (temporal, height, width) rotate the queries and keys. Rows 1-3 of each sample come from
+transformers' own ``get_rope_index`` (a method of ``Qwen2VLModel`` / ``Qwen2_5_VLModel`` /
+``Qwen3VLModel`` / ``Qwen3VLMoeModel`` / ``Qwen3_5Model`` / ``Qwen3_5MoeModel``, i.e.
+``model.model.get_rope_index``), called once per sample with that sample's
 ``mm_token_type_ids`` and image grids — never re-derived here. Each sample's positions start at
 0, which is what vLLM's ``get_mrope_input_positions`` gives the same prompt at rollout.
 

@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 
 __all__ = ["ByteBudgetLRU", "CacheStats"]
 
-V = TypeVar("V")
+_V = TypeVar("_V")
 
 
 @dataclass
@@ -35,7 +35,7 @@ class CacheStats:
     entries: int = 0
 
 
-class ByteBudgetLRU(Generic[V]):
+class ByteBudgetLRU(Generic[_V]):
     """Async single-flight LRU keyed by ``str``, bounded by the bytes its values hold.
 
     Args:
@@ -43,17 +43,17 @@ class ByteBudgetLRU(Generic[V]):
         sizeof: bytes one value holds.
     """
 
-    def __init__(self, budget_bytes: int, sizeof: Callable[[V], int]) -> None:
+    def __init__(self, budget_bytes: int, sizeof: Callable[[_V], int]) -> None:
         self.budget_bytes = budget_bytes
         self._sizeof = sizeof
-        self._entries: OrderedDict[str, tuple[V, int]] = OrderedDict()
-        self._inflight: dict[str, asyncio.Task[V]] = {}
+        self._entries: OrderedDict[str, tuple[_V, int]] = OrderedDict()
+        self._inflight: dict[str, asyncio.Task[_V]] = {}
         self.stats = CacheStats()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: str) -> V | None:
+    def get(self, key: str) -> _V | None:
         """The cached value (marked most recently used and counted as a hit), or None."""
         entry = self._entries.get(key)
         if entry is None:
@@ -62,7 +62,7 @@ class ByteBudgetLRU(Generic[V]):
         self.stats.hits += 1
         return entry[0]
 
-    async def get_or_compute(self, key: str, compute: Callable[[], Awaitable[V]]) -> V:
+    async def get_or_compute(self, key: str, compute: Callable[[], Awaitable[_V]]) -> _V:
         """Return the cached value for ``key`` or compute it once for all concurrent callers.
 
         Raises:
@@ -81,13 +81,13 @@ class ByteBudgetLRU(Generic[V]):
             task.add_done_callback(lambda t, k=key: self._settle(k, t))
         return await asyncio.shield(task)
 
-    def _settle(self, key: str, task: asyncio.Task[V]) -> None:
+    def _settle(self, key: str, task: asyncio.Task[_V]) -> None:
         self._inflight.pop(key, None)
         if task.cancelled() or task.exception() is not None:
             return
         self._put(key, task.result())
 
-    def _put(self, key: str, value: V) -> None:
+    def _put(self, key: str, value: _V) -> None:
         size = self._sizeof(value)
         if size > self.budget_bytes:
             return

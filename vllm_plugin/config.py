@@ -33,8 +33,10 @@ class PluginConfig(BaseSettings):
     max_image_pixels: int = Field(default=DEFAULT_MAX_IMAGE_PIXELS, ge=1)
     max_feature_bytes: int = Field(default=DEFAULT_MAX_FEATURE_BYTES, ge=1)
     """Largest ``mmfile`` feature file read."""
-    max_body_bytes: int = Field(default=32 << 20, ge=1024)
-    """Largest request body accepted (413 beyond)."""
+    max_body_bytes: int | None = Field(default=None, ge=1024)
+    """Largest request body accepted (413 beyond, logged). Default: derived at start-up from the
+    served model so that every body stock vLLM serves is admitted
+    (:func:`vllm_plugin.startup.default_body_limit`); the server log states the value."""
     max_refs_per_request: int = Field(default=64, ge=1)
     """Most refs one request may carry (each costs a file read and a processor run)."""
     allowed_families: list[str] | None = None

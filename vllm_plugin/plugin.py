@@ -1,8 +1,9 @@
 """The ``vllm.endpoint_plugins`` entry point (``mmref = vllm_plugin.plugin:MMRefEndpointPlugin``).
 
-Loaded by the stock vLLM API server when ``VLLM_PLUGINS`` names ``mmref``. vLLM logs and
-swallows plugin load failures, so start-up problems here are raised loudly from
-``init_state`` (the server then refuses to start) instead of leaving the route missing.
+Loaded by the stock vLLM API server when ``VLLM_PLUGINS`` names ``mmref``. vLLM logs and swallows
+a plugin that fails to import or to instantiate, so this module imports nothing from vLLM: the
+supported-version check runs in :meth:`MMRefEndpointPlugin.attach_router` and the settings checks
+in ``init_state``, whose exceptions stop the server instead of leaving the route missing.
 """
 
 from __future__ import annotations
@@ -11,97 +12,81 @@ import logging
 from argparse import Namespace
 from typing import Any
 
-from fastapi import FastAPI
-
-from vllm_plugin import api_router
-
-__all__ = ["MMRefEndpointPlugin"]
+__all__ = ["SUPPORTED_VLLM", "MMRefEndpointPlugin", "check_vllm_version"]
 
 logger = logging.getLogger("vllm.mmref")  # a child of vLLM's configured logger
 
+SUPPORTED_VLLM = ">=0.32.0,<0.34"
+"""vLLM releases this plugin supports (the ``serve``/``serve-cuda`` extras of pyproject.toml say
+the same; a test keeps them equal). 0.32 is tested; 0.33 is supported blind (docs/DESIGN-DECISIONS.md)."""
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Return the installed vLLM version, or refuse one outside :data:`SUPPORTED_VLLM`.
+
+    Raises:
+        RuntimeError: naming the supported range and the installed version.
+    """
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    if version is None:
+        import vllm
+
+        version = str(vllm.__version__)
+    try:  # local tags and dev/rc suffixes do not matter: 0.33.1+cu130 and 0.33.0rc1 are 0.33.x
+        ok = SpecifierSet(SUPPORTED_VLLM).contains(Version(version).base_version)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise RuntimeError(f"mmref supports vLLM {SUPPORTED_VLLM}; this server runs vLLM {version}")
+    return version
+
 
 class MMRefEndpointPlugin:
-    """Adds ref resolution to ``POST /inference/v1/generate`` and ``POST /inference/v1/resolve``."""
+    """Replaces ``POST /inference/v1/generate`` and adds ``POST /inference/v1/resolve``."""
 
     name = "mmref"
     required_tasks = ("generate",)
 
-    def attach_router(self, app: FastAPI) -> None:
+    def attach_router(self, app: Any) -> None:
+        """Check the vLLM version, then attach the routes (an exception here stops the server).
+
+        Raises:
+            RuntimeError: unsupported vLLM (see :func:`check_vllm_version`).
+        """
+        version = check_vllm_version()
+        from vllm_plugin import api_router
+
         api_router.attach_router(app)
+        logger.info("mmref: routes attached (vLLM %s, supported %s)", version, SUPPORTED_VLLM)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
-        """Build the resolver from the served model: its adapter wraps vLLM's own image processor.
+        """Build the serving object from the served model: its adapter wraps vLLM's own image processor.
 
         Raises:
             pydantic.ValidationError: bad ``MMREF_*`` settings (e.g. no ``MMREF_ASSET_ROOT``).
             UnsupportedFamily: the served model has no adapter.
             RuntimeError: settings under which refs would be unsafe or silently processed
-                differently from vLLM (see :func:`_refuse_unsafe_settings`).
+                differently from vLLM (see ``startup.refuse_unsafe_settings``).
         """
         if engine_client is None:  # vLLM's CPU-only render server: no engine, no route
-            state.mmref_resolver = None
+            state.mmref_serving = None
             return
-        from protocol.adapters import adapter_class
-        from protocol.errors import UnsupportedFamily
-        from vllm_plugin.config import PluginConfig
-        from vllm_plugin.serving import MMRefResolver
+        from vllm_plugin.startup import build_serving
 
-        config = PluginConfig()
-        model_config = engine_client.vllm_config.model_config
-        _refuse_unsafe_settings(model_config)
-        hf_config = model_config.hf_config
-        renderer = engine_client.renderer
-        mm_processor = renderer.get_mm_processor()
-        if config.allowed_families is not None and hf_config.model_type not in config.allowed_families:
-            raise UnsupportedFamily(
-                f"served model type {hf_config.model_type!r} is not in MMREF_ALLOWED_FAMILIES "
-                f"{config.allowed_families}"
-            )
-        adapter_cls = adapter_class(hf_config.model_type)
-        adapter = adapter_cls(adapter_cls.served_image_processor(mm_processor), family=hf_config.model_type)
-        device_normalize = bool(model_config.multimodal_config.mm_device_do_normalize)
-        state.mmref_resolver = MMRefResolver(
-            adapter,
-            config,
-            fields_config=lambda hf_inputs: mm_processor._get_mm_fields_config(hf_inputs, {}),
-            device_normalize=device_normalize,
-            placeholder_token_id=adapter.placeholder_token_id(hf_config),
-            processor_cache=renderer.mm_processor_cache,
-        )
+        serving = build_serving(engine_client, state, args)
+        state.mmref_serving = serving
+        resolver = serving.resolver
         logger.info(
-            "mmref: serving refs for %s (fingerprint %s, %s pixels, backend %s) from %s",
-            adapter.family,
-            adapter.fingerprint,
-            "raw" if device_normalize else "normalized",
-            adapter.backend,
-            config.asset_root,
-        )
-
-
-def _refuse_unsafe_settings(model_config: Any) -> None:
-    """Stop start-up where serving refs would be unsafe or silently wrong.
-
-    - ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: vLLM's msgpack decoder would unpickle objects,
-      and ``mmfile`` payloads come from a shared store (code execution for anyone who can write it).
-    - ``--mm-processor-kwargs`` other than ``device``: vLLM passes them per call
-      (``vllm/transformers_utils/processor.py``), the plugin calls the processor without them and
-      the fingerprint cannot see them, so refs would be processed unlike vLLM's own path. Put such
-      settings in the model's ``preprocessor_config.json``, which both sides read.
-
-    Raises:
-        RuntimeError: naming the setting.
-    """
-    import vllm.envs as envs
-
-    if envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
-        raise RuntimeError(
-            "mmref refuses VLLM_ALLOW_INSECURE_SERIALIZATION=1: mmfile feature payloads from the "
-            "shared store would be unpickled"
-        )
-    kwargs = dict(getattr(model_config.multimodal_config, "mm_processor_kwargs", None) or {})
-    kwargs.pop("device", None)
-    if kwargs:
-        raise RuntimeError(
-            f"mmref does not apply --mm-processor-kwargs {sorted(kwargs)}: refs would be processed "
-            "unlike vLLM's own path; set them in the model's preprocessor_config.json instead"
+            "mmref: serving refs for %s (fingerprint %s, %s pixels, backend %s) from %s; body limit %d "
+            "bytes, grids of at most %d patches, engine item cache %s",
+            serving.adapter.family,
+            serving.adapter.fingerprint,
+            resolver.pixel_mode,
+            serving.adapter.backend,
+            serving.config.asset_root,
+            serving.max_body_bytes,
+            serving.adapter.grid_limits()[1],
+            serving.engine_items.mode.value,
         )

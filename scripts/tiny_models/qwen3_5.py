@@ -1,4 +1,4 @@
-"""Tiny Qwen3.5, Qwen3.5-MoE (also Qwen3.6's architecture) and Qwen3-VL-MoE (docs/QWEN35.md).
+"""Tiny Qwen3.5, Qwen3.5-MoE (also Qwen3.6's architecture) and Qwen3-VL-MoE (docs/PACKING.md §9).
 
 Built like the other Qwen families (:mod:`tiny_models.qwen`: same tokenizer, chat template and
 ``Qwen3VLProcessor`` with the Qwen3-VL image processor config: patch 16, mean/std 0.5), with

@@ -1,0 +1,138 @@
+"""``vllm_plugin.items``: vLLM's item wire format and the layout check, with the tiny Qwen2-VL's
+own vLLM field config (no server): every malformed item is refused with the caller's error, no
+allocation for a claimed grid, and a broken vLLM install is never a client error."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import psutil
+import pytest
+import torch
+from PIL import Image
+
+from helpers import photo_array
+from protocol.errors import CorruptFeature, InvalidRequest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def mm_processor(qwen2_vl_dir):
+    """vLLM's own multimodal processor for the tiny model (what a server's renderer holds)."""
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    config = ModelConfig(
+        model=str(qwen2_vl_dir), dtype="float32", max_model_len=2048, limit_mm_per_prompt={"image": 4}
+    )
+    return MULTIMODAL_REGISTRY.create_processor(config)
+
+
+@pytest.fixture(scope="module")
+def layout(qwen2_vl_adapter, mm_processor):
+    from vllm_plugin.items import ItemLayout
+
+    return ItemLayout(qwen2_vl_adapter, lambda hf: mm_processor._get_mm_fields_config(hf, {}))
+
+
+@pytest.fixture(scope="module")
+def photo_item(qwen2_vl_adapter, layout):
+    """The item vLLM builds for a real photo (raw uint8 pixels, as a default server feeds)."""
+    from transformers import BatchFeature
+    from vllm.multimodal.inputs import MultiModalKwargsItems
+
+    image = Image.fromarray(photo_array("coffee")).resize((200, 140))
+    tensors = BatchFeature(dict(qwen2_vl_adapter.process(image, device_normalize=True).tensors))
+    (item,) = MultiModalKwargsItems.from_hf_inputs(tensors, layout.fields_config(tensors))["image"]
+    return item
+
+
+def replaced(item, key: str, data=None, field=None):
+    elem = item[key]
+    return type(item)(
+        {**item, key: type(elem)(data=elem.data if data is None else data, field=field or elem.field)}
+    )
+
+
+def test_a_real_item_passes_with_its_grid_and_count(layout, photo_item, qwen2_vl_adapter):
+    checked = layout.check(photo_item, InvalidRequest, "item")
+    grid = tuple(photo_item["image_grid_thw"].data.tolist())
+    assert checked.grid == grid and checked.num_placeholders == qwen2_vl_adapter.num_placeholders(grid)
+    assert photo_item["pixel_values"].data.dtype == torch.uint8
+    # the float32 item of the same image has the same layout (pixel dtype follows the pixel mode)
+    floats = replaced(photo_item, "pixel_values", photo_item["pixel_values"].data.float())
+    assert layout.check(floats, InvalidRequest, "item").grid == grid
+
+
+def test_malformed_items_are_refused_with_the_callers_error(layout, photo_item):
+    from vllm.multimodal.inputs import MultiModalBatchedField
+
+    pixels = photo_item["pixel_values"].data
+    grid = photo_item["image_grid_thw"].data
+    t, h, w = grid.tolist()
+    cases = {
+        "fewer rows than the grid": replaced(photo_item, "pixel_values", pixels[:-4]),
+        "more rows than the grid": replaced(photo_item, "pixel_values", torch.cat([pixels, pixels[:4]])),
+        "grid claims more patches": replaced(photo_item, "image_grid_thw", torch.tensor([t, h, w + 2])),
+        "grid of two numbers": replaced(photo_item, "image_grid_thw", torch.tensor([h, w])),
+        "grid of zeros": replaced(photo_item, "image_grid_thw", torch.tensor([0, h, w])),
+        "grid as int32": replaced(photo_item, "image_grid_thw", grid.to(torch.int32)),
+        "rows one value short": replaced(photo_item, "pixel_values", pixels[:, :-1]),
+        "pixels as a batched field": replaced(photo_item, "pixel_values", field=MultiModalBatchedField()),
+        "an extra field": type(photo_item)({**photo_item, "image_embeds": photo_item["pixel_values"]}),
+        "a missing field": type(photo_item)({"pixel_values": photo_item["pixel_values"]}),
+    }
+    for name, item in cases.items():
+        with pytest.raises(CorruptFeature, match=r"^payload") as info:
+            layout.check(item, CorruptFeature, "payload", "mmfile:v1:x")
+        assert info.value.ref == "mmfile:v1:x", name
+        assert " at 0x" not in info.value.message, name
+
+
+def test_a_claimed_grid_allocates_nothing(layout, photo_item):
+    """A few rows claiming a 512x512-patch grid (1.2 GB of float32 pixels if sized) are refused
+    without the process growing: the check slices the item's own tensors."""
+    rss = psutil.Process().memory_info().rss
+    forged = replaced(photo_item, "image_grid_thw", torch.tensor([1, 512, 512]))
+    with pytest.raises(InvalidRequest, match="its grid needs 262144"):
+        layout.check(forged, InvalidRequest, "item")
+    assert psutil.Process().memory_info().rss - rss < 64 << 20
+
+
+def test_decode_round_trip_and_refusals(photo_item):
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
+
+    from vllm_plugin.items import decode_item, encode_item
+
+    encoded = encode_item(photo_item)
+    assert torch.equal(decode_mm_kwargs_item(encoded)["pixel_values"].data, photo_item["pixel_values"].data)
+    assert torch.equal(
+        decode_item(encoded, InvalidRequest, "x")["pixel_values"].data, photo_item["pixel_values"].data
+    )
+    for bad in ("!!not base64!!", "AAAA", "", "kQ=="):
+        with pytest.raises(InvalidRequest, match=r"^slot 3 is not a valid vLLM item"):
+            decode_item(bad, InvalidRequest, "slot 3")
+
+
+def test_a_broken_vllm_install_is_not_a_client_error(monkeypatch, photo_item):
+    """The codec is imported outside the client-error handler: an ImportError stays an ImportError
+    (a 500 from vLLM's handler), never a 400 blaming the request (house issue 12)."""
+    from vllm_plugin.items import decode_item, encode_item
+
+    encoded = encode_item(photo_item)
+    monkeypatch.setitem(sys.modules, "vllm.v1.serial_utils", None)  # the import now fails for real
+    outcome: list[BaseException | None] = []
+
+    def in_a_fresh_thread() -> None:  # the codec is per thread: a new thread imports it again
+        try:
+            decode_item(encoded, InvalidRequest, "slot")
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=in_a_fresh_thread)
+    thread.start()
+    thread.join()
+    assert isinstance(outcome[0], ImportError) and not isinstance(outcome[0], InvalidRequest)

@@ -1,0 +1,253 @@
+"""Differential test of the route: the same bodies to stock vLLM and to vLLM with the plugin.
+
+Two servers at once, same tiny Qwen2-VL, same flags (``helpers.SERVER_ARGS``), the stock one
+without ``VLLM_PLUGINS``. Every body stock serves must get stock's answer from the plugin server
+(status, tokens, finish reasons, logprobs, streamed tokens); every body stock refuses must get
+stock's own error body, byte for byte once parsed. The bodies: vLLM's own render output (inline
+items), ``null`` slots after an inline item, a literal placeholder token in user text, ranges over
+text tokens, ``content_parts``, streaming, ``cache_salt``, ``priority``, the largest body stock
+serves, bodies built by the released ``renderers`` client's feature builder (its ``generate()``
+expects ``"token_id:N"`` logprob strings, which vLLM 0.32's route does not return, so only its
+builder is used), and stock's refusals.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import hashlib
+import io
+import json
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import torch
+
+from helpers import SERVER_ARGS, VLLMServer, photo_bytes, start_server, warm_up
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
+
+GREEDY = {"temperature": 0, "max_tokens": 6, "logprobs": 1}
+PAD = 261
+
+
+@pytest.fixture(scope="module")
+def stock(qwen2_vl_dir, output_root, tmp_path_factory) -> Iterator[VLLMServer]:
+    """Stock vLLM (no endpoint plugin) with the session plugin server's flags."""
+    log = tmp_path_factory.mktemp("stock") / "server.log"
+    srv = start_server(qwen2_vl_dir, output_root, log, plugin=False, extra_args=SERVER_ARGS)
+    try:
+        assert "Loaded endpoint plugin" not in srv.log()
+        warm_up(srv)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def data_url(name: str, size: tuple[int, int] | None = None) -> str:
+    return "data:image/jpeg;base64," + base64.b64encode(photo_bytes(name, size=size)).decode()
+
+
+def rendered(server: VLLMServer, names: list[str], text: str = "Describe the pictures.") -> dict:
+    """vLLM's own render of a chat with these photos: expanded ``token_ids`` and ``features``."""
+    content = [{"type": "image_url", "image_url": {"url": data_url(n)}} for n in names]
+    messages = [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
+    with server.client() as c:
+        r = c.post("/v1/chat/completions/render", json={"model": str(server.model), "messages": messages})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return {"token_ids": body["token_ids"], "features": body["features"], "sampling_params": GREEDY}
+
+
+def answer(response) -> tuple:
+    """What must be equal: the status and, for a 200, tokens, finish reasons and logprobs (streamed
+    or not); for an error, the whole body."""
+    if response.status_code != 200:
+        return response.status_code, response.json()
+    if response.headers["content-type"].startswith("text/event-stream"):
+        events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [msgspec.json.decode(e) for e in events[:-1]]
+        assert not any("error" in ch for ch in chunks), chunks
+        choices = [ch for chunk in chunks for ch in chunk["choices"]]
+        tokens = [t for ch in choices for t in ch["token_ids"] or ()]
+        reasons = [ch["finish_reason"] for ch in choices if ch["finish_reason"]]
+        logprobs = [lp["logprob"] for ch in choices for lp in (ch["logprobs"] or {}).get("content") or ()]
+        return 200, "stream", tokens, reasons, logprobs
+    choices = response.json()["choices"]
+    logprobs = [lp["logprob"] for ch in choices for lp in (ch["logprobs"] or {}).get("content") or ()]
+    return 200, [ch["token_ids"] for ch in choices], [ch["finish_reason"] for ch in choices], logprobs
+
+
+def assert_same(name: str, ours: tuple, theirs: tuple) -> None:
+    assert ours[0] == theirs[0], (name, ours, theirs)
+    if ours[0] != 200:
+        assert ours == theirs, name  # stock's refusal: stock's body
+        return
+    assert ours[:-1] == theirs[:-1], name
+    assert len(ours[-1]) == len(theirs[-1]), name
+    assert max((abs(a - b) for a, b in zip(ours[-1], theirs[-1], strict=True)), default=0) <= 1e-4, name
+
+
+def post_both(stock: VLLMServer, ours: VLLMServer, name: str, **request) -> tuple:
+    """Send one request to both servers; assert the same answer; return stock's."""
+    with stock.client() as a, ours.client() as b:
+        theirs = answer(a.post("/inference/v1/generate", **request))
+        mine = answer(b.post("/inference/v1/generate", **request))
+    assert_same(name, mine, theirs)
+    return theirs
+
+
+def test_bodies_stock_serves_get_stocks_answer(stock, server):
+    one = rendered(stock, ["coffee"])
+    two = rendered(stock, ["rocket", "chelsea"])
+    (placeholder,) = one["features"]["mm_placeholders"]["image"]
+    offset, length = placeholder["offset"], placeholder["length"]
+    null_slot = copy.deepcopy(one)
+    null_slot["features"].update(kwargs_data={"image": [None]}, mm_metadata=None)
+    literal_pad = copy.deepcopy(one)  # user text holding <|image_pad|>: 55 pad ids, 54 covered
+    literal_pad["token_ids"] = [*one["token_ids"][:5], PAD, *one["token_ids"][5:]]
+    literal_pad["features"]["mm_placeholders"]["image"] = [{"offset": offset + 1, "length": length}]
+    over_text = copy.deepcopy(one)  # the range covers vision_start and a text token: vLLM merges by range
+    over_text["features"]["mm_placeholders"]["image"] = [{"offset": offset - 2, "length": length}]
+    text = {"token_ids": [3, 17, 42, 99, 7], "sampling_params": GREEDY}
+    content_parts = {
+        "token_ids": [
+            *one["token_ids"][: offset - 1],
+            259,
+            PAD,
+            260,
+            *one["token_ids"][offset + length + 1 :],
+        ],
+        "content_parts": [{"type": "image_url", "url": data_url("astronaut")}],
+        "sampling_params": GREEDY,
+        "return_token_ids": True,
+    }
+    cases = {
+        "text only": text,
+        "text, sampled with a seed, n=2": {**text, "sampling_params": {"max_tokens": 5, "seed": 7, "n": 2, "logprobs": 2}},
+        "inline item (vLLM's render output)": one,
+        "two inline items": two,
+        "null slot after that hash was sent inline": null_slot,
+        "literal placeholder token in user text beside an image": literal_pad,
+        "a range over text tokens": over_text,
+        "content_parts": content_parts,
+        "streaming, text": {**text, "stream": True},
+        "streaming, inline item": {**one, "stream": True},
+        "cache_salt": {**one, "cache_salt": "salt-1"},
+        "priority": {**text, "priority": 3},
+        "return_token_ids with features": {**two, "return_token_ids": True},
+    }  # fmt: skip
+    for name, body in cases.items():
+        status = post_both(stock, server, name, json=body)[0]
+        assert status == 200, name
+
+
+def test_stock_refusals_keep_stocks_body(stock, server):
+    one = rendered(stock, ["astronaut"])
+    ids = one["token_ids"]
+    (placeholder,) = one["features"]["mm_placeholders"]["image"]
+    json_type = {"content-type": "application/json"}
+    base = {"token_ids": [1, 2, 3], "sampling_params": GREEDY}
+    cases = {
+        "invalid JSON": {"content": b"{not json", "headers": json_type},
+        "no content type": {"content": b'{"token_ids": [1]}', "headers": {"content-type": ""}},
+        "text/plain": {"content": json.dumps(base).encode(), "headers": {"content-type": "text/plain"}},
+        "+json with bad JSON": {"content": b"{x", "headers": {"content-type": "application/vnd.api+json"}},
+        "empty body": {"content": b"", "headers": json_type},
+        "a JSON array": {"json": [1, 2]},
+        "nesting 1500 deep": {"content": b'{"token_ids": ' + b"[" * 1500 + b"]" * 1500 + b"}", "headers": json_type},
+        "token_ids missing": {"json": {"sampling_params": GREEDY}},
+        "negative token id": {"json": {**base, "token_ids": [-1]}},
+        "max_tokens 0": {"json": {**base, "sampling_params": {"max_tokens": 0}}},
+        "NaN temperature": {"content": b'{"token_ids":[1],"sampling_params":{"temperature":NaN}}', "headers": json_type},
+        "token id beyond the vocabulary": {"json": {**base, "token_ids": [10**9]}},
+        "prompt longer than max_model_len": {"json": {**base, "token_ids": [1] * 5000}},
+        "sampling_params a string": {"json": {**base, "sampling_params": "x"}},
+        "empty cache_salt": {"json": {**base, "cache_salt": ""}},
+        "n above max_num_seqs": {"json": {**base, "sampling_params": {"n": 9}}},
+        "range beyond the prompt": {"json": {**one, "features": {**one["features"], "mm_placeholders": {"image": [{"offset": len(ids), "length": 5}]}}}},
+        "overlapping ranges": {"json": {**one, "features": {
+            "mm_hashes": {"image": ["a" * 64, "b" * 64]},
+            "mm_placeholders": {"image": [placeholder, placeholder]},
+            "kwargs_data": {"image": one["features"]["kwargs_data"]["image"] * 2}}}},
+        "metadata-only item without ec_transfer_params": {"json": {**one, "features": {**one["features"], "kwargs_data": {"image": [None]}}}},
+        "content_parts and features": {"json": {**one, "content_parts": [{"type": "image_url", "url": data_url("coffee")}]}},
+    }  # fmt: skip
+    for name, request in cases.items():
+        status, body = post_both(stock, server, name, **request)
+        assert 400 <= status < 500 and "mmref_code" not in json.dumps(body), (name, body)
+
+
+def test_the_largest_body_stock_serves_is_served(stock, server):
+    """30 images at the processor's maximum size as float32 inline items (what the renderers client
+    sends): 48 MB, more than the old 32 MiB limit, within max_model_len: stock serves it, so does
+    the plugin (its default limit is derived from the served model)."""
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import (
+        decode_mm_kwargs_item,
+        encode_mm_kwargs_item,
+    )
+
+    big = rendered(stock, ["astronaut"])  # 512x512: capped at the processor's max pixels
+    (length,) = [p["length"] for p in big["features"]["mm_placeholders"]["image"]]
+    item = decode_mm_kwargs_item(big["features"]["kwargs_data"]["image"][0])
+    pixels = item["pixel_values"]
+    item = type(item)({**item, "pixel_values": type(pixels)(data=pixels.data.float(), field=pixels.field)})
+    encoded = encode_mm_kwargs_item(item)
+    ids, ranges = [1], []
+    for _ in range(30):
+        ids.append(259)
+        ranges.append({"offset": len(ids), "length": length})
+        ids += [PAD] * length + [260]
+    body = {
+        "token_ids": [*ids, 2],
+        "sampling_params": {**GREEDY, "max_tokens": 2},
+        "features": {
+            "mm_hashes": {"image": [f"big{i:061d}" for i in range(30)]},
+            "mm_placeholders": {"image": ranges},
+            "kwargs_data": {"image": [encoded] * 30},
+        },
+    }
+    content = msgspec.json.encode(body)
+    assert len(content) > 40 << 20
+    assert (
+        post_both(stock, server, "48 MB", content=content, headers={"content-type": "application/json"})[0]
+        == 200
+    )
+
+
+def test_renderers_client_feature_builder_bodies(stock, server, qwen2_vl_adapter):
+    """Bodies whose ``features`` the released renderers client builds (``_build_qwen_vl_features``,
+    renderers 0.1.12) from the model's HF processor output, as a client that processes images
+    itself sends them; inline and, after that, as a cache-only ``null`` slot."""
+    from PIL import Image
+    from renderers.base import MultiModalData, PlaceholderRange
+    from renderers.client import _build_qwen_vl_features
+
+    names = ["chelsea", "coffee"]
+    template = rendered(stock, names)  # the chat's expanded ids and ranges, from vLLM itself
+    images = [Image.open(io.BytesIO(photo_bytes(n))).convert("RGB") for n in names]
+    processed = [qwen2_vl_adapter.image_processor(images=[im], return_tensors="pt") for im in images]
+    placeholders = [
+        PlaceholderRange(offset=p["offset"], length=p["length"])
+        for p in template["features"]["mm_placeholders"]["image"]
+    ]
+    mm_data = MultiModalData(
+        mm_hashes={"image": [hashlib.sha256(photo_bytes(n)).hexdigest() for n in names]},
+        mm_placeholders={"image": placeholders},
+        mm_items={"image": [{"pixel_values": p["pixel_values"].numpy(), "image_grid_thw": p["image_grid_thw"].numpy()} for p in processed]},
+    )  # fmt: skip
+    features = _build_qwen_vl_features(mm_data, spatial_merge_size=2)
+    body = {
+        "token_ids": template["token_ids"],
+        "features": features,
+        "sampling_params": GREEDY,
+        "cache_salt": "r",
+    }
+    assert post_both(stock, server, "renderers features", json=body)[0] == 200
+    cached = {**body, "features": {**features, "kwargs_data": {"image": [None, None]}}}
+    assert post_both(stock, server, "renderers features, null slots", json=cached)[0] == 200
+    streamed = {**body, "stream": True, "priority": 0}
+    assert post_both(stock, server, "renderers features, streamed", json=streamed)[0] == 200
+    assert torch.is_floating_point(processed[0]["pixel_values"])  # float32 normalized, as the client sends

