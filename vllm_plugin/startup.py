@@ -12,6 +12,7 @@ from vllm_plugin.config import PluginConfig
 from vllm_plugin.engine_items import EngineItems
 from vllm_plugin.items import ItemLayout
 from vllm_plugin.resolver import MMRefResolver
+from vllm_plugin.seeds import SeedGuard
 from vllm_plugin.serving import MMRefServing
 
 __all__ = ["build_serving", "default_body_limit", "refuse_unsafe_settings", "serving_tokens"]
@@ -26,6 +27,8 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
     Raises:
         pydantic.ValidationError, UnsupportedFamily, RuntimeError: see ``plugin.init_state``.
     """
+    from vllm.platforms import current_platform
+
     from protocol.adapters import adapter_class
 
     config = PluginConfig()
@@ -62,6 +65,7 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
         allowed_local_media_path=model_config.allowed_local_media_path or None,
         ec_transfer=vllm_config.ec_transfer_config is not None,
         max_body_bytes=body_limit,
+        seed_guard=SeedGuard.for_engine(vllm_config, is_cpu=current_platform.is_cpu()),
     )
 
 
