@@ -39,7 +39,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, best_fit_with_exchange, lpt_bins, plan_bins
 
 __all__ = ["DpPartition", "min_micro_batches", "partition_mini_batch"]
 
@@ -390,55 +390,15 @@ def _limit(
 def _relocate(
     items: list[int], bins: list[list], lengths: Sequence[int], keys: Sequence[Hashable], place: Sequence[int]
 ) -> bool:
-    """Place ``items`` (largest first) into ``bins`` (``[load, indices, limit, vision]``, changed
-    in place) by best fit, or else make room by one exchange (the moves of Fleszar & Hindi 2002's
-    bin-packing local search): a sample ``y`` of a bin ``A`` moves to another bin ``B``, in trade
-    for one of ``B``'s smaller samples or for nothing, so that ``A`` gains the room ``x`` needs and
-    ``B`` stays within its limit. A sample goes only where its key and side allow; a bin above its
-    limit (a sample above the cap) is closed. Returns False (``bins`` then unspecified) when a
-    sample fits neither way."""
+    """:func:`~trainer_lib.bins.best_fit_with_exchange` where a sample may go only where its key
+    and its side (``place``: vision, text or either) allow."""
 
     def fits(i: int, c: list) -> bool:
         return (not c[1] or keys[c[1][0]] == keys[i]) and (
             place[i] == _EITHER or (place[i] == _VISION) == c[3]
         )
 
-    for x in sorted(items, key=lengths.__getitem__, reverse=True):
-        n = lengths[x]
-        ok = sorted((c for c in bins if c[0] <= c[2] and fits(x, c)), key=lambda c: c[0] - c[2])
-        if fit := [c for c in ok if c[2] - c[0] >= n]:
-            c = fit[-1]  # best fit: the least room that holds x
-        elif not (c := _make_room(n, ok, bins, lengths, fits)):
-            return False
-        c[0] += n
-        c[1].append(x)
-    return True
-
-
-def _make_room(n: int, ok: list[list], bins: list[list], lengths: Sequence[int], fits) -> list | None:
-    """The exchange of :func:`_relocate`: the first bin of ``ok`` (most room first) that one trade
-    with another bin leaves ``n`` tokens of room, after the trade; None if there is none."""
-    for a in ok:
-        need = n - (a[2] - a[0])
-        for b in bins:
-            room = b[2] - b[0]
-            if b is a or room < need or b[0] > b[2]:
-                continue
-            for y in a[1]:
-                if not fits(y, b) or lengths[y] < need:
-                    continue
-                for z in [None, *b[1]]:
-                    d = lengths[y] - (0 if z is None else lengths[z])
-                    if need <= d <= min(room, n) and (z is None or fits(z, a)):
-                        a[1].remove(y)
-                        b[1].append(y)
-                        if z is not None:
-                            b[1].remove(z)
-                            a[1].append(z)
-                        a[0] -= d
-                        b[0] += d
-                        return a
-    return None
+    return best_fit_with_exchange(items, bins, lengths, fits)
 
 
 def _deal(slots: list[list[tuple[int, list[int]]]], kinds: Sequence[int], dp: int) -> DpPartition:
