@@ -1,5 +1,6 @@
 """Bin capacity and bin planning for packing (docs/PACKING.md): first-fit-decreasing
-(:func:`plan_bins`) and longest-processing-time-first into a given number of bins (:func:`lpt_bins`).
+(:func:`plan_bins`), longest-processing-time-first into a given number of bins (:func:`lpt_bins`),
+and best fit with one exchange move into existing bins (:func:`best_fit_with_exchange`).
 
 Pure Python + numpy: lengths, isolation keys and compatibility kinds in, bins of indices out.
 """
@@ -8,12 +9,12 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["NEUTRAL", "PIXELS", "STRAY", "bin_capacity", "lpt_bins", "plan_bins"]
+__all__ = ["NEUTRAL", "PIXELS", "STRAY", "best_fit_with_exchange", "bin_capacity", "lpt_bins", "plan_bins"]
 
 NEUTRAL, PIXELS, STRAY = 0, 1, 2
 """Bin-compatibility classes: text without placeholder tokens joins any bin; a sample with
@@ -252,3 +253,62 @@ def _bins_per_key(
         if size[k] > alloc[k]:
             heapq.heappush(queue, (-total[k] / alloc[k], n, k))
     return alloc
+
+
+def best_fit_with_exchange(
+    items: list[int], bins: list[list], lengths: Sequence[int], fits: Callable[[int, list], bool]
+) -> bool:
+    """Place ``items`` (indices into ``lengths``, largest first) into ``bins`` by best fit, or else
+    make room by one exchange (the moves of Fleszar & Hindi 2002's bin-packing local search): a
+    sample ``y`` of a bin ``A`` moves to another bin ``B``, in trade for one of ``B``'s smaller
+    samples or for nothing, so that ``A`` gains the room the item needs and ``B`` stays within its
+    limit. No bin loses more tokens than the item brings.
+
+    Args:
+        items: the samples to place.
+        bins: ``[load, indices, limit, *extra]`` each (tokens, sample indices, token limit, any
+            data ``fits`` reads), changed in place; a bin above its limit is closed.
+        lengths: tokens per sample.
+        fits: whether sample ``i`` may join bin ``c`` (isolation keys, sides).
+
+    Returns:
+        True when every item was placed; False (``bins`` then unspecified) when one fits neither way.
+    """
+    for x in sorted(items, key=lengths.__getitem__, reverse=True):
+        n = lengths[x]
+        ok = sorted((c for c in bins if c[0] <= c[2] and fits(x, c)), key=lambda c: c[0] - c[2])
+        if fit := [c for c in ok if c[2] - c[0] >= n]:
+            c = fit[-1]  # best fit: the least room that holds x
+        elif not (c := _make_room(n, ok, bins, lengths, fits)):
+            return False
+        c[0] += n
+        c[1].append(x)
+    return True
+
+
+def _make_room(
+    n: int, ok: list[list], bins: list[list], lengths: Sequence[int], fits: Callable[[int, list], bool]
+) -> list | None:
+    """The exchange of :func:`best_fit_with_exchange`: the first bin of ``ok`` (most room first)
+    that one trade with another bin leaves ``n`` tokens of room, after the trade; None if none."""
+    for a in ok:
+        need = n - (a[2] - a[0])
+        for b in bins:
+            room = b[2] - b[0]
+            if b is a or room < need or b[0] > b[2]:
+                continue
+            for y in a[1]:
+                if not fits(y, b) or lengths[y] < need:
+                    continue
+                for z in [None, *b[1]]:
+                    d = lengths[y] - (0 if z is None else lengths[z])
+                    if need <= d <= min(room, n) and (z is None or fits(z, a)):
+                        a[1].remove(y)
+                        b[1].append(y)
+                        if z is not None:
+                            b[1].remove(z)
+                            a[1].append(z)
+                        a[0] -= d
+                        b[0] += d
+                        return a
+    return None

@@ -20,7 +20,10 @@ gathered layer by layer), so the slowest rank of a slot sets its pace. The algor
 3. **Tail.** The other bins' samples are re-dealt to ``dp`` bins per remaining slot by LPT
    (:func:`~trainer_lib.bins.lpt_bins`); if that overflows a bin, FFD's are kept. A tail sample
    larger than the tail's mean bin first trades its bin for the head bin of the smallest samples.
-4. **Deal.** Slot by slot, the bin with the most tokens goes to the rank with the fewest so far.
+4. **Fewer slots.** While the plan has more slots than :func:`min_micro_batches`, its lightest
+   slot is emptied into the others (best fit, else one trade between two bins that makes room:
+   Fleszar & Hindi 2002's exchange moves), or the plan is kept. No bin loses tokens.
+5. **Deal.** Slot by slot, the bin with the most tokens goes to the rank with the fewest so far.
 
 Guarantees (proofs in docs/PACKING.md §3): (G1) rank token totals differ by at most the largest
 token spread inside one slot; (G2) with one isolation key, no image, no sample above the cap and a
@@ -36,7 +39,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, best_fit_with_exchange, lpt_bins, plan_bins
 
 __all__ = ["DpPartition", "min_micro_batches", "partition_mini_batch"]
 
@@ -141,11 +144,16 @@ def partition_mini_batch(
     place = _places(lengths, kinds, cap, reserve) if PIXELS in kinds else [_EITHER] * n
     long_slots, rest = _long_slots(lengths, keys, kinds, place, cap, reserve, dp_size, stretch_cap)
     if PIXELS not in kinds:
-        return _deal(long_slots + _section(rest, lengths, keys, kinds, cap, dp_size, weight), kinds, dp_size)
+        slots = long_slots + _section(rest, lengths, keys, kinds, cap, dp_size, weight)
+        return _deal(
+            _drop_slots(slots, lengths, keys, kinds, place, cap, 0, dp_size, stretch_cap), kinds, dp_size
+        )
     text_slots, free = _text_slots(rest, lengths, keys, place, cap, reserve, dp_size)
     vision = [i for i in rest if place[i] == _VISION] + free
     slots = long_slots + _section(vision, lengths, keys, kinds, cap - reserve, dp_size, weight) + text_slots
-    return _deal(slots, kinds, dp_size)
+    return _deal(
+        _drop_slots(slots, lengths, keys, kinds, place, cap, reserve, dp_size, stretch_cap), kinds, dp_size
+    )
 
 
 def _text_slots(
@@ -226,6 +234,11 @@ def _slots_needed(
     items: Iterable[int], lengths: Sequence[int], keys: Sequence[Hashable], cap: int, dp: int
 ) -> int:
     """``ceil(bins / dp)``, bins counted per key: one per sample above ``cap``, the rest full."""
+    if not keys or list(keys).count(keys[0]) == len(keys):  # one key (the usual case): no grouping
+        sizes = list(map(lengths.__getitem__, items))
+        over = sum(n > cap for n in sizes)
+        fit_tokens = sum(sizes) - sum(n for n in sizes if n > cap)
+        return -(-(over + -(-fit_tokens // cap)) // dp)
     over, fit = 0, {}
     for i in items:
         if lengths[i] > cap:
@@ -324,6 +337,68 @@ def _swap_big_samples_out(
         if biggest[k] >= big:
             return
         head[k], tail[j], biggest[k] = tail[j], head[k], big
+
+
+def _drop_slots(
+    slots: list[list[tuple[int, list[int]]]],
+    lengths: Sequence[int],
+    keys: Sequence[Hashable],
+    kinds: Sequence[int],
+    place: Sequence[int],
+    cap: int,
+    reserve: int,
+    dp: int,
+    stretch: bool,
+) -> list[list[tuple[int, list[int]]]]:
+    """Step 4: while the plan has more slots than :func:`min_micro_batches`, empty its lightest
+    slot into the others by :func:`_relocate`, or keep the slots as they are. A sample goes only to
+    a slot of its side (pixels: vision slots; stray or near-cap text: text slots; plain text:
+    either), and a bin holds at most its limit (:func:`_limit`), so every rule holds; bins only
+    gain tokens, so full bins stay full."""
+    slots = [slot for slot in slots if any(b for _, b in slot)]
+    floor = _floor(range(len(lengths)), lengths, keys, place, dp, cap, reserve)
+    pix = {i for i, k in enumerate(kinds) if k == PIXELS}
+    while len(slots) > floor:
+        v = min(range(len(slots)), key=lambda s: sum(load for load, _ in slots[s]))
+        bins = [
+            [load, list(b), _limit(slot, lengths, cap, reserve, stretch, vision), vision]
+            for s, slot in enumerate(slots)
+            if s != v
+            for vision in [any(not pix.isdisjoint(b) for _, b in slot)]
+            for load, b in slot
+        ]
+        if not _relocate([i for _, b in slots[v] for i in b], bins, lengths, keys, place):
+            break
+        slots = [[(c[0], c[1]) for c in bins[s * dp : (s + 1) * dp]] for s in range(len(slots) - 1)]
+    return slots
+
+
+def _limit(
+    slot: list[tuple[int, list[int]]],
+    lengths: Sequence[int],
+    cap: int,
+    reserve: int,
+    stretch: bool,
+    vision: bool,
+) -> int:
+    """Tokens a bin of ``slot`` may hold: ``cap`` (``stretch``: at least the slot's longest sample,
+    as :func:`_long_slots` filled it), less ``reserve`` in a vision slot."""
+    longest = max((lengths[i] for _, b in slot for i in b), default=0) if stretch else 0
+    return max(cap, longest) - (reserve if vision else 0)
+
+
+def _relocate(
+    items: list[int], bins: list[list], lengths: Sequence[int], keys: Sequence[Hashable], place: Sequence[int]
+) -> bool:
+    """:func:`~trainer_lib.bins.best_fit_with_exchange` where a sample may go only where its key
+    and its side (``place``: vision, text or either) allow."""
+
+    def fits(i: int, c: list) -> bool:
+        return (not c[1] or keys[c[1][0]] == keys[i]) and (
+            place[i] == _EITHER or (place[i] == _VISION) == c[3]
+        )
+
+    return best_fit_with_exchange(items, bins, lengths, fits)
 
 
 def _deal(slots: list[list[tuple[int, list[int]]]], kinds: Sequence[int], dp: int) -> DpPartition:
