@@ -9,7 +9,8 @@ temporal patch 2, CLIP mean/std, bicubic). A 1024x768 photo then becomes grid ``
 language model stays tiny (2 layers, hidden 64).
 
 Cached under ``<repo>/.cache/bench_models/qwen2_vl_realsize`` (rebuilt when the source model's
-recipe or the limits change).
+recipe or the limits change). :func:`qwen2_vl_2b_config` is the full-size Qwen2-VL-2B config
+(published shapes, for random weights on a GPU and for the FLOP cost model).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from _common import REPO
 
-__all__ = ["REAL_MAX_PIXELS", "REAL_MIN_PIXELS", "ensure_bench_model"]
+__all__ = ["REAL_MAX_PIXELS", "REAL_MIN_PIXELS", "ensure_bench_model", "qwen2_vl_2b_config"]
 
 REAL_MIN_PIXELS = 56 * 56
 REAL_MAX_PIXELS = 28 * 28 * 16384
@@ -75,6 +76,41 @@ def ensure_bench_model() -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+IMAGE_TOKEN, V_START, V_END = 151655, 151652, 151653  # Qwen2-VL's ids (the 2B-shaped config)
+
+
+def qwen2_vl_2b_config():
+    """Qwen2-VL-2B-Instruct's published shapes (config.json), random weights."""
+    from transformers import Qwen2VLConfig
+
+    return Qwen2VLConfig(
+        text_config={
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "vocab_size": 151936,
+            "max_position_embeddings": 32768,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
+            "tie_word_embeddings": True,
+        },
+        vision_config={
+            "depth": 32,
+            "embed_dim": 1280,
+            "hidden_size": 1536,
+            "mlp_ratio": 4,
+            "num_heads": 16,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        image_token_id=IMAGE_TOKEN,
+        vision_start_token_id=V_START,
+        vision_end_token_id=V_END,
+    )
 
 
 if __name__ == "__main__":

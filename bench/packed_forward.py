@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_bytes, machine_facts, print_table, ratio_row
+from _models import qwen2_vl_2b_config
 from pack import make_ref
 
 from protocol.structs import MMRefs, TrainingSample
@@ -42,39 +43,6 @@ from trainer_lib import packed_inputs, packed_logprobs, prepare_model_for_packin
 from trainer_lib.packing import pack_samples
 
 TARGET = 2.5
-IMAGE_TOKEN, V_START, V_END = 151655, 151652, 151653  # Qwen2-VL's ids (the 2B-shaped config)
-
-
-def qwen2_vl_2b_config():
-    """Qwen2-VL-2B-Instruct's published shapes (config.json), random weights."""
-    from transformers import Qwen2VLConfig
-
-    return Qwen2VLConfig(
-        text_config={
-            "hidden_size": 1536,
-            "intermediate_size": 8960,
-            "num_hidden_layers": 28,
-            "num_attention_heads": 12,
-            "num_key_value_heads": 2,
-            "vocab_size": 151936,
-            "max_position_embeddings": 32768,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]},
-            "tie_word_embeddings": True,
-        },
-        vision_config={
-            "depth": 32,
-            "embed_dim": 1280,
-            "hidden_size": 1536,
-            "mlp_ratio": 4,
-            "num_heads": 16,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
-        image_token_id=IMAGE_TOKEN,
-        vision_start_token_id=V_START,
-        vision_end_token_id=V_END,
-    )
 
 
 def build_model(tiny: bool, device: str, dtype: torch.dtype):

@@ -19,7 +19,8 @@ not know this module::
     ├── ImageUnreadable(MMRefError, ValueError)              422    image_unreadable
     ├── CorruptFeature(MMRefError, ValueError)               422    corrupt_feature
     ├── GridMismatch(MMRefError, ValueError)                 422    grid_mismatch
-    └── PlaceholderMismatch(MMRefError, ValueError)          422    placeholder_mismatch
+    ├── PlaceholderMismatch(MMRefError, ValueError)          422    placeholder_mismatch
+    └── SeedUnsupported(MMRefError, ValueError)              400    seed_unsupported
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ __all__ = [
     "MMRefError",
     "NotCached",
     "PlaceholderMismatch",
+    "SeedUnsupported",
     "UnsupportedFamily",
     "all_error_types",
 ]
@@ -162,6 +164,14 @@ class PlaceholderMismatch(MMRefError, ValueError):
     http_status = 422
 
 
+class SeedUnsupported(MMRefError, ValueError):
+    """A seeded request this server cannot run without risking its engine (vLLM CPU servers whose
+    prefills may be split: ``vllm_plugin/seeds.py``)."""
+
+    code = "seed_unsupported"
+    http_status = 400
+
+
 def all_error_types() -> list[type[MMRefError]]:
     """Every concrete error class, in declaration order (codes are unique; tested)."""
     return [
@@ -178,4 +188,5 @@ def all_error_types() -> list[type[MMRefError]]:
         CorruptFeature,
         GridMismatch,
         PlaceholderMismatch,
+        SeedUnsupported,
     ]

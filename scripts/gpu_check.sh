@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU halves of issues 8 and 15, in one command on the lent GPU machine (docs/PACKING.md, "GPU
+# The GPU halves of issues 8, 13 and 15, in one command on the lent GPU machine (docs/PACKING.md, "GPU
 # measurements"): packed varlen vs one sample at a time (bf16; Qwen2-VL/2.5-VL/3-VL must be
 # bit-identical), the same for tiny Qwen3.5 / Qwen3.5-MoE with flash-linear-attention's varlen kernels
-# (and their leak control), and bench/packed_forward.py (Qwen2-VL-2B shapes, fwd+bwd tokens/s, peak
-# memory at caps 16k/8k). Logs go to $OUT (or /tmp).
+# (and their leak control), bench/packed_forward.py (Qwen2-VL-2B shapes, fwd+bwd tokens/s, peak
+# memory at caps 16k/8k), then bench/cost_model.py (seconds per micro-batch against the FLOP cost
+# model). Logs go to $OUT (or /tmp).
 # Prepare here first: `bash scripts/gpu_wheels.sh` and `make_tiny_models.py --family all`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,5 +25,7 @@ fi
 tests_rc=${PIPESTATUS[0]}
 "$PY" bench/packed_forward.py "$@" 2>&1 | tee "$LOGS/packed_forward.md"
 bench_rc=${PIPESTATUS[0]}
-echo "gpu tests rc=$tests_rc, bench rc=$bench_rc"
-exit $((tests_rc || bench_rc))
+"$PY" bench/cost_model.py 2>&1 | tee "$LOGS/cost_model.md"
+cost_rc=${PIPESTATUS[0]}
+echo "gpu tests rc=$tests_rc, bench rc=$bench_rc, cost model rc=$cost_rc"
+exit $((tests_rc || bench_rc || cost_rc))

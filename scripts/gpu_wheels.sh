@@ -8,7 +8,7 @@
 # importable, transformers routes the CPU Qwen3.5 forward to Triton kernels that cannot run on CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PKGS=(msgspec pydantic pydantic_core pydantic-settings annotated-types typing-inspection python-dotenv typing_extensions einops)
+PKGS=(msgspec pydantic pydantic_core pydantic-settings annotated-types typing-inspection python-dotenv typing_extensions einops prometheus_client)
 PINNED=(fla-core==0.6.0)
 mkdir -p .whl
 download() {

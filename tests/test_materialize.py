@@ -231,7 +231,7 @@ def test_a_synthetic_grid_is_bounded_before_its_zeros_are_sized(store, qwen2_vl_
     adapter's grid limits before synthesize_placeholder sizes zeros for them."""
     from trainer_lib.packing import PackEntry, build_micro_batch, rebuild_micro_batch
     from trainer_lib.padding import synthetic_image_pad
-    from trainer_lib.ranks import balance_micro_batches
+    from trainer_lib.plan import plan_step
 
     root, refs = store
     axes, _ = qwen2_vl_adapter.grid_limits()
@@ -250,13 +250,16 @@ def test_a_synthetic_grid_is_bounded_before_its_zeros_are_sized(store, qwen2_vl_
     text_only = TrainingSample(
         input_ids=[1, 2, 3], loss_mask=[False, True, True], advantages=[0.0] * 3, inference_logprobs=[0.0] * 3
     )
-    text = pack_samples([text_only], placeholder_token_id=TOK, seq_len=4096)
-    images = pack_samples([packable(refs["coffee"])], placeholder_token_id=TOK, seq_len=4096)
-    kwargs = dict(pad_token_id=0, placeholder_token_id=TOK, adapter=qwen2_vl_adapter)
+    step = [packable(refs["coffee"]), text_only]
+    kwargs = dict(dp_size=2, mini_batch_size=2, seq_len=4096, pad_token_id=0, placeholder_token_id=TOK)
     with pytest.raises(GridMismatch, match="exceeds"):
-        balance_micro_batches([images, text], synthetic_image_grid=huge, **kwargs)
-    (_, padded) = balance_micro_batches([images, text], synthetic_image_grid=(1, 4, 4), **kwargs)
-    assert materialize_micro_batch(padded.micro_batches[0], qwen2_vl_adapter, root).stats.images == 0
+        plan_step(step, synthetic_image_grid=huge, adapter=qwen2_vl_adapter, **kwargs)
+    (ranks,) = plan_step(
+        step, synthetic_image_grid=(1, 4, 4), adapter=qwen2_vl_adapter, **kwargs
+    ).mini_batches
+    padded = next(mb for r in ranks for mb in r.micro_batches if mb.sample_indices == [1])
+    assert padded.images[-1].ref is None and padded.images[-1].grid == (1, 4, 4)
+    assert materialize_micro_batch(padded, qwen2_vl_adapter, root).stats.images == 0
 
 
 def test_offloading_again_repairs_a_damaged_image(qwen2_vl_adapter, tmp_path):

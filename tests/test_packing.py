@@ -1,4 +1,4 @@
-"""trainer_lib.packing and trainer_lib.padding: FFD bins, isolation, image runs, accounting, dp balance."""
+"""trainer_lib.packing, padding, ranks, plan: FFD bins, isolation, image runs, accounting, dp steps."""
 
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ from protocol.errors import PlaceholderMismatch
 from protocol.placeholders import locate_image_runs
 from protocol.refs import RawRefBody, format_mmraw
 from protocol.structs import MMRefs, RawMMRef, TrainingSample, decode_microbatch, encode
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, bin_capacity, plan_bins
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, _first_fit, _first_fit_scan, bin_capacity, plan_bins
 from trainer_lib.model_inputs import check_placeholder_alignment
 from trainer_lib.packing import pack_samples, rebuild_micro_batch
 from trainer_lib.padding import pad_samples, padded_sample_count, smallest_image_grid
+from trainer_lib.partition import min_micro_batches
 from trainer_lib.plan import plan_step
-from trainer_lib.ranks import balance_micro_batches, split_micro_batches
 
 TOK = 261  # <|image_pad|> of the tiny models
 PAD = 256  # <|endoftext|>
@@ -240,20 +240,28 @@ def test_plan_bins_is_first_fit_decreasing(lengths, cap, data):
         assert not ({kinds[i] for i in b} >= {PIXELS, STRAY})
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 3000), min_size=0, max_size=120),
+    cap=st.sampled_from([1, 100, 1000, 4096]),
+    data=st.data(),
+)
+def test_first_fit_scan_and_numpy_search_agree(lengths, cap, data):
+    """plan_bins scans the open bins when few are expected, else searches them with numpy: the
+    same bins either way."""
+    n = len(lengths)
+    kinds = data.draw(st.lists(st.sampled_from([NEUTRAL, NEUTRAL, PIXELS, STRAY]), min_size=n, max_size=n))
+    order = sorted(range(n), key=lambda i: -lengths[i])
+    assert _first_fit_scan(order, lengths, kinds, cap) == _first_fit(order, lengths, kinds, cap)
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(samples=samples_strategy(), cap=st.sampled_from([64, 150, 400, 2048]), multiple=st.integers(1, 4))
-def test_pack_samples_properties(samples, cap, multiple):
+@given(samples=samples_strategy(), cap=st.sampled_from([64, 150, 400, 2048]))
+def test_pack_samples_properties(samples, cap):
     step = pack_samples(
-        samples,
-        placeholder_token_id=TOK,
-        seq_len=2048,
-        micro_batch_max_tokens=cap,
-        num_placeholders=count,
-        bins_multiple_of=multiple,
+        samples, placeholder_token_id=TOK, seq_len=2048, micro_batch_max_tokens=cap, num_placeholders=count
     )
     check_step_invariants(samples, step, cap)
-    plain = pack_samples(samples, placeholder_token_id=TOK, seq_len=2048, micro_batch_max_tokens=cap)
-    assert step.num_micro_batches <= -(-plain.num_micro_batches // multiple) * multiple
     assert step.micro_batch_max_tokens == cap
     assert 0.0 <= step.waste < 1.0
 
@@ -264,18 +272,26 @@ def test_pack_samples_properties(samples, cap, multiple):
     dp=st.integers(1, 4),
     mbs=st.integers(1, 8),
     critic=st.one_of(st.none(), st.integers(1, 6)),
-    cap=st.sampled_from([120, 400]),
+    cap=st.sampled_from([60, 120, 400]),
+    stretch=st.booleans(),
 )
-def test_plan_step_pads_and_balances(samples, dp, mbs, critic, cap):
+def test_plan_step_pads_and_balances(samples, dp, mbs, critic, cap, stretch):
+    """Through plan_step: every sample exactly once, isolation, pixels never with a stray
+    placeholder, the same micro-batch count on every rank with the vision tower on all or none,
+    the cap (stretched: the slot's longest sample), divisibility, pads that never make an optimizer
+    step alone, the micro-batch floor, and the guaranteed bound: ranks' token totals differ by at
+    most the largest spread inside one slot (docs/PACKING.md §3, G1)."""
     plan = plan_step(
         samples,
         dp_size=dp,
         mini_batch_size=mbs,
         critic_mini_batch_size=critic,
-        seq_len=cap,
+        seq_len=400,
+        micro_batch_max_tokens=cap,
         placeholder_token_id=TOK,
         pad_token_id=PAD,
         adapter=FakeAdapter(),
+        stretch_cap=stretch,
     )
     multiple = math.lcm(dp, mbs, critic or 1)
     total = len(samples) + plan.num_padding_samples
@@ -286,11 +302,22 @@ def test_plan_step_pads_and_balances(samples, dp, mbs, critic, cap):
         assert len(ranks) == dp
         counts = {r.num_micro_batches for r in ranks}
         assert len(counts) == 1  # same number of forwards on every rank
-        for k in range(counts.pop()):
-            assert len({r.micro_batches[k].has_pixels for r in ranks}) == 1  # vision tower on all or none
+        slots = list(zip(*(r.micro_batches for r in ranks), strict=True))
+        for column in slots:
+            assert len({mb.has_pixels for mb in column}) == 1  # vision tower on all or none
+            longest = max(s.length for mb in column for s in mb.slots if s.sample_index is not None)
+            for mb in column:
+                assert mb.num_tokens <= (max(cap, longest) if stretch else cap) or mb.sample_count == 1
+        work = [[sum(s.length for s in mb.slots if s.sample_index is not None) for mb in c] for c in slots]
+        rank_work = [sum(c[r] for c in work) for r in range(dp)]
+        assert max(rank_work) - min(rank_work) <= max(max(c) - min(c) for c in work)  # (G1)
+        lengths = [s.length for c in slots for mb in c for s in mb.slots if s.sample_index is not None]
+        if not stretch:
+            assert counts.pop() >= min_micro_batches(lengths, dp_size=dp, cap=cap)
         for r in ranks:
             for mb in r.micro_batches:
-                assert mb.num_tokens <= cap or mb.sample_count == 1
+                keys = {(s.sample.run_id, s.sample.lora_id) for s in mb.slots}
+                assert keys == {(mb.run_id, mb.lora_id)}  # isolation
                 assert not (mb.has_pixels and any(s.stray_placeholders for s in mb.slots))
                 for s in mb.slots:
                     if s.is_padding:
@@ -535,72 +562,63 @@ def test_padding_never_makes_an_optimizer_step_of_pads_alone():
     assert one.num_loss_tokens_per_mini_batch == [3, 0, 0]  # fewer real samples than steps: skip the zeros
 
 
-def test_split_micro_batches_deals_pixels_first_and_balances_tokens():
-    ref = make_ref(2, 2)
-    samples = [
-        make_sample([1] * n, [ref] if k % 3 == 0 else []) for k, n in enumerate([90, 80, 70, 60, 50, 40, 30])
-    ]
-    step = pack_samples(samples, placeholder_token_id=TOK, seq_len=100)
-    ranks = split_micro_batches(step, 3)
-    assert sorted(id(mb) for r in ranks for mb in r.micro_batches) == sorted(
-        id(mb) for mb in step.micro_batches
-    )
-    n_pix = sum(mb.has_pixels for mb in step.micro_batches)
-    for r in ranks:
-        flags = [mb.has_pixels for mb in r.micro_batches]
-        assert flags == sorted(flags, reverse=True) and sum(flags) <= -(-n_pix // 3)
-        assert r.num_micro_batches <= -(-step.num_micro_batches // 3)
-    assert [r.num_micro_batches for r in split_micro_batches(step, 10)].count(
-        0
-    ) == 10 - step.num_micro_batches
-
-
-def test_bins_multiple_of_spreads_tokens_over_a_multiple_of_bins():
-    samples = [make_sample([1] * n) for n in (47, 47, 47, 47, 22, 22, 22, 22)]  # 4 x 50 + 4 x 25 tokens
-    plain = pack_samples(samples, placeholder_token_id=TOK, seq_len=100)
-    spread = pack_samples(samples, placeholder_token_id=TOK, seq_len=100, bins_multiple_of=2)
-    assert [mb.num_tokens for mb in plain.micro_batches] == [100, 100, 100]
-    assert [mb.num_tokens for mb in spread.micro_batches] == [75, 75, 75, 75]
-    assert spread.num_tokens == plain.num_tokens and spread.num_samples == 8
-    # identical 48-token samples cannot fill 6 bins of <= 100 evenly: the count stays 5 (pads fill later)
-    same = [make_sample([1] * 45) for _ in range(9)]
-    assert (
-        pack_samples(same, placeholder_token_id=TOK, seq_len=100, bins_multiple_of=3).num_micro_batches == 5
-    )
-
-
-def test_balance_gives_every_rank_a_vision_run_with_a_synthetic_pad(qwen2_vl_adapter):
-    """Rank 0 has an image micro-batch, rank 1 only text: rank 1 gets a synthetic-image pad in
-    micro-batch 0."""
+def test_a_rank_without_an_image_gets_a_synthetic_pad_in_the_vision_slot(qwen2_vl_adapter):
+    """dp 2, one image sample: slot 0 runs the vision tower on both ranks, so the rank whose bin
+    holds only text gets a synthetic-image pad appended (the partition kept room for it); the stray
+    placeholder sample gets a text slot, where the other rank runs a lone text pad."""
     grid = smallest_image_grid(qwen2_vl_adapter)
     assert grid == (1, 4, 4)
-    ref = make_ref(2, 2)
-    rank0 = pack_samples([make_sample([1] * 3, [ref])], placeholder_token_id=TOK, seq_len=64)
-    rank1 = pack_samples(
-        [make_sample([2] * 40), make_sample([3] * 50), make_sample([4, TOK])],
-        placeholder_token_id=TOK,
-        seq_len=64,
-    )
-    assert [mb.has_pixels for mb in rank1.micro_batches] == [False, False]
+    samples = [
+        make_sample([1] * 3, [make_ref(2, 2)]),
+        make_sample([2] * 40),
+        make_sample([3] * 50),
+        make_sample([4, TOK]),
+    ]
+    kwargs = dict(dp_size=2, mini_batch_size=4, seq_len=64, placeholder_token_id=TOK, pad_token_id=PAD)
     with pytest.raises(ValueError, match="needs the adapter"):
-        balance_micro_batches([rank0, rank1], pad_token_id=PAD, placeholder_token_id=TOK)
-    out = balance_micro_batches(
-        [rank0, rank1], pad_token_id=PAD, placeholder_token_id=TOK, adapter=qwen2_vl_adapter
-    )
-    assert [s.num_micro_batches for s in out] == [2, 2]
-    assert [[mb.has_pixels for mb in s.micro_batches] for s in out] == [[True, False], [True, False]]
-    mm = out[1].micro_batches[0]
+        plan_step(samples, **kwargs)
+    (ranks,) = plan_step(samples, adapter=qwen2_vl_adapter, **kwargs).mini_batches
+    layout = [[[s.sample_index for s in mb.slots] for mb in r.micro_batches] for r in ranks]
+    assert layout == [[[0, 1], [None]], [[2, None], [3]]]
+    assert [[mb.has_pixels for mb in r.micro_batches] for r in ranks] == [[True, False], [True, False]]
+    mm = ranks[1].micro_batches[0]
     pad_slot = mm.slots[-1]
     assert pad_slot.is_padding and pad_slot.sample_index is None and pad_slot.num_loss_tokens == 0
     assert mm.images[-1].ref is None and mm.images[-1].grid == grid and mm.images[-1].length == 4
+    assert mm.num_tokens == 53 + 6 <= 64  # [pad] + 4 placeholders + [pad]
     assert mm.micro_batch.mm_refs == []  # synthetic images have no ref on the wire
     assert mm.micro_batch.synthetic_grids == [list(grid)]
     assert_rebuilds(mm, qwen2_vl_adapter.num_placeholders)
-    assert not any(s.stray_placeholders for s in mm.slots)  # the stray sample's bin stayed text-only
-    # rank 0's extra micro-batch is a text pad
-    tail = out[0].micro_batches[1]
-    assert tail.sample_count == 1 and tail.slots[0].is_padding and tail.num_loss_tokens == 0
-    assert out[0].num_samples == 1 and out[1].num_samples == 3
+    stray = ranks[1].micro_batches[1]
+    assert stray.slots[0].stray_placeholders and not stray.has_pixels
+    lone = ranks[0].micro_batches[1]  # the other rank's micro-batch of that text slot: a text pad
+    assert lone.sample_count == 1 and lone.slots[0].is_padding and lone.num_loss_tokens == 0
+    assert [r.num_samples for r in ranks] == [2, 2]
+
+
+def test_step_plan_reports_each_rank_and_the_predicted_idle():
+    """RankLoad per mini-batch and rank; sync_idle in tokens: 1 - work / (dp * sum of each slot's
+    slowest rank), pads taking time without work. 53 + 43 + 13 + 12 tokens fit no 2 x 64-token
+    slot: slot 0 holds the text (56 | 53), slot 1 the image sample and a lone image pad (6 | 12)."""
+    samples = [
+        make_sample([1] * 3, [make_ref(2, 2)]),
+        make_sample([2] * 40),
+        make_sample([3] * 50),
+        make_sample([5] * 10),
+    ]
+    plan = plan_step(
+        samples, dp_size=2, mini_batch_size=4, seq_len=64, placeholder_token_id=TOK, pad_token_id=PAD,
+        adapter=FakeAdapter(),
+    )  # fmt: skip
+    (ranks,) = plan.mini_batches
+    assert [[mb.num_tokens for mb in r.micro_batches] for r in ranks] == [[56, 6], [53, 12]]
+    loads = plan.rank_loads[0]
+    assert [(x.micro_batches, x.tokens, x.padding_tokens, x.loss_tokens, x.vision_tokens) for x in loads] == [
+        (2, 62, 6, 6, 0),
+        (2, 65, 0, 6, 4),
+    ]
+    assert plan.sync_idle() == pytest.approx(1 - (56 + 53 + 12) / (2 * 56 + 2 * 12))
+    assert plan.sync_idle(mini_batch=0) == plan.sync_idle()
 
 
 TRAINER_MODULES = [

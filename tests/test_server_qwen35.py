@@ -221,7 +221,7 @@ def test_trainer_reproduces_server_logprobs_and_flags_a_swapped_image(served):
         ([r["rocket_448"]], "What is this?"),
     ]
     with served.server.client() as c:
-        samples = [rollout(c, served.tokenizer, refs, text, seed=None) for refs, text in plans]
+        samples = [rollout(c, served.tokenizer, refs, text) for refs, text in plans]
     server = [s.inference_logprobs for s in samples]
     fp32 = trainer_model(served, torch.float32)
     trainer = recompute(served, fp32, samples)

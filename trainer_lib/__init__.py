@@ -7,8 +7,10 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
 - :func:`pack_samples`, :func:`rebuild_micro_batch` — micro-batches (:mod:`trainer_lib.packing`,
   bins in :mod:`trainer_lib.bins`).
 - :func:`pad_samples`, :func:`make_pad_sample` — padding samples (:mod:`trainer_lib.padding`).
-- :func:`split_micro_batches`, :func:`balance_micro_batches` — dp ranks (:mod:`trainer_lib.ranks`).
-- :func:`plan_step` — a whole step (:mod:`trainer_lib.plan`).
+- :func:`partition_mini_batch` — balanced data-parallel slots (:mod:`trainer_lib.partition`).
+- :class:`CostModel` — FLOPs per sample, the predicted sync idle (:mod:`trainer_lib.cost`).
+- :func:`deal_mini_batch` — one mini-batch as every rank's micro-batches (:mod:`trainer_lib.ranks`).
+- :func:`plan_step`, :class:`StepPlan`, :class:`RankLoad` — a whole step (:mod:`trainer_lib.plan`).
 - :func:`build_position_ids`, :func:`cu_seqlens` — MRoPE / 1D positions (:mod:`trainer_lib.positions`).
 - :func:`packed_inputs`, :func:`check_placeholder_alignment` — model inputs and the tripwire
   (:mod:`trainer_lib.model_inputs`).
@@ -32,6 +34,7 @@ from trainer_lib.attention import (
     select_backend,
 )
 from trainer_lib.config import MaterializeConfig
+from trainer_lib.cost import CostModel
 from trainer_lib.distributed import RankFailed, check_all_ranks, fail_fast
 from trainer_lib.forward import ForwardResult, packed_logprobs
 from trainer_lib.linear_attention import linear_attention_path
@@ -47,14 +50,16 @@ from trainer_lib.mismatch import BF16_NOISE_FACTOR, MismatchStats, logprob_misma
 from trainer_lib.model_inputs import PackedInputs, check_placeholder_alignment, packed_inputs
 from trainer_lib.packing import PackEntry, pack_samples, rebuild_micro_batch
 from trainer_lib.padding import make_pad_sample, pad_samples, padded_sample_count
-from trainer_lib.plan import StepPlan, plan_step
+from trainer_lib.partition import partition_mini_batch
+from trainer_lib.plan import RankLoad, StepPlan, plan_step
 from trainer_lib.positions import build_position_ids, cu_seqlens, mrope_position_ids, text_position_ids
-from trainer_lib.ranks import balance_micro_batches, split_micro_batches
+from trainer_lib.ranks import deal_mini_batch
 
 __all__ = [
     "BF16_NOISE_FACTOR",
     "CU_SEQLENS_KWARG",
     "VARLEN_ATTENTION",
+    "CostModel",
     "ForwardResult",
     "ImageSpan",
     "MaterializeConfig",
@@ -68,14 +73,15 @@ __all__ = [
     "PackedMicroBatch",
     "PackingUnsupported",
     "RankFailed",
+    "RankLoad",
     "SampleSlot",
     "StepPlan",
-    "balance_micro_batches",
     "build_position_ids",
     "check_all_ranks",
     "check_packable",
     "check_placeholder_alignment",
     "cu_seqlens",
+    "deal_mini_batch",
     "fail_fast",
     "linear_attention_path",
     "locate_image_runs",
@@ -89,12 +95,12 @@ __all__ = [
     "packed_logprobs",
     "pad_samples",
     "padded_sample_count",
+    "partition_mini_batch",
     "plan_step",
     "prepare_model_for_packing",
     "rebuild_micro_batch",
     "recompute_logprobs",
     "register_varlen_attention",
     "select_backend",
-    "split_micro_batches",
     "text_position_ids",
 ]

@@ -37,10 +37,17 @@ from dataclasses import dataclass
 from protocol.errors import PlaceholderMismatch
 from protocol.placeholders import check_placeholder_counts, grid_placeholder_count, locate_image_runs
 from protocol.structs import MicroBatch, MMRefs, RawMMRef, TrainingSample
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, bin_capacity, plan_bins, spread_bins
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, bin_capacity, plan_bins
 from trainer_lib.micro_batch import ImageSpan, PackedBatch, PackedMicroBatch, SampleSlot
 
-__all__ = ["PackEntry", "build_micro_batch", "pack_samples", "rebuild_micro_batch"]
+__all__ = [
+    "PackEntry",
+    "SampleAnalysis",
+    "analyze_entry",
+    "build_micro_batch",
+    "pack_samples",
+    "rebuild_micro_batch",
+]
 
 
 @dataclass(frozen=True)
@@ -53,19 +60,36 @@ class PackEntry:
 
 
 @dataclass(frozen=True)
-class _Analysis:
+class SampleAnalysis:
+    """What packing needs to know of one sample, found once by :func:`analyze_entry`."""
+
     length: int
+    """Tokens (``len(input_ids)``)."""
     kind: int
+    """:data:`~trainer_lib.bins.PIXELS` (images, real or synthetic), ``STRAY`` (text holding the
+    placeholder token) or ``NEUTRAL``."""
     spans: list[tuple[int, int, tuple[int, ...], RawMMRef | None]]
     """(start in sample, length, grid, ref) per image, in prompt order."""
 
+    @property
+    def image_tokens(self) -> list[int]:
+        """Placeholder tokens per image."""
+        return [span[1] for span in self.spans]
 
-def _analyze(
+
+def analyze_entry(
     entry: PackEntry,
     placeholder_token_id: int,
     num_placeholders: Callable[[Sequence[int]], int] | None,
     position: int | None,
-) -> _Analysis:
+) -> SampleAnalysis:
+    """Check one sample and locate its image runs (``position`` names it in errors).
+
+    Raises:
+        ValueError: an empty sample, a loss on its first token, or a synthetic pad without
+            ``num_placeholders`` or with refs.
+        PlaceholderMismatch: image tokens that do not match the refs (see :func:`locate_image_runs`).
+    """
     s = entry.sample
     n = len(s.input_ids)
     if not n:
@@ -85,7 +109,7 @@ def _analyze(
             raise ValueError("a synthetic pad image needs num_placeholders (the adapter's)")
         count = grid_placeholder_count(num_placeholders, grid, sample=position)
         runs = locate_image_runs(s.input_ids, [], placeholder_token_id, counts=[count], sample=position)
-        return _Analysis(n, PIXELS, [(runs[0][0], runs[0][1], grid, None)])
+        return SampleAnalysis(n, PIXELS, [(runs[0][0], runs[0][1], grid, None)])
     if not refs:
         if type_ids is not None and any(type_ids):
             raise PlaceholderMismatch(
@@ -93,19 +117,19 @@ def _analyze(
                 f"sample has no images"
             )
         stray = placeholder_token_id in s.input_ids
-        return _Analysis(n, STRAY if stray else NEUTRAL, [])
+        return SampleAnalysis(n, STRAY if stray else NEUTRAL, [])
     if num_placeholders is not None:
         check_placeholder_counts(refs, num_placeholders, sample=position)
     runs = locate_image_runs(
         s.input_ids, refs, placeholder_token_id, mm_token_type_ids=type_ids, sample=position
     )
     spans = [(start, length, tuple(r.grid), r) for (start, length), r in zip(runs, refs, strict=True)]
-    return _Analysis(n, PIXELS, spans)
+    return SampleAnalysis(n, PIXELS, spans)
 
 
 def build_micro_batch(
     entries: Sequence[PackEntry],
-    analyses: Sequence[_Analysis] | None = None,
+    analyses: Sequence[SampleAnalysis] | None = None,
     *,
     placeholder_token_id: int,
     num_placeholders: Callable[[Sequence[int]], int] | None = None,
@@ -121,7 +145,7 @@ def build_micro_batch(
     if not entries:
         raise ValueError("a micro-batch needs at least one sample")
     if analyses is None:
-        analyses = [_analyze(e, placeholder_token_id, num_placeholders, e.sample_index) for e in entries]
+        analyses = [analyze_entry(e, placeholder_token_id, num_placeholders, e.sample_index) for e in entries]
     keys = {(e.sample.run_id, e.sample.lora_id) for e in entries}
     if len(keys) != 1:
         raise ValueError(
@@ -138,7 +162,7 @@ def build_micro_batch(
 
 
 def _layout(
-    entries: Sequence[PackEntry], analyses: Sequence[_Analysis]
+    entries: Sequence[PackEntry], analyses: Sequence[SampleAnalysis]
 ) -> tuple[tuple[SampleSlot, ...], tuple[ImageSpan, ...]]:
     """Each entry's slot and each image's span, at their offsets in the concatenation."""
     slots: list[SampleSlot] = []
@@ -204,7 +228,6 @@ def pack_samples(
     seq_len: int,
     micro_batch_max_tokens: int | None = None,
     num_placeholders: Callable[[Sequence[int]], int] | None = None,
-    bins_multiple_of: int = 1,
 ) -> PackedBatch:
     """Pack samples into micro-batches, first-fit-decreasing (see the module docstring).
 
@@ -217,10 +240,6 @@ def pack_samples(
         micro_batch_max_tokens: bin size; default ``seq_len``; must be ``<= seq_len``.
         num_placeholders: ``adapter.num_placeholders``; when given, every ref's
             ``num_placeholders`` is checked against its grid (and synthetic pads are counted).
-        bins_multiple_of: e.g. the data-parallel size. When the FFD bin count ``B`` is not a
-            multiple, the bins are re-planned with the smallest bin size (never above the cap)
-            that still needs at most the next multiple ``T`` of bins: the same tokens spread
-            evenly over ``T`` micro-batches instead of ``B`` full ones plus ``T - B`` pads.
 
     Returns:
         A :class:`PackedBatch`; each sample lands in exactly one micro-batch.
@@ -233,16 +252,15 @@ def pack_samples(
     cap = bin_capacity(seq_len, micro_batch_max_tokens)
     entries = [e if isinstance(e, PackEntry) else PackEntry(e, i) for i, e in enumerate(samples)]
     analyses = [
-        _analyze(e, placeholder_token_id, num_placeholders, i if e.sample_index is None else e.sample_index)
+        analyze_entry(
+            e, placeholder_token_id, num_placeholders, i if e.sample_index is None else e.sample_index
+        )
         for i, e in enumerate(entries)
     ]
     lengths = [a.length for a in analyses]
     keys = [(e.sample.run_id, e.sample.lora_id) for e in entries]
     kinds = [a.kind for a in analyses]
     bins = plan_bins(lengths, cap, keys=keys, kinds=kinds)
-    target = -(-len(bins) // bins_multiple_of) * bins_multiple_of
-    if len(bins) < target:
-        bins = spread_bins(lengths, cap, keys, kinds, target) or bins
     micro_batches = []
     for b in bins:
         b = sorted(b, key=lambda i: (entries[i].sample.is_padding, i))

@@ -1,10 +1,10 @@
-"""One training step's plan: pad, split into mini-batches, pack, deal to ranks, balance (docs/PACKING.md §3).
+"""One training step's plan: pad, split into mini-batches, deal each to the ranks (docs/PACKING.md §3).
 
 :func:`plan_step` runs the whole chain: pad the sample count (:mod:`trainer_lib.padding`), split
-into mini-batches (real samples spread evenly, so no optimizer step is pads alone), pack each
-mini-batch (first-fit-decreasing, bins spread to a multiple of ``dp_size``;
-:mod:`trainer_lib.packing`), deal the micro-batches to the ranks and balance them
-(:mod:`trainer_lib.ranks`).
+into mini-batches (real samples spread evenly, so no optimizer step is pads alone), and deal each
+mini-batch to the data-parallel ranks as balanced micro-batches (:mod:`trainer_lib.ranks`, planned
+by :mod:`trainer_lib.partition`). :class:`StepPlan` holds the micro-batches and reports each rank's
+load and the predicted idle share at the synchronisation points (:mod:`trainer_lib.cost`).
 """
 
 from __future__ import annotations
@@ -15,12 +15,41 @@ from typing import Any
 
 from protocol.structs import TrainingSample
 from trainer_lib.bins import bin_capacity
-from trainer_lib.micro_batch import PackedBatch
-from trainer_lib.packing import PackEntry, pack_samples
+from trainer_lib.cost import CostModel, sync_idle
+from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
+from trainer_lib.packing import PackEntry
 from trainer_lib.padding import make_pad_sample, padded_sample_count
-from trainer_lib.ranks import balance_micro_batches, split_micro_batches
+from trainer_lib.ranks import deal_mini_batch
 
-__all__ = ["StepPlan", "plan_step"]
+__all__ = ["RankLoad", "StepPlan", "mini_batch_entries", "plan_step"]
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """What one rank runs for one optimizer step (counts; tokens are ``input_ids`` entries)."""
+
+    micro_batches: int
+    """Forward/backward passes (the same on every rank)."""
+    tokens: int
+    """All tokens of its micro-batches, padding included."""
+    padding_tokens: int
+    """Tokens of padding samples (sample-count pads, text pads, synthetic-image pads)."""
+    loss_tokens: int
+    """Tokens with ``loss_mask`` True."""
+    vision_tokens: int
+    """Placeholder tokens of its real images (the vision tower's input, in merged patches;
+    synthetic pad images excluded)."""
+
+    @classmethod
+    def of(cls, share: PackedBatch) -> RankLoad:
+        mbs = share.micro_batches
+        return cls(
+            micro_batches=len(mbs),
+            tokens=share.num_tokens,
+            padding_tokens=share.num_padding_tokens,
+            loss_tokens=share.num_loss_tokens,
+            vision_tokens=sum(im.length for mb in mbs for im in mb.images if im.ref is not None),
+        )
 
 
 @dataclass(frozen=True)
@@ -49,19 +78,48 @@ class StepPlan:
         """Loss tokens of each optimizer step, all ranks together (a per-step loss normalizer)."""
         return [sum(s.num_loss_tokens for s in ranks) for ranks in self.mini_batches]
 
+    @property
+    def rank_loads(self) -> list[list[RankLoad]]:
+        """``[mini_batch][rank]``: each rank's micro-batches, tokens, loss and vision tokens."""
+        return [[RankLoad.of(share) for share in ranks] for ranks in self.mini_batches]
 
-def _mini_batch_indices(num_real: int, num_padded: int, mini_batch_size: int) -> list[list[int]]:
-    """Indices of each mini-batch: the real samples in order, spread as evenly as possible
-    (``floor`` or ``ceil`` of ``num_real / k`` each), each topped up with pads (indices
-    ``>= num_real``). Only with fewer real samples than mini-batches is one all padding."""
-    k = num_padded // mini_batch_size
-    q, r = divmod(num_real, k) if k else (0, 0)
-    out, real, pad = [], 0, num_real
-    for j in range(k):
-        n = q + (j < r)
-        out.append([*range(real, real + n), *range(pad, pad + mini_batch_size - n)])
-        real, pad = real + n, pad + mini_batch_size - n
-    return out
+    def sync_idle(self, cost_model: CostModel | None = None, mini_batch: int | None = None) -> float:
+        """Predicted share of rank-time spent waiting at the micro-batch synchronisation points.
+
+        ``1 - work / (dp * sum over slots of the slowest rank's time)``, where micro-batch ``k``
+        of every rank is one slot (FSDP gathers parameters layer by layer, so a slot lasts as long
+        as its slowest rank) and work is the real samples' cost; pads take time but do no work.
+        Cost: tokens by default; with a :class:`~trainer_lib.cost.CostModel`, FLOPs, with the
+        vision tower and the language model synchronised separately. ``mini_batch``: one
+        optimizer step's idle share, default the whole step's.
+        """
+        steps = self.mini_batches if mini_batch is None else [self.mini_batches[mini_batch]]
+        work: list[list[list[list[float]]]] = []
+        pads: list[list[list[list[float]]]] = []
+        for ranks in steps:
+            for stage in _stages(cost_model):
+                work.append([[stage(mb, False) for mb in share.micro_batches] for share in ranks])
+                pads.append([[stage(mb, True) for mb in share.micro_batches] for share in ranks])
+        return sync_idle(work, pads)
+
+
+def _stages(cost_model: CostModel | None) -> list:
+    """Per-micro-batch cost functions ``(mb, padding) -> cost`` of the real (or the padding) samples,
+    one per synchronous stage."""
+
+    def tokens(mb: PackedMicroBatch, padding: bool) -> float:
+        return sum(s.length for s in mb.slots if s.is_padding == padding)
+
+    if cost_model is None:
+        return [tokens]
+
+    def language(mb: PackedMicroBatch, padding: bool) -> float:
+        return sum(cost_model.language(s.length) for s in mb.slots if s.is_padding == padding)
+
+    def vision(mb: PackedMicroBatch, padding: bool) -> float:
+        return cost_model.vision([im.length for im in mb.images if mb.slots[im.slot].is_padding == padding])
+
+    return [vision, language]
 
 
 def plan_step(
@@ -75,64 +133,99 @@ def plan_step(
     micro_batch_max_tokens: int | None = None,
     critic_mini_batch_size: int | None = None,
     adapter: Any = None,
+    cost_model: CostModel | None = None,
     synthetic_image_grid: Sequence[int] | None = None,
     pad_tokens: int = 2,
+    stretch_cap: bool = False,
 ) -> StepPlan:
-    """Pad, split into mini-batches, pack each, deal its micro-batches to the ranks, balance.
+    """Pad, split into mini-batches, deal each to the ranks as balanced micro-batches.
 
     The real samples keep their order and are spread evenly over the mini-batches; the
     sample-count pads top each one up to ``mini_batch_size``, so no optimizer step is made of
     pads alone unless there are fewer real samples than mini-batches (then
     :attr:`StepPlan.num_loss_tokens_per_mini_batch` shows a 0: skip that ``optimizer.step()``;
-    every rank computes the same plan, so they agree). Sample ``i`` of the input is
-    ``slot.sample_index == i`` wherever it lands; pads have indices ``>= len(samples)`` (sample-count
-    pads) or None (micro-batch pads). ``critic_mini_batch_size`` only enters the padded count
-    (a critic cuts its own mini-batches from the same padded samples).
+    every rank computes the same plan, so they agree). Each mini-batch goes to
+    :func:`~trainer_lib.ranks.deal_mini_batch`: every rank gets the same number of micro-batches,
+    the fewest the cap allows under the packing rules, with nearly equal tokens in micro-batch
+    ``k`` on every rank (docs/PACKING.md §3 states the bound). Sample ``i`` of the input is
+    ``slot.sample_index == i`` wherever it lands; pads have indices ``>= len(samples)``
+    (sample-count pads) or None (micro-batch pads). ``critic_mini_batch_size`` only enters the
+    padded count (a critic cuts its own mini-batches from the same padded samples).
+
+    Args:
+        adapter: the family's adapter (``num_placeholders``; synthetic-image pads when
+            ``dp_size > 1`` and some micro-batch must run the vision tower without an image).
+        cost_model: e.g. ``CostModel.from_config(model.config)``: vision slots are grouped by
+            vision-tower FLOPs (default: by image tokens).
+        stretch_cap: off by default. On: in a micro-batch slot where some rank runs a sample
+            longer than the cap, the other ranks' micro-batches may hold up to that sample's
+            length instead of idling (no micro-batch exceeds the step's longest sample, which
+            one rank must hold anyway, so peak memory is unchanged; docs/PACKING.md §3).
 
     Raises:
-        ValueError, PlaceholderMismatch: see :func:`pack_samples` and :func:`balance_micro_batches`.
+        ValueError, PlaceholderMismatch, GridMismatch: see :func:`~trainer_lib.ranks.deal_mini_batch`.
     """
     cap = bin_capacity(seq_len, micro_batch_max_tokens)
-    target = padded_sample_count(
-        len(samples),
+    chunks = mini_batch_entries(
+        samples,
         dp_size=dp_size,
         mini_batch_size=mini_batch_size,
         critic_mini_batch_size=critic_mini_batch_size,
-    )
-    mini_batches = []
-    for chunk in _mini_batch_indices(len(samples), target, mini_batch_size):
-        packed = pack_samples(
-            _chunk_entries(samples, chunk, pad_token_id, pad_tokens),
-            placeholder_token_id=placeholder_token_id,
-            seq_len=seq_len,
-            micro_batch_max_tokens=cap,
-            num_placeholders=adapter.num_placeholders if adapter is not None else None,
-            bins_multiple_of=dp_size,
-        )
-        mini_batches.append(
-            balance_micro_batches(
-                split_micro_batches(packed, dp_size),
-                pad_token_id=pad_token_id,
-                placeholder_token_id=placeholder_token_id,
-                adapter=adapter,
-                synthetic_image_grid=synthetic_image_grid,
-                pad_tokens=pad_tokens,
-            )
-        )
-    return StepPlan(mini_batches=mini_batches, num_padding_samples=target - len(samples))
-
-
-def _chunk_entries(
-    samples: Sequence[TrainingSample], chunk: list[int], pad_token_id: int, pad_tokens: int
-) -> list[PackEntry]:
-    """One mini-batch's entries; indices ``>= len(samples)`` are text pads keyed like the chunk's
-    last real sample (so pads never open a bin just for isolation)."""
-    n = len(samples)
-    last = samples[max((i for i in chunk if i < n), default=n - 1)] if n else None
-    pad = make_pad_sample(
         pad_token_id=pad_token_id,
-        num_tokens=pad_tokens,
-        run_id=last.run_id if last else "",
-        lora_id=last.lora_id if last else None,
+        pad_tokens=pad_tokens,
     )
-    return [PackEntry(samples[i] if i < n else pad, i) for i in chunk]
+    mini_batches = [
+        deal_mini_batch(
+            entries,
+            dp_size=dp_size,
+            cap=cap,
+            placeholder_token_id=placeholder_token_id,
+            pad_token_id=pad_token_id,
+            adapter=adapter,
+            cost_model=cost_model,
+            synthetic_image_grid=synthetic_image_grid,
+            pad_tokens=pad_tokens,
+            stretch_cap=stretch_cap,
+        )
+        for entries in chunks
+    ]
+    pads = sum(e.sample.is_padding for entries in chunks for e in entries)
+    return StepPlan(mini_batches=mini_batches, num_padding_samples=pads)
+
+
+def mini_batch_entries(
+    samples: Sequence[TrainingSample],
+    *,
+    dp_size: int,
+    mini_batch_size: int,
+    pad_token_id: int,
+    critic_mini_batch_size: int | None = None,
+    pad_tokens: int = 2,
+) -> list[list[PackEntry]]:
+    """The step's samples padded to :func:`~trainer_lib.padding.padded_sample_count` and cut into
+    mini-batches: the real samples in order, spread as evenly as possible (``floor`` or ``ceil`` of
+    ``N / k`` each), each topped up with text pads keyed like its last real sample (so pads never
+    open a bin just for isolation). ``PackEntry.sample_index`` is the sample's input position;
+    pads have indices ``>= len(samples)``. Only with fewer real samples than mini-batches is one
+    all padding.
+
+    Raises:
+        ValueError: a size below 1 (see :func:`~trainer_lib.padding.padded_sample_count`).
+    """
+    n = len(samples)
+    total = padded_sample_count(
+        n, dp_size=dp_size, mini_batch_size=mini_batch_size, critic_mini_batch_size=critic_mini_batch_size
+    )
+    k = total // mini_batch_size
+    q, r = divmod(n, k) if k else (0, 0)
+    out, real, pad_index = [], 0, n
+    for j in range(k):
+        m = q + (j < r)
+        last = samples[real + m - 1] if m else samples[n - 1] if n else None
+        key = (last.run_id, last.lora_id) if last else ("", None)
+        pad = make_pad_sample(pad_token_id=pad_token_id, num_tokens=pad_tokens, run_id=key[0], lora_id=key[1])
+        entries = [PackEntry(samples[i], i) for i in range(real, real + m)]
+        entries += [PackEntry(pad, pad_index + i) for i in range(mini_batch_size - m)]
+        out.append(entries)
+        real, pad_index = real + m, pad_index + mini_batch_size - m
+    return out

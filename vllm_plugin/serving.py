@@ -18,7 +18,9 @@ Differences from upstream ``vllm/entrypoints/scale_out/token_in_token_out/servin
   the engine certainly lacks is a 404 (``engine_items.py``); a prompt with placeholder tokens and
   no image at all is a 422; a ``content_parts`` ``file://`` URL is refused when the server loads no
   local files, and under ``--allowed-local-media-path`` when it names no file (stock: 500) or
-  something other than a regular file (a FIFO blocks vLLM's loader thread for good).
+  something other than a regular file (a FIFO blocks vLLM's loader thread for good); on a vLLM
+  CPU server, a seeded request whose prefill may be split is a 400 (``seeds.py``: it kills the
+  engine).
 - Placeholder tokens outside every range (e.g. a literal ``<|image_pad|>`` in user text beside a
   correctly ranged image) pass: vLLM merges embeddings by the ranges, not by token id.
 """
@@ -40,6 +42,7 @@ from vllm_plugin.engine_items import EngineItems, RecordedItem
 from vllm_plugin.items import CheckedItem, decode_item
 from vllm_plugin.protocol import MMRefGenerateRequest
 from vllm_plugin.resolver import ENGINE_HASH_PREFIX, MMRefResolver, ResolvedItem, engine_hash
+from vllm_plugin.seeds import SeedGuard
 from vllm_plugin.weights import version_salt
 
 __all__ = ["MMRefServing", "Prepared"]
@@ -62,6 +65,7 @@ class MMRefServing:
         allowed_local_media_path: vLLM's ``--allowed-local-media-path`` (None: no local files).
         ec_transfer: whether the server has an encoder-cache connector (metadata-only items).
         max_body_bytes: the request body limit (``MMREF_MAX_BODY_BYTES`` or its derived default).
+        seed_guard: seeded requests this server refuses (``seeds.py``; None: none).
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class MMRefServing:
         ec_transfer: bool,
         max_body_bytes: int,
         weight_version: Callable[[], Awaitable[str]],
+        seed_guard: SeedGuard | None = None,
     ) -> None:
         self.resolver = resolver
         self.adapter = resolver.adapter
@@ -86,14 +91,18 @@ class MMRefServing:
         self.ec_transfer = ec_transfer
         self.max_body_bytes = max_body_bytes
         self.weight_version = weight_version
+        self.seed_guard = seed_guard
 
     async def prepare(self, request: MMRefGenerateRequest) -> Prepared:
         """Resolve refs and run the checks above, bound to the engine's current weight version.
 
         Raises:
             InvalidRequest, PlaceholderMismatch, NotCached: see the module doc.
+            SeedUnsupported: a seeded request that could kill the engine (``seeds.py``).
             MMRefError subclasses: a ref that cannot be used (``resolver.py``).
         """
+        if self.seed_guard is not None:
+            self.seed_guard.check(request)
         token_ids = request.token_ids
         version = await self.weight_version()
         if request.content_parts:

@@ -12,6 +12,7 @@ from vllm_plugin.config import PluginConfig
 from vllm_plugin.engine_items import EngineItems
 from vllm_plugin.items import ItemLayout
 from vllm_plugin.resolver import MMRefResolver
+from vllm_plugin.seeds import SeedGuard
 from vllm_plugin.serving import MMRefServing
 from vllm_plugin.weights import served_weight_version
 
@@ -27,6 +28,8 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
     Raises:
         pydantic.ValidationError, UnsupportedFamily, RuntimeError: see ``plugin.init_state``.
     """
+    from vllm.platforms import current_platform
+
     from protocol.adapters import adapter_class
 
     config = PluginConfig()
@@ -64,6 +67,7 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
         ec_transfer=vllm_config.ec_transfer_config is not None,
         max_body_bytes=body_limit,
         weight_version=lambda: served_weight_version(engine_client),
+        seed_guard=SeedGuard.for_engine(vllm_config, is_cpu=current_platform.is_cpu()),
     )
 
 

@@ -1,0 +1,419 @@
+"""Balanced data-parallel micro-batches: every rank, the same slots, the same work (docs/PACKING.md §3).
+
+:func:`partition_mini_batch` takes one mini-batch's sample lengths (with their isolation keys, bin
+kinds and vision-tower costs) and returns, for every data-parallel rank, the sample indices of each
+of its ``M`` micro-batches. ``M`` is the same on every rank, and micro-batch ``k`` ("slot ``k``")
+holds nearly the same tokens on every rank: with FSDP every slot is synchronous (parameters are
+gathered layer by layer), so the slowest rank of a slot sets its pace. The algorithm:
+
+0. **Long slots.** Samples above the cap run alone; per side (with images, without) they are
+   grouped largest first, ``dp`` to a slot, and the slot's other bins are filled by LPT up to the
+   cap (``stretch_cap``: up to the slot's longest sample).
+1. **Sections.** With images, a slot runs the vision tower on every rank or on none. Samples with
+   pixels go to *vision* slots; stray-placeholder text, and text within ``reserve`` tokens of the
+   cap (no room for an image pad), to *text* slots, topped up with plain text (LPT, up to the
+   expected fill). Other text joins the vision slots, whose bins keep ``reserve`` tokens free for
+   the synthetic-image pad a bin without images gets there.
+2. **Head.** A section is packed first-fit-decreasing (:func:`~trainer_lib.bins.plan_bins`).
+   Every FFD bin but the last of its key holds more than ``cap - largest sample`` tokens; whole
+   slots of these full bins form the head, grouped by descending vision cost.
+3. **Tail.** The other bins' samples are re-dealt to ``dp`` bins per remaining slot by LPT
+   (:func:`~trainer_lib.bins.lpt_bins`); if that overflows a bin, FFD's are kept. A tail sample
+   larger than the tail's mean bin first trades its bin for the head bin of the smallest samples.
+4. **Fewer slots.** While the plan has more slots than :func:`min_micro_batches`, its lightest
+   slot is emptied into the others (best fit, else one trade between two bins that makes room:
+   Fleszar & Hindi 2002's exchange moves), or the plan is kept. No bin loses tokens.
+5. **Deal.** Slot by slot, the bin with the most tokens goes to the rank with the fewest so far.
+
+Guarantees (proofs in docs/PACKING.md §3): (G1) rank token totals differ by at most the largest
+token spread inside one slot; (G2) with one isolation key, no image, no sample above the cap and a
+last slot of at most ``dp * (cap - largest sample)`` tokens, every slot's spread, hence the ranks',
+is at most the largest sample. verl balances whole-rank token totals with Karmarkar-Karp and packs
+each rank's share afterwards (``verl/utils/seqlen_balancing.py``: ``get_seqlen_balanced_partitions``,
+``rearrange_micro_batches``); here the slots, the points every rank waits at, are balanced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from operator import itemgetter
+
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, best_fit_with_exchange, lpt_bins, plan_bins
+
+__all__ = ["DpPartition", "min_micro_batches", "partition_mini_batch"]
+
+_VISION, _TEXT, _EITHER = 0, 1, 2
+"""Where a sample may go: vision slots only (pixels), text slots only, either (plain text)."""
+
+
+@dataclass(frozen=True)
+class DpPartition:
+    """Dealt mini-batch: ``ranks[r][k]`` = sorted sample indices of rank ``r``'s slot ``k``.
+
+    Every rank has the same slot count; an empty list is a slot that rank fills with a pad
+    micro-batch. ``slot_has_pixels[k]``: slot ``k`` runs the vision tower on every rank, so a bin
+    there without images gets a synthetic-image pad (vision-section bins keep ``reserve`` tokens
+    free).
+    """
+
+    ranks: list[list[list[int]]]
+    slot_has_pixels: list[bool]
+    tokens: list[list[int]]
+    """``[rank][slot]`` tokens of the samples (pads not included)."""
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.slot_has_pixels)
+
+    @property
+    def rank_tokens(self) -> list[int]:
+        return [sum(row) for row in self.tokens]
+
+
+def min_micro_batches(
+    lengths: Sequence[int],
+    *,
+    dp_size: int,
+    cap: int,
+    keys: Sequence[Hashable] | None = None,
+    kinds: Sequence[int] | None = None,
+    reserve: int = 0,
+) -> int:
+    """A lower bound on the micro-batches per rank of any plan under :func:`partition_mini_batch`'s rules.
+
+    ``ceil(bins / dp_size)``, where per isolation key a sample above the cap fills a bin alone and
+    the others fill bins completely; with images, at least the vision slots plus the text slots
+    this bound gives each section (a slot runs the vision tower on every rank or none).
+    """
+    keys = [None] * len(lengths) if keys is None else keys
+    kinds = [NEUTRAL] * len(lengths) if kinds is None else kinds
+    reserve = reserve if dp_size > 1 else 0  # one rank: no slot to align, no pad to make room for
+    place = _places(lengths, kinds, cap, reserve)
+    return _floor(range(len(lengths)), lengths, keys, place, dp_size, cap, reserve)
+
+
+def partition_mini_batch(
+    lengths: Sequence[int],
+    *,
+    dp_size: int,
+    cap: int,
+    keys: Sequence[Hashable] | None = None,
+    kinds: Sequence[int] | None = None,
+    vision_cost: Sequence[float] | None = None,
+    reserve: int = 0,
+    stretch_cap: bool = False,
+) -> DpPartition:
+    """Deal one mini-batch's samples to ``dp_size`` ranks as equal-count, equal-work micro-batches.
+
+    Args:
+        lengths: tokens per sample (``len(input_ids)``), each >= 1.
+        dp_size: data-parallel ranks.
+        cap: micro-batch token cap (``micro_batch_max_tokens``); a longer sample runs alone.
+        keys: isolation key per sample (``(run_id, lora_id)``); keys never share a micro-batch.
+        kinds: :data:`~trainer_lib.bins.NEUTRAL`, ``PIXELS`` or ``STRAY`` per sample.
+        vision_cost: vision-tower work per sample, any unit (``CostModel.vision`` of its images'
+            placeholder counts); groups the vision slots. Default: all equal.
+        reserve: tokens a vision-slot bin keeps free for a synthetic-image pad (``[pad] +
+            placeholders + [pad]`` of the smallest grid: 6 for Qwen2-VL).
+        stretch_cap: group the samples above the cap into slots of their own first and fill the
+            other bins of such a slot up to its longest sample instead of the cap (no bin then
+            exceeds the longest sample of the mini-batch).
+
+    Returns:
+        A :class:`DpPartition` in which every sample index appears exactly once.
+
+    Raises:
+        ValueError: ``dp_size`` or ``cap`` below 1, ``reserve`` outside ``[0, cap)``, a length
+            below 1, an unknown kind, or a per-sample list of another length.
+    """
+    n = len(lengths)
+    keys = [None] * n if keys is None else keys
+    kinds = [NEUTRAL] * n if kinds is None else kinds
+    weight = [0.0] * n if vision_cost is None else vision_cost
+    if dp_size < 1 or cap < 1 or not 0 <= reserve < cap:
+        raise ValueError(f"need dp_size, cap >= 1 and 0 <= reserve < cap; got {dp_size}, {cap}, {reserve}")
+    if not len(keys) == len(kinds) == len(weight) == n:
+        raise ValueError(f"{n} lengths but {len(keys)} keys, {len(kinds)} kinds, {len(weight)} vision costs")
+    if (n and min(lengths) < 1) or not set(kinds) <= {NEUTRAL, PIXELS, STRAY}:
+        raise ValueError("every length must be >= 1 and every kind NEUTRAL, PIXELS or STRAY")
+    if dp_size == 1:  # nothing to align: first-fit-decreasing is the plan
+        bins = plan_bins(lengths, cap, keys=keys, kinds=kinds)
+        slots = [[(sum(lengths[i] for i in b), b)] for b in bins]
+        return _deal(slots, kinds, 1)
+    place = _places(lengths, kinds, cap, reserve) if PIXELS in kinds else [_EITHER] * n
+    long_slots, rest = _long_slots(lengths, keys, kinds, place, cap, reserve, dp_size, stretch_cap)
+    if PIXELS not in kinds:
+        slots = long_slots + _section(rest, lengths, keys, kinds, cap, dp_size, weight)
+        return _deal(
+            _drop_slots(slots, lengths, keys, kinds, place, cap, 0, dp_size, stretch_cap), kinds, dp_size
+        )
+    text_slots, free = _text_slots(rest, lengths, keys, place, cap, reserve, dp_size)
+    vision = [i for i in rest if place[i] == _VISION] + free
+    slots = long_slots + _section(vision, lengths, keys, kinds, cap - reserve, dp_size, weight) + text_slots
+    return _deal(
+        _drop_slots(slots, lengths, keys, kinds, place, cap, reserve, dp_size, stretch_cap), kinds, dp_size
+    )
+
+
+def _text_slots(
+    items: list[int],
+    lengths: Sequence[int],
+    keys: Sequence[Hashable],
+    place: Sequence[int],
+    cap: int,
+    reserve: int,
+    dp: int,
+) -> tuple[list[list[tuple[int, list[int]]]], list[int]]:
+    """Step 1's text slots: the samples that must not meet the vision tower, LPT into the fewest
+    slots that hold them, topped up with plain text up to the mini-batch's expected fill. Returns
+    the slots and the plain text left for the vision slots."""
+    text = [i for i in items if place[i] == _TEXT]
+    free = [i for i in items if place[i] == _EITHER]
+    if not text:
+        return [], free
+    floor = _floor(items, lengths, keys, place, dp, cap, reserve)
+    target = min(cap, sum(lengths[i] for i in items) / (dp * max(floor, 1)))
+    x = _slots_needed(text, lengths, keys, cap, dp)
+    while (dealt := lpt_bins(text, lengths, keys, x * dp, cap, free, target)) is None:
+        x += 1
+    bins, free = dealt
+    return _slots(_sized(bins, lengths), [], x, dp), free
+
+
+def _long_slots(
+    lengths: Sequence[int],
+    keys: Sequence[Hashable],
+    kinds: Sequence[int],
+    place: Sequence[int],
+    cap: int,
+    reserve: int,
+    dp: int,
+    stretch: bool,
+) -> tuple[list[list[tuple[int, list[int]]]], list[int]]:
+    """Slots for the samples above the cap (they run alone): per side (with pixels, without),
+    largest first, ``dp`` to a slot; the slot's other bins are filled by LPT up to the cap
+    (``stretch``: up to the slot's longest sample), less ``reserve`` on the vision side. Returns
+    the slots and the samples left for the sections."""
+    n = len(lengths)
+    over_all = [i for i in range(n) if lengths[i] > cap]
+    if not over_all:
+        return [], list(range(n))
+    length = lengths.__getitem__
+    used: set[int] = set()
+    slots = []
+    for pixels in (True, False):
+        over = sorted((i for i in over_all if (kinds[i] == PIXELS) == pixels), key=length, reverse=True)
+        ok = (_VISION, _EITHER) if pixels else (_TEXT, _EITHER)
+        pool = [
+            i
+            for i in range(n)
+            if lengths[i] <= cap and place[i] in ok and not (pixels and kinds[i] == STRAY) and i not in used
+        ]
+        for c in range(0, len(over), dp):
+            group = over[c : c + dp]
+            room = (lengths[group[0]] if stretch else cap) - (reserve if pixels else 0)
+            dealt = lpt_bins(group, lengths, keys, dp, max(room, lengths[group[0]]), pool, room)
+            if dealt is None:
+                return slots, [i for i in range(n) if i not in used]
+            bins, pool = dealt
+            slots.append(_sized(bins, lengths) + [(0, [])] * (dp - len(bins)))
+            used.update(i for b in bins for i in b)
+    return slots, [i for i in range(n) if i not in used]
+
+
+def _places(lengths: Sequence[int], kinds: Sequence[int], cap: int, reserve: int) -> list[int]:
+    """Per sample: :data:`_VISION`, :data:`_TEXT` or :data:`_EITHER` (see step 1 of the module doc)."""
+    return [
+        _VISION if k == PIXELS else _TEXT if k == STRAY or n > cap - reserve else _EITHER
+        for n, k in zip(lengths, kinds, strict=True)
+    ]
+
+
+def _slots_needed(
+    items: Iterable[int], lengths: Sequence[int], keys: Sequence[Hashable], cap: int, dp: int
+) -> int:
+    """``ceil(bins / dp)``, bins counted per key: one per sample above ``cap``, the rest full."""
+    if not keys or list(keys).count(keys[0]) == len(keys):  # one key (the usual case): no grouping
+        sizes = list(map(lengths.__getitem__, items))
+        over = sum(n > cap for n in sizes)
+        fit_tokens = sum(sizes) - sum(n for n in sizes if n > cap)
+        return -(-(over + -(-fit_tokens // cap)) // dp)
+    over, fit = 0, {}
+    for i in items:
+        if lengths[i] > cap:
+            over += 1
+        else:
+            fit[keys[i]] = fit.get(keys[i], 0) + lengths[i]
+    return -(-(over + sum(-(-tokens // cap) for tokens in fit.values())) // dp)
+
+
+def _floor(
+    items: Sequence[int],
+    lengths: Sequence[int],
+    keys: Sequence[Hashable],
+    place: Sequence[int],
+    dp: int,
+    cap: int,
+    reserve: int,
+) -> int:
+    """:func:`min_micro_batches` of ``items`` from the samples' places."""
+    total = _slots_needed(items, lengths, keys, cap, dp)
+    pix = [i for i in items if place[i] == _VISION]
+    text = [i for i in items if place[i] == _TEXT]
+    split = _slots_needed(pix, lengths, keys, cap - reserve, dp) + _slots_needed(text, lengths, keys, cap, dp)
+    return max(total, split) if pix else total
+
+
+def _sized(bins: list[list[int]], lengths: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """``(tokens, bin)`` pairs, most tokens first."""
+    length = lengths.__getitem__
+    return sorted(((sum(map(length, b)), b) for b in bins), key=itemgetter(0), reverse=True)
+
+
+def _slots(
+    head: list[tuple[int, list[int]]], tail: list[tuple[int, list[int]]], num_slots: int, dp: int
+) -> list[list[tuple[int, list[int]]]]:
+    """``head + tail`` padded with empty bins and cut into ``num_slots`` slots of ``dp``."""
+    ordered = head + tail + [(0, [])] * (num_slots * dp - len(head) - len(tail))
+    return [ordered[s * dp : (s + 1) * dp] for s in range(num_slots)]
+
+
+def _section(
+    items: list[int],
+    lengths: Sequence[int],
+    keys: Sequence[Hashable],
+    kinds: Sequence[int],
+    cap: int,
+    dp: int,
+    weight: Sequence[float],
+) -> list[list[tuple[int, list[int]]]]:
+    """Slots of ``dp`` ``(tokens, bin)`` pairs (empty bins included) holding ``items``: FFD head, LPT tail."""
+    if not items:
+        return []
+    ffd = plan_bins(
+        [lengths[i] for i in items], cap, keys=[keys[i] for i in items], kinds=[kinds[i] for i in items]
+    )
+    bins = [[items[j] for j in b] for b in ffd]
+    last = {keys[b[0]]: j for j, b in enumerate(bins)}  # plan_bins: bins by key, then by creation
+    full = _sized([b for j, b in enumerate(bins) if last[keys[b[0]]] != j], lengths)
+    num_slots = -(-len(bins) // dp)
+    head_slots = min(len(full) // dp, num_slots)
+    head = full[: head_slots * dp]
+    tail = _sized([*(b for _, b in full[head_slots * dp :]), *(bins[j] for j in last.values())], lengths)
+    largest = max(map(lengths.__getitem__, items))
+    if largest > cap:  # a sample above the cap runs alone: the largest one that shares counts
+        largest = max((lengths[i] for i in items if lengths[i] <= cap), default=0)
+    _swap_big_samples_out(head, tail, (num_slots - head_slots) * dp, cap - largest, lengths)
+    if tail and (
+        dealt := lpt_bins([i for _, b in tail for i in b], lengths, keys, (num_slots - head_slots) * dp, cap)
+    ):
+        tail = _sized(dealt[0], lengths)
+    cost = weight.__getitem__
+    head.sort(key=lambda x: (-max(x[0] - cap, 0), -sum(map(cost, x[1]))))  # oversized bins first
+    return _slots(head, tail, num_slots, dp)
+
+
+def _swap_big_samples_out(
+    head: list[tuple[int, list[int]]],
+    tail: list[tuple[int, list[int]]],
+    nbins: int,
+    full: int,
+    lengths: Sequence[int],
+) -> None:
+    """While the tail's largest sample exceeds its mean bin (LPT could not balance around it), swap
+    that sample's bin into the head for the head bin of the smallest samples. Head bins stay above
+    ``full`` tokens."""
+    biggest = [max(map(lengths.__getitem__, b)) for _, b in head]
+    for _ in range(len(tail)):
+        j, big = max(
+            ((j, max(map(lengths.__getitem__, b))) for j, (_, b) in enumerate(tail) if b),
+            key=lambda x: x[1],
+            default=(0, 0),
+        )
+        if not head or big * nbins <= sum(load for load, _ in tail) or tail[j][0] <= full:
+            return
+        k = min(range(len(head)), key=biggest.__getitem__)
+        if biggest[k] >= big:
+            return
+        head[k], tail[j], biggest[k] = tail[j], head[k], big
+
+
+def _drop_slots(
+    slots: list[list[tuple[int, list[int]]]],
+    lengths: Sequence[int],
+    keys: Sequence[Hashable],
+    kinds: Sequence[int],
+    place: Sequence[int],
+    cap: int,
+    reserve: int,
+    dp: int,
+    stretch: bool,
+) -> list[list[tuple[int, list[int]]]]:
+    """Step 4: while the plan has more slots than :func:`min_micro_batches`, empty its lightest
+    slot into the others by :func:`_relocate`, or keep the slots as they are. A sample goes only to
+    a slot of its side (pixels: vision slots; stray or near-cap text: text slots; plain text:
+    either), and a bin holds at most its limit (:func:`_limit`), so every rule holds; bins only
+    gain tokens, so full bins stay full."""
+    slots = [slot for slot in slots if any(b for _, b in slot)]
+    floor = _floor(range(len(lengths)), lengths, keys, place, dp, cap, reserve)
+    pix = {i for i, k in enumerate(kinds) if k == PIXELS}
+    while len(slots) > floor:
+        v = min(range(len(slots)), key=lambda s: sum(load for load, _ in slots[s]))
+        bins = [
+            [load, list(b), _limit(slot, lengths, cap, reserve, stretch, vision), vision]
+            for s, slot in enumerate(slots)
+            if s != v
+            for vision in [any(not pix.isdisjoint(b) for _, b in slot)]
+            for load, b in slot
+        ]
+        if not _relocate([i for _, b in slots[v] for i in b], bins, lengths, keys, place):
+            break
+        slots = [[(c[0], c[1]) for c in bins[s * dp : (s + 1) * dp]] for s in range(len(slots) - 1)]
+    return slots
+
+
+def _limit(
+    slot: list[tuple[int, list[int]]],
+    lengths: Sequence[int],
+    cap: int,
+    reserve: int,
+    stretch: bool,
+    vision: bool,
+) -> int:
+    """Tokens a bin of ``slot`` may hold: ``cap`` (``stretch``: at least the slot's longest sample,
+    as :func:`_long_slots` filled it), less ``reserve`` in a vision slot."""
+    longest = max((lengths[i] for _, b in slot for i in b), default=0) if stretch else 0
+    return max(cap, longest) - (reserve if vision else 0)
+
+
+def _relocate(
+    items: list[int], bins: list[list], lengths: Sequence[int], keys: Sequence[Hashable], place: Sequence[int]
+) -> bool:
+    """:func:`~trainer_lib.bins.best_fit_with_exchange` where a sample may go only where its key
+    and its side (``place``: vision, text or either) allow."""
+
+    def fits(i: int, c: list) -> bool:
+        return (not c[1] or keys[c[1][0]] == keys[i]) and (
+            place[i] == _EITHER or (place[i] == _VISION) == c[3]
+        )
+
+    return best_fit_with_exchange(items, bins, lengths, fits)
+
+
+def _deal(slots: list[list[tuple[int, list[int]]]], kinds: Sequence[int], dp: int) -> DpPartition:
+    """Slot by slot, the bin with the most tokens to the rank with the fewest so far (ties: lower
+    rank); slots of empty bins only (LPT may leave bins unused) are dropped."""
+    slots = [slot for slot in slots if any(b for _, b in slot)]
+    ranks: list[list[list[int]]] = [[] for _ in range(dp)]
+    tokens: list[list[int]] = [[] for _ in range(dp)]
+    total = [0] * dp
+    for slot in slots:
+        order = sorted(range(dp), key=total.__getitem__)  # stable: ties to the lower rank
+        for (load, b), r in zip(sorted(slot, key=itemgetter(0), reverse=True), order, strict=True):
+            ranks[r].append(sorted(b))
+            tokens[r].append(load)
+            total[r] += load
+    pix = {i for i, k in enumerate(kinds) if k == PIXELS}
+    pixels = [any(not pix.isdisjoint(b) for _, b in slot) for slot in slots]
+    return DpPartition(ranks=ranks, slot_has_pixels=pixels, tokens=tokens)
