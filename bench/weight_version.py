@@ -72,14 +72,8 @@ def start(root: Path):
     return server, bodies
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=3)
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--max-tokens", type=int, default=16)
-    args = parser.parse_args()
-    print_facts()
-    server, bodies = start(Path(tempfile.mkdtemp(prefix="mmref-bench-wv-")))
+def measure(server, bodies: list[dict], args) -> tuple[tuple, tuple, list[float]]:
+    """Interleaved medians idle and under ``args.clients`` generating clients, and their latencies."""
     stop, latencies = threading.Event(), []
 
     def generate(k: int) -> None:
@@ -92,20 +86,32 @@ def main() -> None:
                 )
                 latencies.append(time.perf_counter() - t0)
 
+    with server.client() as c:
+        for body in bodies:  # warm up: the engine, the resolve cache
+            c.post("/inference/v1/generate", json={**body, "sampling_params": {"max_tokens": 1}})
+        idle = interleaved(c, args.calls)
+        threads = [threading.Thread(target=generate, args=(k,)) for k in range(args.clients)]
+        for t in threads:
+            t.start()
+        time.sleep(2)
+        latencies.clear()
+        loaded = interleaved(c, args.calls)
+        stop.set()
+        for t in threads:
+            t.join()
+    return idle, loaded, latencies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    args = parser.parse_args()
+    print_facts()
+    server, bodies = start(Path(tempfile.mkdtemp(prefix="mmref-bench-wv-")))
     try:
-        with server.client() as c:
-            for body in bodies:  # warm up: the engine, the resolve cache
-                c.post("/inference/v1/generate", json={**body, "sampling_params": {"max_tokens": 1}})
-            idle = interleaved(c, args.calls)
-            threads = [threading.Thread(target=generate, args=(k,)) for k in range(args.clients)]
-            for t in threads:
-                t.start()
-            time.sleep(2)
-            latencies.clear()
-            loaded = interleaved(c, args.calls)
-            stop.set()
-            for t in threads:
-                t.join()
+        idle, loaded, latencies = measure(server, bodies, args)
     finally:
         server.stop()
     request = statistics.median(latencies)
