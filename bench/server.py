@@ -93,15 +93,21 @@ def build_resolver(model: Path, *, device_normalize: bool):
         allowed_local_media_path=None,
         ec_transfer=False,
         max_body_bytes=1 << 30,
+        weight_version=_default_weight_version,
     )
     return serving, mc, proc
+
+
+async def _default_weight_version() -> str:
+    """vLLM's weight version before any update (no engine here)."""
+    return "default"
 
 
 async def fill_features(serving, body: dict):
     """What the route does to a body before vLLM's ``serve_tokens``: validate, check, resolve."""
     from vllm_plugin.api_router import parse_request
 
-    request, _ = await serving.prepare(parse_request({"sampling_params": {}, **body}))
+    request, _, _ = await serving.prepare(parse_request({"sampling_params": {}, **body}))
     return request
 
 

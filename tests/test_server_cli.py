@@ -43,7 +43,8 @@ def cli_server(qwen2_vl_dir, output_root, photo_refs, media, tmp_path_factory) -
         cli=True,
         allowed_local_media_path=media,
         extra_args=("--api-server-count", "2"),
-        extra_env={"MMREF_MAX_BODY_BYTES": str(BODY_LIMIT)},
+        # dev mode: vLLM's /update_weight_version, for the weight version seen by both processes
+        extra_env={"MMREF_MAX_BODY_BYTES": str(BODY_LIMIT), "VLLM_SERVER_DEV_MODE": "1"},
     )
     try:
         warm_up(srv)
@@ -74,6 +75,25 @@ def test_refs_give_the_single_process_servers_answer(cli_server, server, photo_r
         assert r.status_code == 200, r.text
         answers.append(r.json()["choices"][0]["token_ids"])
     assert answers[0] == answers[1] == answers[2]
+
+
+def test_both_api_processes_bind_requests_to_the_engines_weight_version(cli_server, photo_refs):
+    """A version set through one API process binds the next request of every process: the plugin
+    reads it from the engine core per request (docs/WEIGHT-UPDATES.md), never caches it."""
+    ref = photo_refs["coffee"]
+    body = {
+        "token_ids": [1, 259, *[PAD] * ref.num_placeholders, 260, 2],
+        "mm_refs": [ref.ref],
+        "sampling_params": GREEDY,
+    }
+    for version in ("cli-1", "cli-2"):
+        with cli_server.client() as c:
+            c.post("/update_weight_version", json={"new_version": version}).raise_for_status()
+        for _ in range(6):  # a new connection each: either API process may answer
+            with cli_server.client() as c:
+                r = c.post("/inference/v1/generate", json=body)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-mmref-weight-version"] == version
 
 
 def test_null_slots_and_local_files(cli_server, media):

@@ -30,6 +30,7 @@ from protocol.errors import AssetTooLarge, HashMismatch, InvalidRequest, MMRefEr
 from vllm_plugin import metrics
 from vllm_plugin.protocol import MMRefGenerateRequest, error_body
 from vllm_plugin.serving import MMRefServing
+from vllm_plugin.weights import WEIGHT_VERSION_HEADER, served_by
 
 __all__ = [
     "attach_router",
@@ -208,18 +209,23 @@ async def _generate(body: Any, raw_request: Request) -> Response:
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateResponseBase
 
     serving = mmref_serving(raw_request)
-    try:
-        request, sent = await serving.prepare(parse_request(body))
-    except MMRefError as e:
-        logger.info("mmref refused a generate request: %s %s", e.code, e.message[:300])
-        return error_response(e)
-    result = await serving.serving_tokens.serve_tokens(request, raw_request)
-    if isinstance(result, ErrorResponse):
-        return JSONResponse(content=result.model_dump(), status_code=result.error.code)
-    serving.record(sent)
+    for attempt in (1, 2):  # once more if the weights changed between prepare and prefill
+        try:
+            request, sent, version = await serving.prepare(parse_request(body))
+        except MMRefError as e:
+            logger.info("mmref refused a generate request: %s %s", e.code, e.message[:300])
+            return error_response(e)
+        result = await serving.serving_tokens.serve_tokens(request, raw_request)
+        if isinstance(result, ErrorResponse):
+            return JSONResponse(content=result.model_dump(), status_code=result.error.code)
+        serving.record(sent)
+        if not isinstance(result, GenerateResponseBase) or served_by(result, version) or attempt == 2:
+            break
+        logger.info("mmref: weights changed from %r before prefill; generating again", version)
+    headers = {WEIGHT_VERSION_HEADER: version}
     if isinstance(result, GenerateResponseBase):
-        return JSONResponse(content=result.model_dump())
-    return StreamingResponse(content=result, media_type="text/event-stream")
+        return JSONResponse(content=result.model_dump(), headers=headers)
+    return StreamingResponse(content=result, media_type="text/event-stream", headers=headers)
 
 
 @router.post("/inference/v1/resolve")
@@ -234,7 +240,7 @@ async def resolve(raw_request: Request) -> Response:
         body = await read_body(raw_request, serving.max_body_bytes)
         if isinstance(body, dict):  # resolving needs no sampling parameters
             body.setdefault("sampling_params", {})
-        request, _ = await serving.prepare(parse_request(body))
+        request, _, version = await serving.prepare(parse_request(body))
     except MMRefError as e:
         return error_response(e)
     features = request.features.model_dump() if request.features is not None else None
@@ -243,7 +249,8 @@ async def resolve(raw_request: Request) -> Response:
             "features": features,
             "fingerprint": serving.adapter.fingerprint,
             "pixel_mode": serving.resolver.pixel_mode,
-        }
+        },
+        headers={WEIGHT_VERSION_HEADER: version},
     )
 
 

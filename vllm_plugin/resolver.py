@@ -7,10 +7,11 @@
   vLLM's decoder and checked against the served model's item layout and pixel mode.
 - A grid a ref or a feature file claims is bounded by the served processor's maximum (vLLM's
   ``get_mm_max_toks_per_item``) before anything is sized from it.
-- The item's hash for vLLM's caches is ``"mmref-" + sha256("mmref:v1:" + sha256(image bytes) + ":"
-  + fingerprint + ":" + pixel mode)`` (``"mmref:v1:file:" + payload sha256 + ":" + fingerprint``
-  for feature files): content- and processing-bound, never a client uuid. The ``mmref-``
-  namespace is reserved (``serving.py`` refuses client items claiming it).
+- The item's hash for vLLM's caches (:func:`engine_hash`) is ``"mmref-" + sha256(content key +
+  NUL + weight version)``, the content key ``"mmref:v1:" + sha256(image bytes) + ":" + fingerprint
+  + ":" + pixel mode`` (``"mmref:v1:file:" + payload sha256 + ":" + fingerprint`` for feature
+  files): content-, processing- and weights-bound, never a client uuid. The ``mmref-`` namespace
+  is reserved (``serving.py`` refuses client items claiming it).
 - Results are cached by the sha256 of the whole ref string (byte-bounded LRU, single-flight,
   failures never cached).
 """
@@ -33,22 +34,30 @@ from vllm_plugin.cache import ByteBudgetLRU
 from vllm_plugin.config import PluginConfig
 from vllm_plugin.items import ItemLayout, decode_item, encode_item
 
-__all__ = ["ENGINE_HASH_PREFIX", "MMRefResolver", "ResolvedItem"]
+__all__ = ["ENGINE_HASH_PREFIX", "MMRefResolver", "ResolvedItem", "engine_hash"]
 
 ENGINE_HASH_PREFIX = "mmref-"
 """Namespace of the hashes this server gives vLLM for resolved refs (reserved)."""
 
 
-def _engine_hash(key: str) -> str:
-    return ENGINE_HASH_PREFIX + hashlib.sha256(key.encode()).hexdigest()
+def engine_hash(content_key: str, weight_version: str) -> str:
+    """The hash vLLM caches a resolved ref under (``mm_hashes``): ``"mmref-"`` + 64 hex.
+
+    vLLM keys its encoder cache (vision embeddings) by this hash and mixes it into the prefix-cache
+    hashes of the blocks the item's placeholders fall in; binding it to the served weights'
+    version means an embedding or KV block computed under other weights can never match
+    (docs/WEIGHT-UPDATES.md). ``content_key`` contains no NUL.
+    """
+    key = f"{content_key}\0{weight_version}".encode("utf-8", "surrogatepass")
+    return ENGINE_HASH_PREFIX + hashlib.sha256(key).hexdigest()
 
 
 @dataclass(frozen=True)
 class ResolvedItem:
     """One ref, resolved: what goes into a ``features`` slot."""
 
-    engine_hash: str
-    """Hash given to vLLM (``mm_hashes``): ``"mmref-"`` + 64 hex."""
+    content_key: str
+    """What the item's engine hash binds besides the weight version (:func:`engine_hash`)."""
     encoded: str
     """vLLM's base64 msgpack ``MultiModalKwargsItem``."""
     grid: tuple[int, ...]
@@ -137,11 +146,8 @@ class MMRefResolver:
         items = MultiModalKwargsItems.from_hf_inputs(hf_inputs, self.layout.fields_config(hf_inputs))
         (item,) = items[self.adapter.vllm_modality]
         # the full sha256 of the bytes read, not the ref's (possibly 16-hex) mm_hash prefix
-        engine_hash = _engine_hash(
-            f"mmref:v1:{processed.sha256}:{self.adapter.fingerprint}:{self.pixel_mode}"
-        )
         return ResolvedItem(
-            engine_hash=engine_hash,
+            content_key=f"mmref:v1:{processed.sha256}:{self.adapter.fingerprint}:{self.pixel_mode}",
             encoded=encode_item(item),
             grid=processed.grid,
             num_placeholders=processed.num_placeholders,
@@ -176,11 +182,8 @@ class MMRefResolver:
                 f"{checked.num_placeholders} from the item's grid {list(checked.grid)}",
                 ref=ref,
             )
-        engine_hash = _engine_hash(
-            f"mmref:v1:file:{item_file.envelope.payload_sha256}:{self.adapter.fingerprint}"
-        )
         return ResolvedItem(
-            engine_hash=engine_hash,
+            content_key=f"mmref:v1:file:{item_file.envelope.payload_sha256}:{self.adapter.fingerprint}",
             encoded=pybase64.b64encode(item_file.payload).decode("ascii"),
             grid=checked.grid,
             num_placeholders=checked.num_placeholders,

@@ -7,6 +7,8 @@ Differences from upstream ``vllm/entrypoints/scale_out/token_in_token_out/servin
   string becomes the resolved item (``resolver.py``), its hash the ``mmref-`` engine hash, its
   ``mm_metadata`` dropped (the resolved item is complete). The ``mmref-`` namespace is reserved:
   an inline item or a ``content_parts`` uuid may not claim it.
+- **Weights.** Engine hashes and the ``cache_salt`` are bound to the weight version the engine
+  reports at :meth:`MMRefServing.prepare` (``weights.py``).
 - **Checks vLLM does not make, on what reaches the engine** (each a 4xx where stock would crash
   the engine, answer 500 or answer silently wrong; stock's answer everywhere else):
   ``features`` modality keys must be the served one; every item's placeholder range must be as
@@ -28,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +41,15 @@ from protocol.structs import RawMMRef
 from vllm_plugin.engine_items import EngineItems, RecordedItem
 from vllm_plugin.items import CheckedItem, decode_item
 from vllm_plugin.protocol import MMRefGenerateRequest
-from vllm_plugin.resolver import ENGINE_HASH_PREFIX, MMRefResolver, ResolvedItem
+from vllm_plugin.resolver import ENGINE_HASH_PREFIX, MMRefResolver, ResolvedItem, engine_hash
 from vllm_plugin.seeds import SeedGuard
+from vllm_plugin.weights import version_salt
 
 __all__ = ["MMRefServing", "Prepared"]
 
-Prepared = tuple[MMRefGenerateRequest, list[tuple[str, RecordedItem]]]
-"""A request ready for vLLM's ``serve_tokens``, and the items it sends the engine with data."""
+Prepared = tuple[MMRefGenerateRequest, list[tuple[str, RecordedItem]], str]
+"""A request ready for vLLM's ``serve_tokens``, the items it sends the engine with data, and the
+weight version it is bound to."""
 
 
 class MMRefServing:
@@ -55,6 +60,8 @@ class MMRefServing:
         engine_items: what the engine may hold, for ``null`` slots.
         placeholder_token_id: the model's image placeholder token id.
         serving_tokens: vLLM's ``ServingTokens`` (``app.state.serving_tokens``).
+        weight_version: returns the engine's current weight version
+            (``weights.served_weight_version``).
         allowed_local_media_path: vLLM's ``--allowed-local-media-path`` (None: no local files).
         ec_transfer: whether the server has an encoder-cache connector (metadata-only items).
         max_body_bytes: the request body limit (``MMREF_MAX_BODY_BYTES`` or its derived default).
@@ -71,6 +78,7 @@ class MMRefServing:
         allowed_local_media_path: str | None,
         ec_transfer: bool,
         max_body_bytes: int,
+        weight_version: Callable[[], Awaitable[str]],
         seed_guard: SeedGuard | None = None,
     ) -> None:
         self.resolver = resolver
@@ -82,10 +90,11 @@ class MMRefServing:
         self.local_media = Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
         self.ec_transfer = ec_transfer
         self.max_body_bytes = max_body_bytes
+        self.weight_version = weight_version
         self.seed_guard = seed_guard
 
     async def prepare(self, request: MMRefGenerateRequest) -> Prepared:
-        """Resolve refs and run the checks above.
+        """Resolve refs and run the checks above, bound to the engine's current weight version.
 
         Raises:
             InvalidRequest, PlaceholderMismatch, NotCached: see the module doc.
@@ -95,17 +104,20 @@ class MMRefServing:
         if self.seed_guard is not None:
             self.seed_guard.check(request)
         token_ids = request.token_ids
+        version = await self.weight_version()
         if request.content_parts:
             self._check_content_parts(request.content_parts)
         sent: list[tuple[str, RecordedItem]] = []
         features = request.features
         if request.mm_refs is not None:
-            features = await self._features_from_refs(request.mm_refs, token_ids, sent)
+            features = await self._features_from_refs(request.mm_refs, token_ids, sent, version)
         elif features is not None:
-            features = await self._check_features(features, token_ids, sent)
+            features = await self._check_features(features, token_ids, sent, version)
         if not request.content_parts and not (features and any(features.mm_hashes.values())):
             self._refuse_unclaimed(token_ids)
-        return request.model_copy(update={"features": features, "mm_refs": None}), sent
+        salt = version_salt(request.cache_salt, version)
+        update = {"features": features, "mm_refs": None, "cache_salt": salt}
+        return request.model_copy(update=update), sent, version
 
     def record(self, sent: list[tuple[str, RecordedItem]]) -> None:
         """The engine accepted a request: mirror its receiver cache for the items it carried."""
@@ -165,7 +177,11 @@ class MMRefServing:
     # --- the two request forms -----------------------------------------------------------
 
     async def _features_from_refs(
-        self, mm_refs: list[str | RawMMRef], token_ids: list[int], sent: list[tuple[str, RecordedItem]]
+        self,
+        mm_refs: list[str | RawMMRef],
+        token_ids: list[int],
+        sent: list[tuple[str, RecordedItem]],
+        version: str,
     ) -> Any:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import MultiModalFeatures
 
@@ -178,15 +194,16 @@ class MMRefServing:
                 _check_declared(entry, item)
         counts = [item.num_placeholders for item in resolved]
         ranges = locate_image_runs(token_ids, [], self.placeholder_token_id, counts=counts)
-        sent.extend((item.engine_hash, _recorded(item)) for item in resolved)
+        hashes = [engine_hash(item.content_key, version) for item in resolved]
+        sent.extend((h, _recorded(item)) for h, item in zip(hashes, resolved, strict=True))
         m = self.adapter.vllm_modality
         return MultiModalFeatures(
-            mm_hashes={m: [item.engine_hash for item in resolved]},
+            mm_hashes={m: hashes},
             mm_placeholders={m: [{"offset": o, "length": n} for o, n in ranges]},
             kwargs_data={m: [item.encoded for item in resolved]},
         )
 
-    async def _check_features(self, features: Any, token_ids: list[int], sent: list) -> Any:
+    async def _check_features(self, features: Any, token_ids: list[int], sent: list, version: str) -> Any:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import MultiModalFeatures
 
         m = self.adapter.vllm_modality
@@ -214,8 +231,9 @@ class MMRefServing:
         results = await asyncio.gather(*jobs)
         for i, result in enumerate(results):
             if isinstance(result, ResolvedItem):
-                slots[i], hashes[i], metadata[i] = result.encoded, result.engine_hash, None
-                sent.append((result.engine_hash, _recorded(result)))
+                hashes[i] = engine_hash(result.content_key, version)
+                slots[i], metadata[i] = result.encoded, None
+                sent.append((hashes[i], _recorded(result)))
             elif isinstance(result, CheckedItem):
                 sent.append((hashes[i], RecordedItem(result.num_placeholders)))
         return MultiModalFeatures(

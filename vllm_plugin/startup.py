@@ -14,6 +14,7 @@ from vllm_plugin.items import ItemLayout
 from vllm_plugin.resolver import MMRefResolver
 from vllm_plugin.seeds import SeedGuard
 from vllm_plugin.serving import MMRefServing
+from vllm_plugin.weights import served_weight_version
 
 __all__ = ["build_serving", "default_body_limit", "refuse_unsafe_settings", "serving_tokens"]
 
@@ -65,6 +66,7 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
         allowed_local_media_path=model_config.allowed_local_media_path or None,
         ec_transfer=vllm_config.ec_transfer_config is not None,
         max_body_bytes=body_limit,
+        weight_version=lambda: served_weight_version(engine_client),
         seed_guard=SeedGuard.for_engine(vllm_config, is_cpu=current_platform.is_cpu()),
     )
 

