@@ -79,7 +79,10 @@ def test_entry_point_loads_and_overrides_the_core_route(server):
     assert "Loaded endpoint plugin mmref" in log
     assert "Endpoint plugin overrides POST /inference/v1/generate" in log
     assert "mmref: serving refs for qwen2_vl" in log
-    assert "body limit 90527062 bytes, at most 64 placeholders per image, engine item cache lru" in log
+    assert (
+        "body limit 90527062 bytes, grids within ((1, 226, 226), 480), engine item cache lru "
+        "(items as cache handles: yes)"
+    ) in log
     assert "mmref: routes attached (vLLM 0.32.0, supported >=0.32.0,<0.34)" in log
 
 

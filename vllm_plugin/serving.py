@@ -5,8 +5,12 @@ Differences from upstream ``vllm/entrypoints/scale_out/token_in_token_out/servin
 
 - **Refs.** ``mm_refs`` (prompt order) become ``features``; a ``kwargs_data`` slot holding a ref
   string becomes the resolved item (``resolver.py``), its hash the ``mmref-`` engine hash, its
-  ``mm_metadata`` dropped (the resolved item is complete). The ``mmref-`` namespace is reserved:
-  an inline item or a ``content_parts`` uuid may not claim it.
+  ``mm_metadata`` dropped (the resolved item is complete). The item never takes vLLM's wire format:
+  the slot is left empty in ``features`` and the item enters vLLM's engine input as a
+  ``MultiModalKwargsItem`` (or a cache handle) when the request is handed to the engine
+  (:class:`~vllm_plugin.serving_tokens.ResolvedSlot`, ``serving_tokens.py``, which lists every
+  difference from upstream's ``ServingTokens``). The ``mmref-`` namespace is reserved: an inline
+  item or a ``content_parts`` uuid may not claim it.
 - **Checks vLLM does not make, on what reaches the engine** (each a 4xx where stock would crash
   the engine, answer 500 or answer silently wrong; stock's answer everywhere else):
   ``features`` modality keys must be the served one; every item's placeholder range must be as
@@ -26,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +42,21 @@ from vllm_plugin.engine_items import EngineItems, RecordedItem
 from vllm_plugin.items import CheckedItem, decode_item
 from vllm_plugin.protocol import MMRefGenerateRequest
 from vllm_plugin.resolver import ENGINE_HASH_PREFIX, MMRefResolver, ResolvedItem
+from vllm_plugin.serving_tokens import ResolvedSlot
 
 __all__ = ["MMRefServing", "Prepared"]
 
-Prepared = tuple[MMRefGenerateRequest, list[tuple[str, RecordedItem]]]
-"""A request ready for vLLM's ``serve_tokens``, and the items it sends the engine with data."""
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for vLLM's ``serve_tokens``."""
+
+    request: MMRefGenerateRequest
+    """The request vLLM serves: ``features`` with the resolved refs' slots empty (``null``)."""
+    sent: list[tuple[str, RecordedItem]]
+    """The items it gives the engine with data (``engine_items.py``)."""
+    slots: tuple[ResolvedSlot, ...]
+    """The resolved refs, by position: their items enter the engine input at the hand-off."""
 
 
 class MMRefServing:
@@ -89,14 +104,16 @@ class MMRefServing:
         if request.content_parts:
             self._check_content_parts(request.content_parts)
         sent: list[tuple[str, RecordedItem]] = []
+        slots: list[ResolvedSlot] = []
         features = request.features
         if request.mm_refs is not None:
-            features = await self._features_from_refs(request.mm_refs, token_ids, sent)
+            features = await self._features_from_refs(request.mm_refs, token_ids, sent, slots)
         elif features is not None:
-            features = await self._check_features(features, token_ids, sent)
+            features = await self._check_features(features, token_ids, sent, slots)
         if not request.content_parts and not (features and any(features.mm_hashes.values())):
             self._refuse_unclaimed(token_ids)
-        return request.model_copy(update={"features": features, "mm_refs": None}), sent
+        served = request.model_copy(update={"features": features, "mm_refs": None})
+        return Prepared(served, sent, tuple(slots))
 
     def record(self, sent: list[tuple[str, RecordedItem]]) -> None:
         """The engine accepted a request: mirror its receiver cache for the items it carried."""
@@ -156,7 +173,7 @@ class MMRefServing:
     # --- the two request forms -----------------------------------------------------------
 
     async def _features_from_refs(
-        self, mm_refs: list[str | RawMMRef], token_ids: list[int], sent: list[tuple[str, RecordedItem]]
+        self, mm_refs: list[str | RawMMRef], token_ids: list[int], sent: list, slots: list[ResolvedSlot]
     ) -> Any:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import MultiModalFeatures
 
@@ -171,13 +188,16 @@ class MMRefServing:
         ranges = locate_image_runs(token_ids, [], self.placeholder_token_id, counts=counts)
         sent.extend((item.engine_hash, _recorded(item)) for item in resolved)
         m = self.adapter.vllm_modality
+        slots.extend(ResolvedSlot(m, i, item.engine_hash, item.item) for i, item in enumerate(resolved))
         return MultiModalFeatures(
             mm_hashes={m: [item.engine_hash for item in resolved]},
             mm_placeholders={m: [{"offset": o, "length": n} for o, n in ranges]},
-            kwargs_data={m: [item.encoded for item in resolved]},
+            kwargs_data={m: [None] * len(resolved)},
         )
 
-    async def _check_features(self, features: Any, token_ids: list[int], sent: list) -> Any:
+    async def _check_features(
+        self, features: Any, token_ids: list[int], sent: list, slots: list[ResolvedSlot]
+    ) -> Any:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import MultiModalFeatures
 
         m = self.adapter.vllm_modality
@@ -188,10 +208,10 @@ class MMRefServing:
         if not hashes:
             return features  # no items: vLLM's answer as is
         ranges = list(features.mm_placeholders.get(m, ()))
-        slots = list((features.kwargs_data or {}).get(m) or [None] * len(hashes))
+        kwargs = list((features.kwargs_data or {}).get(m) or [None] * len(hashes))
         metadata = list((features.mm_metadata or {}).get(m) or [None] * len(hashes))
-        self._check_ref_count(sum(1 for s in slots if s is not None and is_ref(s)))
-        for i, (mm_hash, slot) in enumerate(zip(hashes, slots, strict=True)):
+        self._check_ref_count(sum(1 for s in kwargs if s is not None and is_ref(s)))
+        for i, (mm_hash, slot) in enumerate(zip(hashes, kwargs, strict=True)):
             if not (slot is not None and is_ref(slot)) and mm_hash.startswith(ENGINE_HASH_PREFIX):
                 if slot is not None or metadata[i] is not None:
                     raise InvalidRequest(
@@ -199,20 +219,21 @@ class MMRefServing:
                         "this server resolves; send the ref, or a null slot"
                     )
         jobs = [
-            self._check_slot(i, hashes[i], slots[i], metadata[i], ranges[i], token_ids)
+            self._check_slot(i, hashes[i], kwargs[i], metadata[i], ranges[i], token_ids)
             for i in range(len(hashes))
         ]
         results = await asyncio.gather(*jobs)
         for i, result in enumerate(results):
             if isinstance(result, ResolvedItem):
-                slots[i], hashes[i], metadata[i] = result.encoded, result.engine_hash, None
+                kwargs[i], hashes[i], metadata[i] = None, result.engine_hash, None
                 sent.append((result.engine_hash, _recorded(result)))
+                slots.append(ResolvedSlot(m, i, result.engine_hash, result.item))
             elif isinstance(result, CheckedItem):
                 sent.append((hashes[i], RecordedItem(result.num_placeholders)))
         return MultiModalFeatures(
             mm_hashes={m: hashes},
             mm_placeholders={m: ranges},
-            kwargs_data={m: slots} if features.kwargs_data is not None else None,
+            kwargs_data={m: kwargs} if features.kwargs_data is not None else None,
             mm_metadata={m: metadata} if features.mm_metadata is not None else None,
         )
 
