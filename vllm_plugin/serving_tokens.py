@@ -24,7 +24,11 @@ and changes only ``generate``, only for requests whose ``features`` carry resolv
    request they refuse goes to vLLM's ``generate`` with its items as data and no sender-cache
    change, and vLLM refuses it with its own error. (These checks thus run twice for such requests.)
 
-Every other request (no resolved refs) goes to vLLM's ``generate`` untouched.
+Every other request (no resolved refs) goes to vLLM's ``generate`` untouched. The app's own
+``ServingTokens`` (``app.state.serving_tokens``) stays as vLLM built it; only the plugin's generate
+route uses this second instance. Answers, status codes and error bodies are upstream's; the one
+visible difference is timing: a resolved item is no longer encoded and decoded in process, and a
+repeated one crosses to the engine core as a handle (with vLLM's ``lru`` processor cache).
 """
 
 from __future__ import annotations
