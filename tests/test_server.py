@@ -80,7 +80,10 @@ def test_entry_point_loads_and_overrides_the_core_route(server, qwen2_vl_adapter
     assert "Endpoint plugin overrides POST /inference/v1/generate" in log
     assert "mmref: serving refs for qwen2_vl" in log
     most = qwen2_vl_adapter.grid_limits()[1]
-    assert f"body limit 90527062 bytes, grids of at most {most} patches, engine item cache lru" in log
+    assert (
+        f"body limit 90527062 bytes, grids of at most {most} patches, engine item cache lru "
+        "(items as cache handles: yes)"
+    ) in log
     assert "mmref: routes attached (vLLM 0.32.0, supported >=0.32.0,<0.34)" in log
 
 

@@ -11,6 +11,7 @@ over ``MMREF_MAX_BODY_BYTES`` is refused and logged.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator
 
@@ -61,20 +62,39 @@ def test_the_entry_point_loads_in_every_api_process(cli_server):
     assert log.count("engine item cache none") == 2  # processor_only: the engine keeps no items
 
 
-def test_refs_give_the_single_process_servers_answer(cli_server, server, photo_refs):
-    ref = photo_refs["coffee"]
-    body = {
-        "token_ids": [1, 259, *[PAD] * ref.num_placeholders, 260, 2],
-        "mm_refs": [ref.ref],
-        "sampling_params": GREEDY,
-    }
-    answers = []
-    for srv in (cli_server, cli_server, server):  # twice: both API processes may answer
-        with srv.client() as c:
-            r = c.post("/inference/v1/generate", json=body)
+def test_every_api_process_resolves_refs_as_the_single_process_server(cli_server, server, photo_refs):
+    """vLLM's API processes share the port (the kernel spreads connections between them). On each
+    fresh connection: a ref whose prompt has one placeholder too few (the process resolves it,
+    refuses it and logs the refusal under its own name), then the right prompt (200, the
+    single-process server's tokens). Connections until both processes have resolved refs."""
+
+    def body(ref, missing: int = 0) -> dict:
+        ids = [1, 259, *[PAD] * (ref.num_placeholders - missing), 260, 2]
+        return {"token_ids": ids, "mm_refs": [ref.ref], "sampling_params": GREEDY}
+
+    refs = list(photo_refs.values())
+    with server.client() as c:
+        expected = [
+            c.post("/inference/v1/generate", json=body(r)).json()["choices"][0]["token_ids"] for r in refs
+        ]
+    refusals = re.compile(
+        r"\((ApiServer_\d) pid=\d+\).*mmref refused a generate request: placeholder_mismatch"
+    )
+    served_by: set[str] = set()
+    for attempt in range(24):
+        ref, tokens = refs[attempt % len(refs)], expected[attempt % len(refs)]
+        with cli_server.client() as c:  # one new connection: one API process
+            assert refusal(c.post("/inference/v1/generate", json=body(ref, missing=1))) == (
+                422,
+                "placeholder_mismatch",
+            )
+            r = c.post("/inference/v1/generate", json=body(ref))
         assert r.status_code == 200, r.text
-        answers.append(r.json()["choices"][0]["token_ids"])
-    assert answers[0] == answers[1] == answers[2]
+        assert r.json()["choices"][0]["token_ids"] == tokens
+        served_by = set(refusals.findall(cli_server.log()))
+        if served_by == {"ApiServer_0", "ApiServer_1"} and attempt >= len(refs):
+            break
+    assert served_by == {"ApiServer_0", "ApiServer_1"}, served_by
 
 
 def test_both_api_processes_bind_requests_to_the_engines_weight_version(cli_server, photo_refs):

@@ -3,7 +3,8 @@
 
 The body is read under a byte limit, decoded (JSON as FastAPI decodes it, or msgpack), validated
 as :class:`~vllm_plugin.protocol.MMRefGenerateRequest`, checked and resolved by
-:class:`~vllm_plugin.serving.MMRefServing`, and served by vLLM's own ``serve_tokens``. A request
+:class:`~vllm_plugin.serving.MMRefServing`, and served by vLLM's own ``serve_tokens``
+(``serving_tokens.py``: resolved items reach the engine input as they are). A request
 stock vLLM refuses gets stock's own error body: validation errors are raised as FastAPI's
 ``RequestValidationError`` and vLLM's exceptions propagate, both to the exception handlers vLLM
 registered on the app. Only refusals this plugin adds are answered here (:func:`error_response`).
@@ -11,6 +12,7 @@ registered on the app. Only refusals this plugin adds are answered here (:func:`
 
 from __future__ import annotations
 
+import asyncio
 import email.message
 import json
 import logging
@@ -28,8 +30,10 @@ from vllm.entrypoints.serve.utils.api_utils import load_aware_call, with_cancell
 
 from protocol.errors import AssetTooLarge, HashMismatch, InvalidRequest, MMRefError
 from vllm_plugin import metrics
+from vllm_plugin.items import encode_item
 from vllm_plugin.protocol import MMRefGenerateRequest, error_body
 from vllm_plugin.serving import MMRefServing
+from vllm_plugin.serving_tokens import pending_items
 from vllm_plugin.weights import WEIGHT_VERSION_HEADER, served_by
 
 __all__ = [
@@ -211,18 +215,20 @@ async def _generate(body: Any, raw_request: Request) -> Response:
     serving = mmref_serving(raw_request)
     for attempt in (1, 2):  # once more if the weights changed between prepare and prefill
         try:
-            request, sent, version = await serving.prepare(parse_request(body))
+            prepared = await serving.prepare(parse_request(body))
         except MMRefError as e:
             logger.info("mmref refused a generate request: %s %s", e.code, e.message[:300])
             return error_response(e)
-        result = await serving.serving_tokens.serve_tokens(request, raw_request)
+        with pending_items(prepared.slots):
+            result = await serving.serving_tokens.serve_tokens(prepared.request, raw_request)
         if isinstance(result, ErrorResponse):
             return JSONResponse(content=result.model_dump(), status_code=result.error.code)
-        serving.record(sent)
-        if not isinstance(result, GenerateResponseBase) or served_by(result, version) or attempt == 2:
+        serving.record(prepared.sent)
+        done = not isinstance(result, GenerateResponseBase) or served_by(result, prepared.version)
+        if done or attempt == 2:
             break
-        logger.info("mmref: weights changed from %r before prefill; generating again", version)
-    headers = {WEIGHT_VERSION_HEADER: version}
+        logger.info("mmref: weights changed from %r before prefill; generating again", prepared.version)
+    headers = {WEIGHT_VERSION_HEADER: prepared.version}
     if isinstance(result, GenerateResponseBase):
         return JSONResponse(content=result.model_dump(), headers=headers)
     return StreamingResponse(content=result, media_type="text/event-stream", headers=headers)
@@ -233,24 +239,32 @@ async def resolve(raw_request: Request) -> Response:
     """Resolve a generate request's refs into the ``features`` the engine would get.
 
     Returns ``{"features", "fingerprint", "pixel_mode"}``: ``kwargs_data`` items are vLLM's base64
-    msgpack encoding, the exact tensors ``/inference/v1/generate`` feeds the model.
+    msgpack encoding (made here, in the worker pool) of the exact tensors
+    ``/inference/v1/generate`` feeds the model.
     """
     try:
         serving = mmref_serving(raw_request)
         body = await read_body(raw_request, serving.max_body_bytes)
         if isinstance(body, dict):  # resolving needs no sampling parameters
             body.setdefault("sampling_params", {})
-        request, _, version = await serving.prepare(parse_request(body))
+        prepared = await serving.prepare(parse_request(body))
     except MMRefError as e:
         return error_response(e)
-    features = request.features.model_dump() if request.features is not None else None
+    features = prepared.request.features.model_dump() if prepared.request.features is not None else None
+    if prepared.slots:
+        loop = asyncio.get_running_loop()
+        encoded = await asyncio.gather(
+            *(loop.run_in_executor(serving.resolver.pool, encode_item, s.item) for s in prepared.slots)
+        )
+        for slot, data in zip(prepared.slots, encoded, strict=True):
+            features["kwargs_data"][slot.modality][slot.index] = data
     return JSONResponse(
         content={
             "features": features,
             "fingerprint": serving.adapter.fingerprint,
             "pixel_mode": serving.resolver.pixel_mode,
         },
-        headers={WEIGHT_VERSION_HEADER: version},
+        headers={WEIGHT_VERSION_HEADER: prepared.version},
     )
 
 

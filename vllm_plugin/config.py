@@ -26,7 +26,7 @@ class PluginConfig(BaseSettings):
     asset_root: Path
     """Folder every ref must resolve inside (after symlinks). Required; must exist."""
     cache_budget_bytes: int = Field(default=2 << 30, ge=0)
-    """Bytes of encoded items the resolve cache keeps (LRU beyond)."""
+    """Bytes of resolved items (their tensors) the resolve cache keeps (LRU beyond)."""
     max_workers: int = Field(default=2, ge=1, le=64)
     """Threads that read and process images."""
     max_image_bytes: int = Field(default=DEFAULT_MAX_IMAGE_BYTES, ge=1)

@@ -1,45 +1,87 @@
-"""What the plugin can know about the items the engine holds, for ``null`` (cache-only) slots.
+"""The items the engine holds: handing the route's items over in step with it, and ``null`` slots.
 
-vLLM serves a ``kwargs_data`` slot of ``null`` from the engine's own processor cache (the
-receiver cache, ``vllm/multimodal/cache/``): whatever an earlier request sent with data under that
-hash. The API process cannot ask the engine; it can know:
+vLLM keeps processed items in two caches that mirror each other (``vllm/multimodal/cache/``): the
+engine core's receiver cache (P1) holds the data, the API process's sender cache (P0,
+``renderer.mm_processor_cache``) holds only sizes in the same LRU order, so P0 knows, without
+asking, which items P1 holds and sends those as cache handles (``None``). vLLM's own processor
+path keeps the two in step by running every P0 operation on the renderer's single multimodal
+worker thread (``renderer._mm_executor``, "single-worker per #38418 (P0/P1 order)"), where
+``reset_mm_cache`` and ``pause_generation(clear_cache=True)`` also clear P0 before telling P1.
 
-- **no receiver cache** (``--mm-processor-cache-gb 0``, or several API servers / internal
-  data-parallel load balancing, where vLLM uses ``processor_only``): the engine never holds an item,
-  so every ``null`` slot is refused (stock hands the engine an item without data).
+**Hand-off** (:meth:`EngineItems.enter`, :meth:`EngineItems.hand_off`): the items of resolved
+refs take the same P0 operations as vLLM's processor gives its own (touch every hash, then
+``get_and_update_item`` in prompt position order, then ``release_sender_touches``: P1's own order,
+``get_and_update_features``), with guarantees vLLM's path lacks:
+
+- they run while the multimodal worker is parked (so never concurrently with a P0 clear or
+  vLLM's own processing), and the request reaches the engine core's input socket in the same
+  event-loop step, with no suspension point in between. So P1 receives items and handles in
+  exactly the order P0 recorded them: the first of N concurrent uses of a new image carries its
+  data and reaches P1 before any of the N-1 handles.
+- **resets.** vLLM clears P0, then sends P1 its reset (``reset_mm_cache``, ``pause_generation``,
+  ``sleep``), which the engine core's main thread runs when it gets to it, while its input thread
+  keeps storing the items of requests that arrived after the reset message: items P0 records in
+  that window can be wiped from P1 afterwards. A zero-byte marker in P0 (:data:`IN_STEP_MARKER`,
+  never sent) shows a clear: the first hand-off that finds it gone puts it back and, with every
+  other hand-off waiting, asks the engine core whether it is paused (a round trip through its
+  main thread, queued behind the reset message; repeated while paused). Only then, with P1's
+  clear done, do items go through P0 again.
+- a request vLLM refuses within that step (its input validation or admission control, before
+  anything is sent) has the items it newly recorded dropped again (:meth:`EngineItems.forget`),
+  so no later request sends a handle for them.
+
+Used only where the sender cache is ``lru`` (vLLM's default with one API server); with ``shm``,
+none (``--mm-processor-cache-gb 0``) or ``processor_only`` (several API servers, internal
+data-parallel load balancing) every item travels with its data.
+
+Residuals (vLLM's own mirror has them too; docs/SECURITY.md): a request refused within the step
+still moved its other items to the most recently used end of P0 (not of P1); items of vLLM's own
+processor path are recorded in P0 before their request reaches P1 (suspension points between), so
+under mixed traffic and a full cache the two LRU orders can differ; a pause without a cache clear
+in the engine (``keep``), or resumed before it finished, leaves P1 holding items P0 dropped. vLLM
+answers a handle P1 lacks with a retryable error and P0 forgets the hash
+(``MultiModalCacheMissError``).
+
+**``null`` slots** (:meth:`EngineItems.lookup`): vLLM serves a slot of ``null`` from P1 under that
+hash. The API process can know:
+
+- **no receiver cache** (``--mm-processor-cache-gb 0``, or ``processor_only``): the engine never
+  holds an item, so every ``null`` slot is refused (stock hands the engine an item without data).
 - **shm** (``--mm-processor-cache-type shm``): the shared-memory store is written only by the
-  API process's sender cache; ``is_cached_item`` is exact, and items sent through
-  ``/inference/v1/generate`` never enter it.
-- **lru** (vLLM's default with one API server): every item reaches the engine through this API
-  process: vLLM's own processing (its sender cache mirrors the receiver cache for those:
-  ``is_cached_item``) or this route (:class:`EngineItems` remembers every hash it sent with data,
-  up to :data:`SEEN_HASHES` of them). A hash in neither was never sent: the engine lacks it.
+  API process's sender cache; ``is_cached_item`` is exact.
+- **lru** (vLLM's default with one API server): items reach P1 through vLLM's processing or
+  resolved refs (both recorded in P0: ``is_cached_item``) or as inline items of this route
+  (:class:`EngineItems` remembers every hash it sent with data, up to :data:`SEEN_HASHES`). A hash
+  in neither was never sent: the engine lacks it.
 
-Residuals (documented in docs/SECURITY.md): a remembered item the engine has since evicted reaches
-the engine and gets stock's answer (HTTP 500 "Internal server error"; the engine keeps serving);
-an item that reached the engine only through vLLM's own processing and that vLLM's sender cache
-has dropped while the engine still holds it is refused (vLLM's sender cache does not see this
-route's items, so it can evict earlier than the engine under mixed traffic).
+Residuals: a remembered inline item the engine has since evicted reaches the engine and gets
+stock's answer (HTTP 500 "Internal server error"; the engine keeps serving); inline items are not
+recorded in P0 (stock does not record them), so under a full cache P1 can evict earlier than P0.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-__all__ = ["SEEN_HASHES", "CacheMode", "EngineItems", "RecordedItem"]
+__all__ = ["IN_STEP_MARKER", "SEEN_HASHES", "CacheMode", "EngineItems", "RecordedItem", "Release"]
 
 
 class CacheMode(str, Enum):
     """How the engine holds items between requests (vLLM ``multimodal/cache/factories.py``)."""
 
     NONE = "none"
-    """No receiver cache: ``null`` slots can never be served."""
+    """No receiver cache: ``null`` slots can never be served; items always travel with data."""
     SHM = "shm"
     LRU = "lru"
     UNKNOWN = "unknown"
-    """A sender cache this version of the plugin does not know: ``null`` slots pass untouched."""
+    """A sender cache this version of the plugin does not know: ``null`` slots pass untouched,
+    items travel with data."""
 
     @classmethod
     def of(cls, sender_cache: Any) -> CacheMode:
@@ -70,20 +112,164 @@ SEEN_HASHES = 1 << 18
 More than the engine's processor cache holds of real images (4 GiB by default: ~40k items of
 100 kB)."""
 
+IN_STEP_MARKER = "mmref-in-step"
+"""Key of the zero-byte item kept in P0 only, to see a clear (in the reserved ``mmref-`` namespace,
+never a resolved ref's ``mmref-`` + 64 hex)."""
+
+PAUSE_POLL_S = 0.05
+"""While the engine is paused after a clear, how often it is asked again."""
+
+
+class Release:
+    """Lets vLLM's parked multimodal worker go on (call it; idempotent)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def __call__(self) -> None:
+        self._event.set()
+
+    @property
+    def done(self) -> bool:
+        """Whether the worker was let go (after it, P0 is no longer this request's alone)."""
+        return self._event.is_set()
+
+    def wait(self) -> None:
+        self._event.wait()
+
 
 class EngineItems:
-    """The items this route sent the engine with data, and what vLLM's sender cache holds.
+    """The route's view of the engine's items (see the module doc).
 
     Args:
         sender_cache: vLLM's API-process processor cache (``renderer.mm_processor_cache``) or None.
+        executor: vLLM's single multimodal worker (``renderer._mm_executor``), where every P0
+            operation of vLLM runs.
+        is_paused: the engine client's ``is_paused`` (a round trip through the engine core's main
+            thread). Without it or ``executor``, items always travel with data.
+        on_stats: called after each hand-off (``renderer.update_mm_cache_stats``: vLLM's
+            ``vllm:mm_cache_*`` metrics then count the route's hits, as ``inject_into_mm_cache``).
     """
 
-    def __init__(self, sender_cache: Any) -> None:
+    def __init__(
+        self,
+        sender_cache: Any,
+        *,
+        executor: Executor | None = None,
+        is_paused: Callable[[], Awaitable[bool]] | None = None,
+        on_stats: Callable[[], None] | None = None,
+    ) -> None:
         from vllm.utils.cache import LRUCache
 
         self.mode = CacheMode.of(sender_cache)
         self.sender_cache = sender_cache
+        self.mirrors = self.mode is CacheMode.LRU and executor is not None and is_paused is not None
+        """Whether resolved items go through the sender cache (and travel as handles when held)."""
+        self._executor = executor
+        self._is_paused = is_paused
+        self._on_stats = on_stats
+        self._confirming: asyncio.Task[None] | None = None
         self._sent: LRUCache[str, RecordedItem] = LRUCache(SEEN_HASHES)
+
+    # --- hand-off ----------------------------------------------------------------------
+
+    async def enter(self) -> Release:
+        """:meth:`exclusive`, with P0 known to be in step with P1 (see the module doc: resets).
+
+        Raises:
+            Whatever the engine client raises asking whether it is paused (a dead engine).
+        """
+        while True:
+            if self._confirming is not None:
+                await asyncio.shield(self._confirming)
+                continue
+            release = await self.exclusive()
+            if self._confirming is None and self.sender_cache.is_cached_item(IN_STEP_MARKER):
+                return release
+            if self._confirming is None:  # cleared since the marker went in (or it was evicted)
+                self.sender_cache.get_and_update_item((_zero_byte_item(), []), IN_STEP_MARKER)
+                self._confirming = asyncio.ensure_future(self._confirm())
+            release()
+
+    async def _confirm(self) -> None:
+        """Return once every reset sent before now has cleared P1 (and the engine is not paused)."""
+        assert self._is_paused is not None
+        try:
+            while await self._is_paused():
+                await asyncio.sleep(PAUSE_POLL_S)
+        finally:
+            self._confirming = None
+
+    async def exclusive(self) -> Release:
+        """Park vLLM's multimodal worker thread: P0 is this coroutine's until the release.
+
+        Queues behind what the worker already has (vLLM's processing, a clear). Cancelled while
+        waiting, the worker passes straight through when it gets there.
+        """
+        loop = asyncio.get_running_loop()
+        parked: asyncio.Future[None] = loop.create_future()
+        release = Release()
+
+        def park() -> None:
+            loop.call_soon_threadsafe(_resolve, parked)
+            release.wait()
+
+        assert self._executor is not None
+        self._executor.submit(park)
+        try:
+            await parked
+        except BaseException:
+            release()
+            raise
+        return release
+
+    def hand_off(self, engine_input: Mapping[str, Any], ours: Collection[tuple[str, int]]) -> list[str]:
+        """vLLM's sender-cache operations for one request, as its processor performs them
+        (``BaseMultiModalProcessor._merge_mm_kwargs``): every hash touched, then, in prompt
+        position order, each resolved item given to ``get_and_update_item`` (its slot becomes what
+        comes back: the item, or ``None`` where P1 holds it, or an shm address) and every other
+        item touched, as P1 will (``get_and_update_features``). Hold :meth:`exclusive` and send
+        the request in the same event-loop step.
+
+        Args:
+            engine_input: vLLM's ``MultiModalInput`` (``mm_kwargs``, ``mm_hashes``,
+                ``mm_placeholders``), resolved items already in their slots.
+            ours: the ``(modality, index)`` slots of resolved items.
+
+        Returns:
+            The hashes newly recorded (for :meth:`forget` if the request never reaches the engine).
+        """
+        from vllm.multimodal.utils import argsort_mm_positions
+
+        cache = self.sender_cache
+        kwargs, hashes = engine_input["mm_kwargs"], engine_input["mm_hashes"]
+        order = argsort_mm_positions(engine_input["mm_placeholders"])
+        recorded: list[str] = []
+        try:
+            cache.touch_sender_cache_item(IN_STEP_MARKER)  # kept from the LRU end
+            for m, i in order:
+                cache.touch_sender_cache_item(hashes[m][i])
+            for m, i in order:
+                if (m, i) not in ours:
+                    cache.touch_sender_cache_item(hashes[m][i])
+                    continue
+                item = kwargs[m][i]
+                data, _ = cache.get_and_update_item((item, []), hashes[m][i])
+                if data is item and self.mode is CacheMode.LRU:
+                    recorded.append(hashes[m][i])
+                kwargs[m][i] = data
+        finally:
+            cache.release_sender_touches()
+        if self._on_stats is not None:
+            self._on_stats()
+        return recorded
+
+    def forget(self, hashes: Collection[str]) -> None:
+        """Drop hashes from P0 (vLLM's ``invalidate``): their request never reached the engine."""
+        for mm_hash in hashes:
+            self.sender_cache.invalidate(mm_hash)
+
+    # --- null slots --------------------------------------------------------------------
 
     def sent(self, mm_hash: str, item: RecordedItem) -> None:
         """An item went to the engine with data (the engine caches it under ``mm_hash``)."""
@@ -97,7 +283,23 @@ class EngineItems:
         """
         if self.mode is CacheMode.UNKNOWN:
             return True, None
-        if self.mode is CacheMode.NONE:
+        if self.mode is CacheMode.NONE or mm_hash == IN_STEP_MARKER:
             return False, None
         recorded = self._sent.get(mm_hash) if self.mode is CacheMode.LRU else None
         return recorded is not None or bool(self.sender_cache.is_cached_item(mm_hash)), recorded
+
+
+def _zero_byte_item() -> Any:
+    """A ``MultiModalKwargsItem`` of size 0 for vLLM's caches (an empty tensor)."""
+    import torch
+    from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem, MultiModalSharedField
+
+    empty = MultiModalFieldElem(
+        data=torch.empty(0, dtype=torch.uint8), field=MultiModalSharedField(batch_size=1)
+    )
+    return MultiModalKwargsItem({"mmref_marker": empty})
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

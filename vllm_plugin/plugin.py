@@ -76,11 +76,14 @@ class MMRefEndpointPlugin:
         from vllm_plugin.startup import build_serving
 
         serving = build_serving(engine_client, state, args)
+        # cached by vLLM's engine client: no request's hand-off then waits on the engine before
+        # its send (``engine_items.py``: the send follows the hand-off in the same step)
+        await engine_client.get_supported_tasks()
         state.mmref_serving = serving
         resolver = serving.resolver
         logger.info(
             "mmref: serving refs for %s (fingerprint %s, %s pixels, backend %s) from %s; body limit %d "
-            "bytes, grids of at most %d patches, engine item cache %s",
+            "bytes, grids of at most %d patches, engine item cache %s (items as cache handles: %s)",
             serving.adapter.family,
             serving.adapter.fingerprint,
             resolver.pixel_mode,
@@ -89,4 +92,5 @@ class MMRefEndpointPlugin:
             serving.max_body_bytes,
             serving.adapter.grid_limits()[1],
             serving.engine_items.mode.value,
+            "yes" if serving.engine_items.mirrors else "no",
         )

@@ -1,17 +1,21 @@
 """One ref in, one processed vLLM item out: the confined read, the checks and the cache.
 
 - ``mmraw:`` refs: read from the confined asset root, sha256-checked, decoded like vLLM, processed
-  by the model's own HF image processor (the instance vLLM itself uses), grid-checked, and encoded
-  the way vLLM's ``encode_mm_kwargs_item`` does.
+  by the model's own HF image processor (the instance vLLM itself uses, under vLLM's own torch
+  thread setting), grid-checked, and built into vLLM's ``MultiModalKwargsItem`` with the model's
+  field config, exactly as vLLM's processor builds it.
 - ``mmfile:v1:`` refs: envelope, payload sha256 and fingerprint checked, payload decoded with
   vLLM's decoder and checked against the served model's item layout and pixel mode.
-- A grid a ref or a feature file claims is bounded by the served processor's maximum (vLLM's
-  ``get_mm_max_toks_per_item``) before anything is sized from it.
-- The item's hash for vLLM's caches (:func:`engine_hash`) is ``"mmref-" + sha256(content key +
-  NUL + weight version)``, the content key ``"mmref:v1:" + sha256(image bytes) + ":" + fingerprint
-  + ":" + pixel mode`` (``"mmref:v1:file:" + payload sha256 + ":" + fingerprint`` for feature
-  files): content-, processing- and weights-bound, never a client uuid. The ``mmref-`` namespace
-  is reserved (``serving.py`` refuses client items claiming it).
+- The item stays a ``MultiModalKwargsItem`` in this process: it reaches vLLM's engine input as is
+  (``serving_tokens.py``), never through vLLM's base64/msgpack wire format.
+- A grid a ref or a feature file claims is bounded by the served processor's limits
+  (``ImageAdapter.check_grid``) before anything is sized from it.
+- The item's hash for vLLM's caches (:func:`engine_hash`, the one place it is computed) is
+  ``"mmref-" + sha256(content key + NUL + weight version)``, the content key ``"mmref:v1:" +
+  sha256(image bytes) + ":" + fingerprint + ":" + pixel mode`` (``"mmref:v1:file:" + payload
+  sha256 + ":" + fingerprint`` for feature files): content-, processing- and weights-bound, never
+  a client uuid. The ``mmref-`` namespace is reserved (``serving.py`` refuses client items
+  claiming it).
 - Results are cached by the sha256 of the whole ref string (byte-bounded LRU, single-flight,
   failures never cached).
 """
@@ -23,6 +27,7 @@ import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from protocol.adapters import ImageAdapter
 from protocol.errors import CorruptFeature, FingerprintMismatch, GridMismatch
@@ -32,7 +37,7 @@ from protocol.store import AssetStore
 from vllm_plugin import metrics
 from vllm_plugin.cache import ByteBudgetLRU
 from vllm_plugin.config import PluginConfig
-from vllm_plugin.items import ItemLayout, decode_item, encode_item
+from vllm_plugin.items import ItemLayout, decode_item
 
 __all__ = ["ENGINE_HASH_PREFIX", "MMRefResolver", "ResolvedItem", "engine_hash"]
 
@@ -54,19 +59,19 @@ def engine_hash(content_key: str, weight_version: str) -> str:
 
 @dataclass(frozen=True)
 class ResolvedItem:
-    """One ref, resolved: what goes into a ``features`` slot."""
+    """One ref, resolved: what takes a ``features`` slot of the engine input."""
 
     content_key: str
     """What the item's engine hash binds besides the weight version (:func:`engine_hash`)."""
-    encoded: str
-    """vLLM's base64 msgpack ``MultiModalKwargsItem``."""
+    item: Any
+    """vLLM's ``MultiModalKwargsItem`` (shared by every request that uses the ref: never mutated)."""
     grid: tuple[int, ...]
     num_placeholders: int
 
     @property
     def nbytes(self) -> int:
-        """Bytes the resolve cache counts (the encoded string)."""
-        return len(self.encoded)
+        """Bytes the resolve cache counts: the item's tensors."""
+        return sum(elem.data.nbytes for elem in self.item.values())
 
 
 class MMRefResolver:
@@ -133,22 +138,24 @@ class MMRefResolver:
     def _resolve_raw_sync(self, body: RawRefBody, ref: str) -> ResolvedItem:
         from transformers import BatchFeature
         from vllm.multimodal.inputs import MultiModalKwargsItems
+        from vllm.utils.torch_utils import set_default_torch_num_threads
 
-        processed = self.adapter.resolve_raw(
-            body,
-            self.store,
-            ref=ref,
-            device_normalize=self.device_normalize,
-            max_bytes=self.config.max_image_bytes,
-            max_pixels=self.config.max_image_pixels,
-        )
+        with set_default_torch_num_threads():  # as vLLM's renderer runs its processor
+            processed = self.adapter.resolve_raw(
+                body,
+                self.store,
+                ref=ref,
+                device_normalize=self.device_normalize,
+                max_bytes=self.config.max_image_bytes,
+                max_pixels=self.config.max_image_pixels,
+            )
         hf_inputs = BatchFeature(dict(processed.tensors))
         items = MultiModalKwargsItems.from_hf_inputs(hf_inputs, self.layout.fields_config(hf_inputs))
         (item,) = items[self.adapter.vllm_modality]
-        # the full sha256 of the bytes read, not the ref's (possibly 16-hex) mm_hash prefix
         return ResolvedItem(
+            # the full sha256 of the bytes read, not the ref's (possibly 16-hex) mm_hash prefix
             content_key=f"mmref:v1:{processed.sha256}:{self.adapter.fingerprint}:{self.pixel_mode}",
-            encoded=encode_item(item),
+            item=item,
             grid=processed.grid,
             num_placeholders=processed.num_placeholders,
         )
@@ -156,8 +163,6 @@ class MMRefResolver:
     def _resolve_file_sync(self, ref_ids: FileRef, ref: str) -> ResolvedItem:
         """An ``mmfile:v1`` item: envelope, payload sha256 and fingerprint checked, payload decoded
         with vLLM, its grid bounded, its layout, placeholder length and pixel mode checked."""
-        import pybase64
-
         item_file = read_feature_item(
             self.config.asset_root,
             ref_ids,
@@ -184,7 +189,7 @@ class MMRefResolver:
             )
         return ResolvedItem(
             content_key=f"mmref:v1:file:{item_file.envelope.payload_sha256}:{self.adapter.fingerprint}",
-            encoded=pybase64.b64encode(item_file.payload).decode("ascii"),
+            item=item,
             grid=checked.grid,
             num_placeholders=checked.num_placeholders,
         )

@@ -5,8 +5,12 @@ Differences from upstream ``vllm/entrypoints/scale_out/token_in_token_out/servin
 
 - **Refs.** ``mm_refs`` (prompt order) become ``features``; a ``kwargs_data`` slot holding a ref
   string becomes the resolved item (``resolver.py``), its hash the ``mmref-`` engine hash, its
-  ``mm_metadata`` dropped (the resolved item is complete). The ``mmref-`` namespace is reserved:
-  an inline item or a ``content_parts`` uuid may not claim it.
+  ``mm_metadata`` dropped (the resolved item is complete). The item never takes vLLM's wire format:
+  the slot is left empty in ``features`` and the item enters vLLM's engine input as a
+  ``MultiModalKwargsItem`` (or a cache handle) when the request is handed to the engine
+  (:class:`~vllm_plugin.serving_tokens.ResolvedSlot`, ``serving_tokens.py``, which lists every
+  difference from upstream's ``ServingTokens``). The ``mmref-`` namespace is reserved: an inline
+  item or a ``content_parts`` uuid may not claim it.
 - **Weights.** Engine hashes and the ``cache_salt`` are bound to the weight version the engine
   reports at :meth:`MMRefServing.prepare` (``weights.py``).
 - **Checks vLLM does not make, on what reaches the engine** (each a 4xx where stock would crash
@@ -31,6 +35,7 @@ import asyncio
 import os
 import stat
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +48,25 @@ from vllm_plugin.items import CheckedItem, decode_item
 from vllm_plugin.protocol import MMRefGenerateRequest
 from vllm_plugin.resolver import ENGINE_HASH_PREFIX, MMRefResolver, ResolvedItem, engine_hash
 from vllm_plugin.seeds import SeedGuard
+from vllm_plugin.serving_tokens import ResolvedSlot
 from vllm_plugin.weights import version_salt
 
 __all__ = ["MMRefServing", "Prepared"]
 
-Prepared = tuple[MMRefGenerateRequest, list[tuple[str, RecordedItem]], str]
-"""A request ready for vLLM's ``serve_tokens``, the items it sends the engine with data, and the
-weight version it is bound to."""
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for vLLM's ``serve_tokens``."""
+
+    request: MMRefGenerateRequest
+    """The request vLLM serves: ``features`` with the resolved refs' slots empty (``null``), the
+    ``cache_salt`` bound to the weight version."""
+    sent: list[tuple[str, RecordedItem]]
+    """The items it gives the engine with data (``engine_items.py``)."""
+    slots: tuple[ResolvedSlot, ...]
+    """The resolved refs, by position: their items enter the engine input at the hand-off."""
+    version: str
+    """The weight version its engine hashes and ``cache_salt`` are bound to (``weights.py``)."""
 
 
 class MMRefServing:
@@ -108,16 +125,17 @@ class MMRefServing:
         if request.content_parts:
             self._check_content_parts(request.content_parts)
         sent: list[tuple[str, RecordedItem]] = []
+        slots: list[ResolvedSlot] = []
         features = request.features
         if request.mm_refs is not None:
-            features = await self._features_from_refs(request.mm_refs, token_ids, sent, version)
+            features = await self._features_from_refs(request.mm_refs, token_ids, sent, slots, version)
         elif features is not None:
-            features = await self._check_features(features, token_ids, sent, version)
+            features = await self._check_features(features, token_ids, sent, slots, version)
         if not request.content_parts and not (features and any(features.mm_hashes.values())):
             self._refuse_unclaimed(token_ids)
         salt = version_salt(request.cache_salt, version)
-        update = {"features": features, "mm_refs": None, "cache_salt": salt}
-        return request.model_copy(update=update), sent, version
+        served = request.model_copy(update={"features": features, "mm_refs": None, "cache_salt": salt})
+        return Prepared(served, sent, tuple(slots), version)
 
     def record(self, sent: list[tuple[str, RecordedItem]]) -> None:
         """The engine accepted a request: mirror its receiver cache for the items it carried."""
@@ -181,6 +199,7 @@ class MMRefServing:
         mm_refs: list[str | RawMMRef],
         token_ids: list[int],
         sent: list[tuple[str, RecordedItem]],
+        slots: list[ResolvedSlot],
         version: str,
     ) -> Any:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import MultiModalFeatures
@@ -197,13 +216,16 @@ class MMRefServing:
         hashes = [engine_hash(item.content_key, version) for item in resolved]
         sent.extend((h, _recorded(item)) for h, item in zip(hashes, resolved, strict=True))
         m = self.adapter.vllm_modality
+        slots.extend(ResolvedSlot(m, i, hashes[i], item.item) for i, item in enumerate(resolved))
         return MultiModalFeatures(
             mm_hashes={m: hashes},
             mm_placeholders={m: [{"offset": o, "length": n} for o, n in ranges]},
-            kwargs_data={m: [item.encoded for item in resolved]},
+            kwargs_data={m: [None] * len(resolved)},
         )
 
-    async def _check_features(self, features: Any, token_ids: list[int], sent: list, version: str) -> Any:
+    async def _check_features(
+        self, features: Any, token_ids: list[int], sent: list, slots: list[ResolvedSlot], version: str
+    ) -> Any:
         from vllm.entrypoints.scale_out.token_in_token_out.protocol import MultiModalFeatures
 
         m = self.adapter.vllm_modality
@@ -214,10 +236,10 @@ class MMRefServing:
         if not hashes:
             return features  # no items: vLLM's answer as is
         ranges = list(features.mm_placeholders.get(m, ()))
-        slots = list((features.kwargs_data or {}).get(m) or [None] * len(hashes))
+        kwargs = list((features.kwargs_data or {}).get(m) or [None] * len(hashes))
         metadata = list((features.mm_metadata or {}).get(m) or [None] * len(hashes))
-        self._check_ref_count(sum(1 for s in slots if s is not None and is_ref(s)))
-        for i, (mm_hash, slot) in enumerate(zip(hashes, slots, strict=True)):
+        self._check_ref_count(sum(1 for s in kwargs if s is not None and is_ref(s)))
+        for i, (mm_hash, slot) in enumerate(zip(hashes, kwargs, strict=True)):
             if not (slot is not None and is_ref(slot)) and mm_hash.startswith(ENGINE_HASH_PREFIX):
                 if slot is not None or metadata[i] is not None:
                     raise InvalidRequest(
@@ -225,21 +247,21 @@ class MMRefServing:
                         "this server resolves; send the ref, or a null slot"
                     )
         jobs = [
-            self._check_slot(i, hashes[i], slots[i], metadata[i], ranges[i], token_ids)
+            self._check_slot(i, hashes[i], kwargs[i], metadata[i], ranges[i], token_ids)
             for i in range(len(hashes))
         ]
         results = await asyncio.gather(*jobs)
         for i, result in enumerate(results):
             if isinstance(result, ResolvedItem):
-                hashes[i] = engine_hash(result.content_key, version)
-                slots[i], metadata[i] = result.encoded, None
+                kwargs[i], hashes[i], metadata[i] = None, engine_hash(result.content_key, version), None
                 sent.append((hashes[i], _recorded(result)))
+                slots.append(ResolvedSlot(m, i, hashes[i], result.item))
             elif isinstance(result, CheckedItem):
                 sent.append((hashes[i], RecordedItem(result.num_placeholders)))
         return MultiModalFeatures(
             mm_hashes={m: hashes},
             mm_placeholders={m: ranges},
-            kwargs_data={m: slots} if features.kwargs_data is not None else None,
+            kwargs_data={m: kwargs} if features.kwargs_data is not None else None,
             mm_metadata={m: metadata} if features.mm_metadata is not None else None,
         )
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 from argparse import Namespace
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from protocol.errors import UnsupportedFamily
@@ -14,9 +14,10 @@ from vllm_plugin.items import ItemLayout
 from vllm_plugin.resolver import MMRefResolver
 from vllm_plugin.seeds import SeedGuard
 from vllm_plugin.serving import MMRefServing
+from vllm_plugin.serving_tokens import build_serving_tokens
 from vllm_plugin.weights import served_weight_version
 
-__all__ = ["build_serving", "default_body_limit", "refuse_unsafe_settings", "serving_tokens"]
+__all__ = ["build_serving", "default_body_limit", "engine_items", "refuse_unsafe_settings"]
 
 _PER_ITEM_OVERHEAD = 1024
 """JSON bytes one item adds beside its tensors (hash, range, msgpack framing, ``mm_metadata``)."""
@@ -52,7 +53,7 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
         layout=layout,
         device_normalize=bool(model_config.multimodal_config.mm_device_do_normalize),
     )
-    engine_items = EngineItems(renderer.mm_processor_cache)
+    items = engine_items(renderer, engine_client)
     body_limit = config.max_body_bytes or default_body_limit(
         max_model_len=model_config.max_model_len,
         bytes_per_placeholder=layout.float32_bytes_per_placeholder,
@@ -60,9 +61,9 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
     )
     return MMRefServing(
         resolver,
-        engine_items,
+        items,
         placeholder_token_id=adapter.placeholder_token_id(model_config.hf_config),
-        serving_tokens=serving_tokens(engine_client, state, args),
+        serving_tokens=build_serving_tokens(engine_client, items, state, args),
         allowed_local_media_path=model_config.allowed_local_media_path or None,
         ec_transfer=vllm_config.ec_transfer_config is not None,
         max_body_bytes=body_limit,
@@ -93,25 +94,23 @@ def default_body_limit(*, max_model_len: int, bytes_per_placeholder: float, max_
     return max(features, data_url)
 
 
-def serving_tokens(engine_client: Any, state: Any, args: Namespace) -> Any:
-    """vLLM's ``ServingTokens``: the app's own (vLLM 0.32 builds it for every generate server), or
-    one built like vLLM builds it (``scale_out/factories.py``), passing the ``online_derenderer``
-    that vLLM 0.33's constructor requires when it takes one (not verified on 0.33)."""
-    existing = getattr(state, "serving_tokens", None)
-    if existing is not None:
-        return existing
-    from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
+def engine_items(renderer: Any, engine_client: Any) -> EngineItems:
+    """The route's view of the engine's items, over vLLM's sender cache and its multimodal worker.
 
-    kwargs: dict[str, Any] = {
-        "request_logger": getattr(state, "request_logger", None),
-        "return_tokens_as_token_ids": args.return_tokens_as_token_ids,
-        "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
-        "enable_log_outputs": args.enable_log_outputs,
-        "force_no_detokenize": args.tokens_only,
-    }
-    if "online_derenderer" in inspect.signature(ServingTokens.__init__).parameters:
-        kwargs["online_derenderer"] = state.online_derenderer
-    return ServingTokens(engine_client, state.openai_serving_models, state.online_renderer, **kwargs)
+    vLLM runs every sender-cache operation on the renderer's single multimodal worker thread
+    (``renderer._mm_executor``, private in vLLM 0.32: ``ThreadPoolExecutor(max_workers=1)``); the
+    hand-off parks that thread (``engine_items.py``). A renderer without such a worker gets no
+    hand-off through the sender cache: items then always travel with their data.
+    """
+    executor = getattr(renderer, "_mm_executor", None)
+    if not (isinstance(executor, ThreadPoolExecutor) and executor._max_workers == 1):
+        executor = None
+    return EngineItems(
+        renderer.mm_processor_cache,
+        executor=executor,
+        is_paused=engine_client.is_paused,
+        on_stats=renderer.update_mm_cache_stats,
+    )
 
 
 def refuse_unsafe_settings(model_config: Any) -> None:
