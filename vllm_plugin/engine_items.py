@@ -116,7 +116,7 @@ IN_STEP_MARKER = "mmref-in-step"
 """Key of the zero-byte item kept in P0 only, to see a clear (in the reserved ``mmref-`` namespace,
 never a resolved ref's ``mmref-`` + 64 hex)."""
 
-PAUSE_POLL_S = 0.05
+_PAUSE_POLL_S = 0.05
 """While the engine is paused after a clear, how often it is asked again."""
 
 
@@ -196,7 +196,7 @@ class EngineItems:
         assert self._is_paused is not None
         try:
             while await self._is_paused():
-                await asyncio.sleep(PAUSE_POLL_S)
+                await asyncio.sleep(_PAUSE_POLL_S)
         finally:
             self._confirming = None
 
