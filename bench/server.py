@@ -9,16 +9,8 @@
     cProfile of the route's whole in-process miss path (``prepare`` + vLLM's
     ``mm_kwargs_from_features`` + the hand-off's fill) with the share of base64/msgpack
     functions in it (the item reaches the engine input as is: target 0 %).
-(c) A real vLLM server (``scripts/vllm_server.py``; the tiny Qwen2-VL with the real image-size
-    limits, ``bench/_models.py``), 16 concurrent asyncio+httpx clients on 127.0.0.1:
-    ``/inference/v1/generate`` with ``mm_refs`` vs ``/v1/chat/completions`` with data URLs for
-    the same kind of images (1024x768 real photos), ``max_tokens`` 4, ``ignore_eos``.
-    Unique images (every request a new image; targets: refs/URLs throughput >= 1.2x, API-server
-    CPU per request refs/URLs <= 0.5) and RL groups (each image 8 times in a row; targets >= 1.5x
-    and <= 0.25). Rounds alternate the order of the
-    two paths; every request of a path gets images no other path or round uses. CPU seconds per
-    server process (API server, engine core, model worker) come from the OS (psutil) per phase.
-    Only 127.0.0.1 is contacted; request counts are fixed.
+(c) A real vLLM server under load: refs vs data URLs vs a tokens-only request of the same size
+    (the floor of the route), unique images and RL groups (``bench/_server_load.py``).
 
 Usage: ``.venv/bin/python bench/server.py [--parts a,b,c] [--requests 64] [--group-requests 128]
 [--rounds 2] [--profile DIR] [--server-arg=ARG ...]`` (a+b about 30 s; c about 90 s). ``--profile``
@@ -31,10 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,28 +33,18 @@ from _common import (
     BENCH_OUTPUTS,
     bench_asset_root,
     fmt_ms,
-    percentile,
     print_facts,
     print_table,
-    ratio_row,
     timeit,
     unique_photos,
     verdict,
     vllm_processor,
 )
 from _models import ensure_bench_model
-from _profile import Recorder, summarize
+from _server_load import CONCURRENCY, GROUP, MAX_TOKENS, part_c
 
 HIT_TARGET_S = 0.05e-3
 MISS_OVERHEAD_TARGET = 0.10
-UNIQUE_TARGET = 1.2
-GROUP_TARGET = 1.5
-UNIQUE_CPU_TARGET = 0.5
-GROUP_CPU_TARGET = 0.25
-GROUP = 8
-CONCURRENCY = 16
-MAX_TOKENS = 4
-TEXT = "Describe the picture."
 
 
 # --- (a) and (b): in process --------------------------------------------------------------------
@@ -316,228 +295,6 @@ def part_b_profile(model: Path, photos: int) -> tuple[list[tuple], list[tuple]]:
 
 
 # --- (c): a real server ------------------------------------------------------------------------
-
-
-@dataclass
-class PathResult:
-    latencies: list[float] = field(default_factory=list)
-    wall: float = 0.0
-    requests: int = 0
-    cpu: dict[str, float] = field(default_factory=dict)
-    """CPU seconds (user + system) per server process role during this path's phases."""
-
-    @property
-    def throughput(self) -> float:
-        return self.requests / self.wall
-
-    def cpu_ms_per_request(self, role: str) -> float:
-        return self.cpu.get(role, 0.0) / self.requests * 1000
-
-
-def server_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds so far of the API server and its children, by role (from the OS, via psutil)."""
-    import psutil
-
-    root = psutil.Process(pid)
-    out: dict[str, float] = {}
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            cmd = " ".join(proc.cmdline())
-            t = proc.cpu_times()
-        except psutil.Error:
-            continue
-        role = "api server" if proc.pid == pid else "engine core" if "EngineCore" in cmd else "model worker"
-        if "Worker" in cmd:
-            role = "model worker"
-        out[role] = out.get(role, 0.0) + t.user + t.system
-    return out
-
-
-async def run_load(url: str, path: str, bodies: list[dict], concurrency: int) -> tuple[float, list[float]]:
-    """Send ``bodies`` (in order) with ``concurrency`` clients; return (wall seconds, latencies)."""
-    import httpx
-
-    queue: asyncio.Queue[dict] = asyncio.Queue()
-    for body in bodies:
-        queue.put_nowait(body)
-    latencies: list[float] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-
-        async def worker() -> None:
-            while True:
-                try:
-                    body = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                t0 = time.perf_counter()
-                r = await client.post(path, json=body)
-                if r.status_code != 200:
-                    raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text[:500]}")
-                choice = r.json()["choices"][0]
-                n = len(choice["token_ids"]) if choice.get("token_ids") else None
-                if n is not None and n != MAX_TOKENS:
-                    raise RuntimeError(f"{path}: {n} tokens, expected {MAX_TOKENS}")
-                latencies.append(time.perf_counter() - t0)
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return time.perf_counter() - t0, latencies
-
-
-def part_c(
-    model: Path,
-    requests: int,
-    group_requests: int,
-    rounds: int,
-    profile: Path | None,
-    server_args: tuple[str, ...] = (),
-) -> tuple[list[tuple], list[tuple]]:
-    from transformers import AutoTokenizer
-
-    from protocol.adapters import load_adapter, offload_image
-    from protocol.placeholders import expand_image_placeholders
-    from vllm_server import start_server
-
-    adapter = load_adapter(model)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT}]}]
-    chat_ids = list(
-        tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
-    )
-    asset_root = bench_asset_root()
-
-    scenarios = {"unique images": 1, f"each image {GROUP}x (RL groups)": GROUP}
-    paths = ("refs", "data URLs")
-    # Image sets: one per (scenario, round, path), disjoint; plus warm-up images.
-    per_set = {s: (requests if k == 1 else group_requests) // k for s, k in scenarios.items()}
-    total = sum(per_set.values()) * rounds * len(paths) + 4
-    print(f"\n[server] preparing {total} distinct 1024x768 photos ...", flush=True)
-    jpegs = iter(unique_photos(total))
-
-    def bodies_for(path: str, images: list[bytes], repeat: int) -> list[dict]:
-        out = []
-        for jpeg in images:
-            if path == "refs":
-                ref = offload_image(jpeg, asset_root, adapter)
-                body = {
-                    "token_ids": expand_image_placeholders(chat_ids, [ref], pad_id),
-                    "mm_refs": [ref.ref],
-                    "sampling_params": {
-                        "temperature": 1.0,
-                        "max_tokens": MAX_TOKENS,
-                        "ignore_eos": True,
-                        "logprobs": 0,
-                    },
-                }
-            else:
-                url = "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
-                body = {
-                    "model": str(model),
-                    "messages": [
-                        {
-                            "role": "user",
-                            "content": [
-                                {"type": "image_url", "image_url": {"url": url}},
-                                {"type": "text", "text": TEXT},
-                            ],
-                        }
-                    ],
-                    "temperature": 1.0,
-                    "max_tokens": MAX_TOKENS,
-                    "ignore_eos": True,
-                    "logprobs": True,
-                    "return_token_ids": True,
-                }
-            out.extend([body] * repeat)
-        return out
-
-    route = {"refs": "/inference/v1/generate", "data URLs": "/v1/chat/completions"}
-    warm = {p: bodies_for(p, [next(jpegs), next(jpegs)], 2) for p in paths}
-    plan = []  # (scenario, round, path, bodies)
-    for scenario, k in scenarios.items():
-        for rnd in range(rounds):
-            order = paths if rnd % 2 == 0 else paths[::-1]
-            for p in order:
-                plan.append(
-                    (scenario, rnd, p, bodies_for(p, [next(jpegs) for _ in range(per_set[scenario])], k))
-                )
-
-    log_dir = Path(tempfile.mkdtemp(prefix="mmref-bench-server-"))
-    extra = (
-        "--max-model-len", "4096", "--max-num-seqs", str(CONCURRENCY),
-        "--limit-mm-per-prompt", '{"image": {"count": 1, "width": 1024, "height": 768}, "video": 0}',
-        *server_args,
-    )  # fmt: skip
-    print(f"[server] starting vLLM (log {log_dir / 'server.log'}) ...", flush=True)
-    t0 = time.monotonic()
-    server = start_server(model, BENCH_OUTPUTS, log_dir / "server.log", extra_args=extra)
-    print(f"[server] healthy after {time.monotonic() - t0:.0f} s; warming up both paths", flush=True)
-    results: dict[tuple[str, str], PathResult] = {}
-    try:
-        for p in paths:
-            asyncio.run(run_load(server.url, route[p], warm[p], CONCURRENCY))
-        for scenario, rnd, p, bodies in plan:
-            cpu0 = server_cpu(server.process.pid)
-            if profile is not None:
-                raw = profile / f"{_slug(scenario)}-{_slug(p)}-r{rnd}.txt"
-                with Recorder(server.process.pid, raw):
-                    wall, lat = asyncio.run(run_load(server.url, route[p], bodies, CONCURRENCY))
-                raw.with_suffix(".summary.txt").write_text(summarize(raw) + "\n")
-            else:
-                wall, lat = asyncio.run(run_load(server.url, route[p], bodies, CONCURRENCY))
-            cpu1 = server_cpu(server.process.pid)
-            res = results.setdefault((scenario, p), PathResult())
-            for role, t in cpu1.items():
-                res.cpu[role] = res.cpu.get(role, 0.0) + t - cpu0.get(role, 0.0)
-            res.wall += wall
-            res.latencies += lat
-            res.requests += len(bodies)
-            print(
-                f"[server] {scenario:<28} round {rnd} {p:<9}: {len(bodies)} requests in {wall:.1f} s "
-                f"({len(bodies) / wall:.1f} req/s, p50 {percentile(lat, 50) * 1000:.0f} ms)",
-                flush=True,
-            )
-    finally:
-        server.stop()
-    shutil.rmtree(log_dir, ignore_errors=True)
-
-    detail, targets = [], []
-    for scenario, k in scenarios.items():
-        refs, urls = results[(scenario, "refs")], results[(scenario, "data URLs")]
-        for p, res in (("refs (/inference/v1/generate)", refs), ("data URLs (/v1/chat/completions)", urls)):
-            detail.append(
-                (
-                    scenario,
-                    p,
-                    res.requests,
-                    f"{res.throughput:.2f}",
-                    f"{percentile(res.latencies, 50) * 1000:.0f}",
-                    f"{percentile(res.latencies, 95) * 1000:.0f}",
-                    f"{res.cpu_ms_per_request('api server'):.0f}",
-                    f"{res.cpu_ms_per_request('engine core'):.0f}",
-                    f"{res.cpu_ms_per_request('model worker'):.0f}",
-                )
-            )
-        ratio = refs.throughput / urls.throughput
-        target = UNIQUE_TARGET if k == 1 else GROUP_TARGET
-        targets.append(ratio_row(f"(c) throughput refs / data URLs, {scenario}", ratio, target))
-        cpu_refs, cpu_urls = refs.cpu_ms_per_request("api server"), urls.cpu_ms_per_request("api server")
-        targets.append(
-            ratio_row(
-                f"(c) API-server CPU per request refs / data URLs, {scenario}",
-                cpu_refs / cpu_urls,
-                UNIQUE_CPU_TARGET if k == 1 else GROUP_CPU_TARGET,
-                higher_is_better=False,
-                detail=f" ({cpu_refs:.1f} vs {cpu_urls:.1f} ms)",
-            )
-        )
-    return targets, detail
-
-
-def _slug(s: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in s).strip("_")[:40]
 
 
 def main() -> None:
