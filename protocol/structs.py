@@ -105,6 +105,39 @@ class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, om
     is_padding: bool = False
     """A zero-loss pad kept out of metrics (``trainer_lib.padding``)."""
 
+    @classmethod
+    def from_rollout(
+        cls,
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        completion_logprobs: list[float],
+        images: list[RawMMRef] | None = None,
+    ) -> TrainingSample:
+        """The sample of one rollout, as the server answered it: ``L = len(prompt_ids) +
+        len(completion_ids)`` tokens, loss on the completion only, the server's logprob on each
+        completion token (0.0 on the prompt), advantages 0.0 (the RL algorithm sets them, e.g.
+        with ``msgspec.structs.replace``).
+
+        Args:
+            prompt_ids: the prompt as sent, each image's placeholders already expanded.
+            completion_ids: the completion's token ids.
+            completion_logprobs: the server's logprob of each completion token (same length).
+            images: the prompt's image refs in prompt order (None or empty: text only).
+
+        Raises:
+            ValueError: ``completion_logprobs`` and ``completion_ids`` differ in length.
+        """
+        n, m = len(prompt_ids), len(completion_ids)
+        if len(completion_logprobs) != m:
+            raise ValueError(f"{len(completion_logprobs)} completion logprobs for {m} completion tokens")
+        return cls(
+            input_ids=[*prompt_ids, *completion_ids],
+            loss_mask=[False] * n + [True] * m,
+            advantages=[0.0] * (n + m),
+            inference_logprobs=[0.0] * n + list(completion_logprobs),
+            mm_refs=MMRefs(items=list(images)) if images else None,
+        )
+
     def __post_init__(self) -> None:
         n = _check_token_arrays(self)
         if self.mm_refs is not None and self.mm_refs.mm_token_type_ids is not None:

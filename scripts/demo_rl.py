@@ -26,7 +26,7 @@ import msgspec
 import torch
 
 from protocol.refs import file_uri_to_path, parse_ref
-from protocol.structs import MMRefs, RawMMRef, TrainingSample
+from protocol.structs import RawMMRef, TrainingSample
 from trainer_lib import (
     logprob_mismatch,
     materialize_micro_batch,
@@ -70,19 +70,8 @@ def sample_group(
                 raise SystemExit(f"{redrawn} completions sampled the image placeholder token {pad_id}")
             continue
         logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
-        samples.append(_sample(prompt, completion, logprobs, images))
+        samples.append(TrainingSample.from_rollout(prompt, completion, logprobs, images))
     return samples, redrawn
-
-
-def _sample(prompt: list[int], completion: list[int], logprobs: list[float], images) -> TrainingSample:
-    n, m = len(prompt), len(completion)
-    return TrainingSample(
-        input_ids=prompt + completion,
-        loss_mask=[False] * n + [True] * m,
-        advantages=[0.0] * (n + m),
-        inference_logprobs=[0.0] * n + logprobs,
-        mm_refs=MMRefs(items=list(images)) if images else None,
-    )
 
 
 def grpo_advantages(samples: list[TrainingSample], rewards: list[float], group: int) -> list[TrainingSample]:
@@ -175,4 +164,4 @@ def stale_control(
         if pad_id not in choice["token_ids"]:
             break
     logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
-    return _sample(prompt, choice["token_ids"], logprobs, [ref])
+    return TrainingSample.from_rollout(prompt, choice["token_ids"], logprobs, [ref])

@@ -42,14 +42,7 @@ def rollout(client, tokenizer, refs, text, temperature=1.0) -> TrainingSample:
         if pad not in completion:
             break
     logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
-    n, m = len(prompt), len(completion)
-    return TrainingSample(
-        input_ids=prompt + completion,
-        loss_mask=[False] * n + [True] * m,
-        advantages=[0.0] * (n + m),
-        inference_logprobs=[0.0] * n + logprobs,
-        mm_refs=MMRefs(items=list(refs)) if refs else None,
-    )
+    return TrainingSample.from_rollout(prompt, completion, logprobs, refs)
 
 
 def test_trainer_reproduces_server_logprobs_and_flags_a_swapped_image(

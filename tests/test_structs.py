@@ -193,6 +193,19 @@ def test_training_sample_msgpack_round_trip_with_refs():
     assert back.mm_refs.items[1].ref == MMFILE
 
 
+def test_training_sample_from_rollout_puts_loss_and_logprobs_on_the_completion_only():
+    s = TrainingSample.from_rollout([5, 6, 7], [8, 9], [-0.5, -1.25], [raw_ref()])
+    assert s.input_ids == [5, 6, 7, 8, 9]
+    assert s.loss_mask == [False, False, False, True, True]
+    assert s.inference_logprobs == [0.0, 0.0, 0.0, -0.5, -1.25]
+    assert s.advantages == [0.0] * 5
+    assert s.mm_refs == MMRefs(items=[raw_ref()])
+    assert decode_sample(encode(s)) == s
+    assert TrainingSample.from_rollout([1], [2], [-0.1], []).mm_refs is None
+    with pytest.raises(ValueError, match="1 completion logprobs for 2 completion tokens"):
+        TrainingSample.from_rollout([1], [2, 3], [-0.1])
+
+
 def test_training_sample_defaults_round_trip():
     s = sample(3)
     back = decode_sample(encode(s))
