@@ -315,6 +315,15 @@ def _report(results: dict, scenarios: dict[str, int]) -> tuple[list[tuple], list
                 detail=f" ({cpu['refs']:.1f} vs {cpu['data URLs']:.1f} ms)",
             )
         )
+        targets.append(
+            (
+                f"(c) feature refs / data URLs, {scenario}: throughput; API-server CPU",
+                f"{results[(scenario, 'feature refs')].throughput / urls.throughput:.2f}x; "
+                f"{cpu['feature refs'] / cpu['data URLs']:.2f}x ({cpu['feature refs']:.1f} ms)",
+                "(info)",
+                "",
+            )
+        )
         floor_ratio = cpu["tokens only"] / cpu["data URLs"]
         targets.append(
             (
