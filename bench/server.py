@@ -211,6 +211,7 @@ def miss_steps(serving, jpeg: bytes, kwargs: dict) -> dict[str, Callable[[], obj
     body = parse_ref(ref)
     image = load_image(jpeg)
     hf_inputs = BatchFeature(dict(adapter.process(image, device_normalize=raw).tensors))
+    mmfile = feature_ref(resolver, resolver._resolve_raw_sync(body, ref))
     return {
         "bare HF processor call": lambda: adapter.image_processor(images=[image], **kwargs),
         "full miss (_resolve_raw_sync)": lambda: resolver._resolve_raw_sync(body, ref),
@@ -223,7 +224,31 @@ def miss_steps(serving, jpeg: bytes, kwargs: dict) -> dict[str, Callable[[], obj
         "vLLM item (from_hf_inputs)": lambda: MultiModalKwargsItems.from_hf_inputs(
             hf_inputs, resolver.layout.fields_config(hf_inputs)
         ),
+        "feature ref instead: miss (_resolve_file_sync)": lambda: resolver._resolve_file_sync(
+            parse_ref(mmfile), mmfile
+        ),
     }
+
+
+def feature_ref(resolver, resolved) -> str:
+    """An ``mmfile:v1`` ref to ``resolved``'s item, written to the bench's run (vLLM's encoding,
+    as ``/inference/v1/resolve`` gives it)."""
+    import hashlib
+
+    import pybase64
+
+    from protocol.features import write_feature_item
+    from protocol.refs import FileRef
+    from vllm_plugin.items import encode_item
+
+    payload = pybase64.b64decode(encode_item(resolved.item))
+    ids = FileRef(
+        run_id="bench",
+        fingerprint=resolver.adapter.fingerprint,
+        modality="image",
+        mm_hash=hashlib.sha256(payload).hexdigest(),
+    )
+    return write_feature_item(bench_asset_root(), ids, payload, placeholder_length=resolved.num_placeholders)
 
 
 def part_b(model: Path, photos: int, repeat: int) -> tuple[list[tuple], list[tuple]]:
