@@ -371,7 +371,8 @@ def test_relocate_keeps_limits_and_never_lightens_a_bin(bins, items, limit):
     lengths += items
     keys, place = ["k"] * len(lengths), [partition._EITHER] * len(lengths)
     before = [c[0] for c in state]
-    if partition._relocate(extra, state, lengths, keys, place):
+    mb = partition._Batch(lengths, keys, [NEUTRAL] * len(lengths), place, limit, 0, 1)
+    if partition._relocate(mb, extra, state):
         assert sorted(i for c in state for i in c[1]) == list(range(len(lengths)))
         for c, was in zip(state, before, strict=True):
             assert c[0] == sum(lengths[i] for i in c[1]) <= limit and c[0] >= was
@@ -385,6 +386,7 @@ def test_a_slot_one_trade_can_empty_is_dropped():
     lengths = [3070, 1852, 1551, 1206, 3612, 1688, 1511, 1010, 521]
     bins = [[sum(lengths[:4]), [0, 1, 2, 3], 8186, True], [sum(lengths[4:8]), [4, 5, 6, 7], 8186, True]]
     assert all(c[2] - c[0] < 521 for c in bins)
-    assert partition._relocate([8], bins, lengths, ["k"] * 9, [partition._EITHER] * 9)
+    mb = partition._Batch(lengths, ["k"] * 9, [NEUTRAL] * 9, [partition._EITHER] * 9, 8192, 6, 2)
+    assert partition._relocate(mb, [8], bins)
     assert sorted(i for c in bins for i in c[1]) == list(range(9))
     assert all(c[0] == sum(lengths[i] for i in c[1]) <= 8186 for c in bins)

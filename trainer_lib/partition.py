@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from operator import itemgetter
 
 from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, best_fit_with_exchange, lpt_bins, plan_bins
@@ -45,6 +46,30 @@ __all__ = ["DpPartition", "min_micro_batches", "partition_mini_batch"]
 
 _VISION, _TEXT, _EITHER = 0, 1, 2
 """Where a sample may go: vision slots only (pixels), text slots only, either (plain text)."""
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """One mini-batch's per-sample inputs and the rules every helper applies to them."""
+
+    lengths: Sequence[int]
+    keys: Sequence[Hashable]
+    kinds: Sequence[int]
+    place: Sequence[int]
+    """Per sample: :data:`_VISION`, :data:`_TEXT` or :data:`_EITHER` (:func:`_places`)."""
+    cap: int
+    reserve: int
+    dp: int
+    stretch: bool = False
+
+    @property
+    def n(self) -> int:
+        return len(self.lengths)
+
+    @cached_property
+    def one_key(self) -> bool:
+        """Every sample has the same isolation key (the usual case: bins need no grouping)."""
+        return not self.keys or list(self.keys).count(self.keys[0]) == len(self.keys)
 
 
 @dataclass(frozen=True)
@@ -89,8 +114,8 @@ def min_micro_batches(
     keys = [None] * len(lengths) if keys is None else keys
     kinds = [NEUTRAL] * len(lengths) if kinds is None else kinds
     reserve = reserve if dp_size > 1 else 0  # one rank: no slot to align, no pad to make room for
-    place = _places(lengths, kinds, cap, reserve)
-    return _floor(range(len(lengths)), lengths, keys, place, dp_size, cap, reserve)
+    mb = _Batch(lengths, keys, kinds, _places(lengths, kinds, cap, reserve), cap, reserve, dp_size)
+    return _floor(mb, range(len(lengths)))
 
 
 def partition_mini_batch(
@@ -141,61 +166,43 @@ def partition_mini_batch(
         bins = plan_bins(lengths, cap, keys=keys, kinds=kinds)
         slots = [[(sum(lengths[i] for i in b), b)] for b in bins]
         return _deal(slots, kinds, 1)
-    place = _places(lengths, kinds, cap, reserve) if PIXELS in kinds else [_EITHER] * n
-    long_slots, rest = _long_slots(lengths, keys, kinds, place, cap, reserve, dp_size, stretch_cap)
-    if PIXELS not in kinds:
-        slots = long_slots + _section(rest, lengths, keys, kinds, cap, dp_size, weight)
-        return _deal(
-            _drop_slots(slots, lengths, keys, kinds, place, cap, 0, dp_size, stretch_cap), kinds, dp_size
-        )
-    text_slots, free = _text_slots(rest, lengths, keys, place, cap, reserve, dp_size)
-    vision = [i for i in rest if place[i] == _VISION] + free
-    slots = long_slots + _section(vision, lengths, keys, kinds, cap - reserve, dp_size, weight) + text_slots
-    return _deal(
-        _drop_slots(slots, lengths, keys, kinds, place, cap, reserve, dp_size, stretch_cap), kinds, dp_size
+    if PIXELS not in kinds:  # no vision slots: no side to keep, no pad to make room for
+        mb = _Batch(lengths, keys, kinds, [_EITHER] * n, cap, 0, dp_size, stretch_cap)
+        long_slots, rest = _long_slots(mb)
+        return _deal(_drop_slots(mb, long_slots + _section(mb, rest, cap, weight)), kinds, dp_size)
+    mb = _Batch(
+        lengths, keys, kinds, _places(lengths, kinds, cap, reserve), cap, reserve, dp_size, stretch_cap
     )
+    long_slots, rest = _long_slots(mb)
+    text_slots, free = _text_slots(mb, rest)
+    vision = [i for i in rest if mb.place[i] == _VISION] + free
+    slots = long_slots + _section(mb, vision, cap - reserve, weight) + text_slots
+    return _deal(_drop_slots(mb, slots), kinds, dp_size)
 
 
-def _text_slots(
-    items: list[int],
-    lengths: Sequence[int],
-    keys: Sequence[Hashable],
-    place: Sequence[int],
-    cap: int,
-    reserve: int,
-    dp: int,
-) -> tuple[list[list[tuple[int, list[int]]]], list[int]]:
+def _text_slots(mb: _Batch, items: list[int]) -> tuple[list[list[tuple[int, list[int]]]], list[int]]:
     """Step 1's text slots: the samples that must not meet the vision tower, LPT into the fewest
     slots that hold them, topped up with plain text up to the mini-batch's expected fill. Returns
     the slots and the plain text left for the vision slots."""
-    text = [i for i in items if place[i] == _TEXT]
-    free = [i for i in items if place[i] == _EITHER]
+    lengths, keys, cap, dp = mb.lengths, mb.keys, mb.cap, mb.dp
+    text = [i for i in items if mb.place[i] == _TEXT]
+    free = [i for i in items if mb.place[i] == _EITHER]
     if not text:
         return [], free
-    floor = _floor(items, lengths, keys, place, dp, cap, reserve)
-    target = min(cap, sum(lengths[i] for i in items) / (dp * max(floor, 1)))
-    x = _slots_needed(text, lengths, keys, cap, dp)
+    target = min(cap, sum(lengths[i] for i in items) / (dp * max(_floor(mb, items), 1)))
+    x = _slots_needed(mb, text, cap)
     while (dealt := lpt_bins(text, lengths, keys, x * dp, cap, free, target)) is None:
         x += 1
     bins, free = dealt
     return _slots(_sized(bins, lengths), [], x, dp), free
 
 
-def _long_slots(
-    lengths: Sequence[int],
-    keys: Sequence[Hashable],
-    kinds: Sequence[int],
-    place: Sequence[int],
-    cap: int,
-    reserve: int,
-    dp: int,
-    stretch: bool,
-) -> tuple[list[list[tuple[int, list[int]]]], list[int]]:
+def _long_slots(mb: _Batch) -> tuple[list[list[tuple[int, list[int]]]], list[int]]:
     """Slots for the samples above the cap (they run alone): per side (with pixels, without),
     largest first, ``dp`` to a slot; the slot's other bins are filled by LPT up to the cap
     (``stretch``: up to the slot's longest sample), less ``reserve`` on the vision side. Returns
     the slots and the samples left for the sections."""
-    n = len(lengths)
+    lengths, keys, kinds, place, cap, dp, n = mb.lengths, mb.keys, mb.kinds, mb.place, mb.cap, mb.dp, mb.n
     over_all = [i for i in range(n) if lengths[i] > cap]
     if not over_all:
         return [], list(range(n))
@@ -204,6 +211,8 @@ def _long_slots(
     slots = []
     for pixels in (True, False):
         over = sorted((i for i in over_all if (kinds[i] == PIXELS) == pixels), key=length, reverse=True)
+        if not over:
+            continue
         ok = (_VISION, _EITHER) if pixels else (_TEXT, _EITHER)
         pool = [
             i
@@ -212,7 +221,7 @@ def _long_slots(
         ]
         for c in range(0, len(over), dp):
             group = over[c : c + dp]
-            room = (lengths[group[0]] if stretch else cap) - (reserve if pixels else 0)
+            room = (lengths[group[0]] if mb.stretch else cap) - (mb.reserve if pixels else 0)
             dealt = lpt_bins(group, lengths, keys, dp, max(room, lengths[group[0]]), pool, room)
             if dealt is None:
                 return slots, [i for i in range(n) if i not in used]
@@ -230,11 +239,10 @@ def _places(lengths: Sequence[int], kinds: Sequence[int], cap: int, reserve: int
     ]
 
 
-def _slots_needed(
-    items: Iterable[int], lengths: Sequence[int], keys: Sequence[Hashable], cap: int, dp: int
-) -> int:
+def _slots_needed(mb: _Batch, items: Iterable[int], cap: int) -> int:
     """``ceil(bins / dp)``, bins counted per key: one per sample above ``cap``, the rest full."""
-    if not keys or list(keys).count(keys[0]) == len(keys):  # one key (the usual case): no grouping
+    lengths, keys, dp = mb.lengths, mb.keys, mb.dp
+    if mb.one_key:
         sizes = list(map(lengths.__getitem__, items))
         over = sum(n > cap for n in sizes)
         fit_tokens = sum(sizes) - sum(n for n in sizes if n > cap)
@@ -248,21 +256,14 @@ def _slots_needed(
     return -(-(over + sum(-(-tokens // cap) for tokens in fit.values())) // dp)
 
 
-def _floor(
-    items: Sequence[int],
-    lengths: Sequence[int],
-    keys: Sequence[Hashable],
-    place: Sequence[int],
-    dp: int,
-    cap: int,
-    reserve: int,
-) -> int:
+def _floor(mb: _Batch, items: Sequence[int]) -> int:
     """:func:`min_micro_batches` of ``items`` from the samples' places."""
-    total = _slots_needed(items, lengths, keys, cap, dp)
-    pix = [i for i in items if place[i] == _VISION]
-    text = [i for i in items if place[i] == _TEXT]
-    split = _slots_needed(pix, lengths, keys, cap - reserve, dp) + _slots_needed(text, lengths, keys, cap, dp)
-    return max(total, split) if pix else total
+    total = _slots_needed(mb, items, mb.cap)
+    pix = [i for i in items if mb.place[i] == _VISION]
+    if not pix:
+        return total
+    text = [i for i in items if mb.place[i] == _TEXT]
+    return max(total, _slots_needed(mb, pix, mb.cap - mb.reserve) + _slots_needed(mb, text, mb.cap))
 
 
 def _sized(bins: list[list[int]], lengths: Sequence[int]) -> list[tuple[int, list[int]]]:
@@ -280,17 +281,13 @@ def _slots(
 
 
 def _section(
-    items: list[int],
-    lengths: Sequence[int],
-    keys: Sequence[Hashable],
-    kinds: Sequence[int],
-    cap: int,
-    dp: int,
-    weight: Sequence[float],
+    mb: _Batch, items: list[int], cap: int, weight: Sequence[float]
 ) -> list[list[tuple[int, list[int]]]]:
-    """Slots of ``dp`` ``(tokens, bin)`` pairs (empty bins included) holding ``items``: FFD head, LPT tail."""
+    """Slots of ``dp`` ``(tokens, bin)`` pairs (empty bins included) holding ``items``, each bin at
+    most ``cap`` tokens unless it is one longer sample: FFD head, LPT tail."""
     if not items:
         return []
+    lengths, keys, kinds, dp = mb.lengths, mb.keys, mb.kinds, mb.dp
     ffd = plan_bins(
         [lengths[i] for i in items], cap, keys=[keys[i] for i in items], kinds=[kinds[i] for i in items]
     )
@@ -339,66 +336,49 @@ def _swap_big_samples_out(
         head[k], tail[j], biggest[k] = tail[j], head[k], big
 
 
-def _drop_slots(
-    slots: list[list[tuple[int, list[int]]]],
-    lengths: Sequence[int],
-    keys: Sequence[Hashable],
-    kinds: Sequence[int],
-    place: Sequence[int],
-    cap: int,
-    reserve: int,
-    dp: int,
-    stretch: bool,
-) -> list[list[tuple[int, list[int]]]]:
+def _drop_slots(mb: _Batch, slots: list[list[tuple[int, list[int]]]]) -> list[list[tuple[int, list[int]]]]:
     """Step 4: while the plan has more slots than :func:`min_micro_batches`, empty its lightest
     slot into the others by :func:`_relocate`, or keep the slots as they are. A sample goes only to
     a slot of its side (pixels: vision slots; stray or near-cap text: text slots; plain text:
     either), and a bin holds at most its limit (:func:`_limit`), so every rule holds; bins only
     gain tokens, so full bins stay full."""
     slots = [slot for slot in slots if any(b for _, b in slot)]
-    floor = _floor(range(len(lengths)), lengths, keys, place, dp, cap, reserve)
-    pix = {i for i, k in enumerate(kinds) if k == PIXELS}
+    floor, dp = _floor(mb, range(mb.n)), mb.dp
+    pix = {i for i, k in enumerate(mb.kinds) if k == PIXELS}
     while len(slots) > floor:
         v = min(range(len(slots)), key=lambda s: sum(load for load, _ in slots[s]))
         bins = [
-            [load, list(b), _limit(slot, lengths, cap, reserve, stretch, vision), vision]
+            [load, list(b), _limit(mb, slot, vision), vision]
             for s, slot in enumerate(slots)
             if s != v
             for vision in [any(not pix.isdisjoint(b) for _, b in slot)]
             for load, b in slot
         ]
-        if not _relocate([i for _, b in slots[v] for i in b], bins, lengths, keys, place):
+        if not _relocate(mb, [i for _, b in slots[v] for i in b], bins):
             break
         slots = [[(c[0], c[1]) for c in bins[s * dp : (s + 1) * dp]] for s in range(len(slots) - 1)]
     return slots
 
 
-def _limit(
-    slot: list[tuple[int, list[int]]],
-    lengths: Sequence[int],
-    cap: int,
-    reserve: int,
-    stretch: bool,
-    vision: bool,
-) -> int:
+def _limit(mb: _Batch, slot: list[tuple[int, list[int]]], vision: bool) -> int:
     """Tokens a bin of ``slot`` may hold: ``cap`` (``stretch``: at least the slot's longest sample,
     as :func:`_long_slots` filled it), less ``reserve`` in a vision slot."""
-    longest = max((lengths[i] for _, b in slot for i in b), default=0) if stretch else 0
-    return max(cap, longest) - (reserve if vision else 0)
+    longest = max((mb.lengths[i] for _, b in slot for i in b), default=0) if mb.stretch else 0
+    return max(mb.cap, longest) - (mb.reserve if vision else 0)
 
 
-def _relocate(
-    items: list[int], bins: list[list], lengths: Sequence[int], keys: Sequence[Hashable], place: Sequence[int]
-) -> bool:
+def _relocate(mb: _Batch, items: list[int], bins: list[list]) -> bool:
     """:func:`~trainer_lib.bins.best_fit_with_exchange` where a sample may go only where its key
     and its side (``place``: vision, text or either) allow."""
+
+    keys, place = mb.keys, mb.place
 
     def fits(i: int, c: list) -> bool:
         return (not c[1] or keys[c[1][0]] == keys[i]) and (
             place[i] == _EITHER or (place[i] == _VISION) == c[3]
         )
 
-    return best_fit_with_exchange(items, bins, lengths, fits)
+    return best_fit_with_exchange(items, bins, mb.lengths, fits)
 
 
 def _deal(slots: list[list[tuple[int, list[int]]]], kinds: Sequence[int], dp: int) -> DpPartition:
