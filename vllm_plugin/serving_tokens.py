@@ -22,7 +22,9 @@ and changes only ``generate``, only for requests whose ``features`` carry resolv
 3. Before the sender cache is touched, vLLM's own checks of ``AsyncLLM.add_request`` (its input
    processor's ``process_inputs`` and ``check_admission``) are run on the filled engine input: a
    request they refuse goes to vLLM's ``generate`` with its items as data and no sender-cache
-   change, and vLLM refuses it with its own error. (These checks thus run twice for such requests.)
+   change, and vLLM refuses it with its own error. (These checks thus run twice for every request
+   with resolved refs when the sender cache mirrors the engine's; py-spy puts the second run under
+   1% of the API server's time, docs/PERFORMANCE.md §2.)
 
 Every other request (no resolved refs) goes to vLLM's ``generate`` untouched. The app's own
 ``ServingTokens`` (``app.state.serving_tokens``) stays as vLLM built it; only the plugin's generate
