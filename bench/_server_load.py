@@ -183,6 +183,8 @@ async def to_feature_refs(url: str, body_sets: list[list[dict]]) -> None:
         mmfile: dict[str, str] = {}
         for body in (b for bodies in body_sets for b in bodies):
             raw = body["mm_refs"][0]
+            if raw.startswith("mmfile:"):  # the same body again (a group repeats one dict)
+                continue
             if raw not in mmfile:
                 resolve = {"token_ids": body["token_ids"], "mm_refs": [raw]}
                 r = await client.post("/inference/v1/resolve", json=resolve)

@@ -13,7 +13,7 @@
     (the floor of the route), unique images and RL groups (``bench/_server_load.py``).
 
 Usage: ``.venv/bin/python bench/server.py [--parts a,b,c] [--requests 64] [--group-requests 128]
-[--rounds 2] [--profile DIR] [--server-arg=ARG ...]`` (a+b about 30 s; c about 90 s). ``--profile``
+[--rounds 2] [--profile DIR] [--server-arg=ARG ...]`` (a+b about 1 min; c about 6 min). ``--profile``
 records the server's processes with py-spy during (c): raw collapsed stacks and a text summary per
 phase (``bench/_profile.py``). ``--server-arg`` appends vLLM arguments, e.g.
 ``--server-arg=--mm-processor-cache-gb --server-arg=0``.
