@@ -2,7 +2,7 @@
 
 ``scripts/vllm_server.py`` serves the tiny Qwen2-VL with the real image-size limits
 (``bench/_models.py``); 16 concurrent asyncio+httpx clients on 127.0.0.1 send, per scenario,
-three paths side by side:
+four paths side by side:
 
 - **refs**: ``/inference/v1/generate`` with ``mm_refs`` (the plugin's route);
 - **data URLs**: ``/v1/chat/completions`` with the same kind of image as a data URL (stock vLLM);
@@ -36,7 +36,7 @@ from pathlib import Path
 from _common import BENCH_OUTPUTS, bench_asset_root, percentile, ratio_row, unique_photos
 from _profile import Recorder, summarize
 
-__all__ = ["CONCURRENCY", "GROUP", "MAX_TOKENS", "part_c"]
+__all__ = ["CONCURRENCY", "GROUP", "MAX_TOKENS", "part_c", "write_feature"]
 
 UNIQUE_TARGET = 1.2
 GROUP_TARGET = 1.5
@@ -167,17 +167,26 @@ def body_maker(model: Path) -> Callable[[str, bytes], dict]:
     return make
 
 
-async def to_feature_refs(url: str, body_sets: list[list[dict]]) -> None:
-    """Turn the bodies' ``mmraw`` refs into ``mmfile:v1`` refs in place: the server's own
-    ``/inference/v1/resolve`` gives vLLM's encoding of each item, stored with
-    ``write_feature_item`` under the bench's run (untimed: before any phase)."""
+def write_feature(payload: bytes, fingerprint: str, placeholder_length: int) -> str:
+    """Store one item (vLLM's msgpack encoding) in the bench run's feature store, under the sha256
+    of the payload; returns its ``mmfile:v1`` ref."""
     import hashlib
-
-    import httpx
-    import pybase64
 
     from protocol.features import write_feature_item
     from protocol.refs import FileRef
+
+    ids = FileRef(
+        run_id="bench", fingerprint=fingerprint, modality="image", mm_hash=hashlib.sha256(payload).hexdigest()
+    )
+    return write_feature_item(bench_asset_root(), ids, payload, placeholder_length=placeholder_length)
+
+
+async def to_feature_refs(url: str, body_sets: list[list[dict]]) -> None:
+    """Turn the bodies' ``mmraw`` refs into ``mmfile:v1`` refs in place: the server's own
+    ``/inference/v1/resolve`` gives vLLM's encoding of each item, stored with
+    :func:`write_feature` (untimed: before any phase)."""
+    import httpx
+    import pybase64
 
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         mmfile: dict[str, str] = {}
@@ -192,14 +201,8 @@ async def to_feature_refs(url: str, body_sets: list[list[dict]]) -> None:
                 answer = r.json()
                 features = answer["features"]
                 payload = pybase64.b64decode(features["kwargs_data"]["image"][0])
-                ref = FileRef(
-                    run_id="bench",
-                    fingerprint=answer["fingerprint"],
-                    modality="image",
-                    mm_hash=hashlib.sha256(payload).hexdigest(),
-                )
                 length = features["mm_placeholders"]["image"][0]["length"]
-                mmfile[raw] = write_feature_item(bench_asset_root(), ref, payload, placeholder_length=length)
+                mmfile[raw] = write_feature(payload, answer["fingerprint"], length)
             body["mm_refs"] = [mmfile[raw]]
 
 

@@ -9,8 +9,9 @@
     cProfile of the route's whole in-process miss path (``prepare`` + vLLM's
     ``mm_kwargs_from_features`` + the hand-off's fill) with the share of base64/msgpack
     functions in it (the item reaches the engine input as is: target 0 %).
-(c) A real vLLM server under load: refs vs data URLs vs a tokens-only request of the same size
-    (the floor of the route), unique images and RL groups (``bench/_server_load.py``).
+(c) A real vLLM server under load: refs vs data URLs vs feature refs (``mmfile:v1``, processed
+    beforehand) vs a tokens-only request of the same size (the floor of the route), unique
+    images and RL groups (``bench/_server_load.py``).
 
 Usage: ``.venv/bin/python bench/server.py [--parts a,b,c] [--requests 64] [--group-requests 128]
 [--rounds 2] [--profile DIR] [--server-arg=ARG ...]`` (a+b about 1 min; c about 6 min). ``--profile``
@@ -41,7 +42,7 @@ from _common import (
     vllm_processor,
 )
 from _models import ensure_bench_model
-from _server_load import CONCURRENCY, GROUP, MAX_TOKENS, part_c
+from _server_load import CONCURRENCY, GROUP, MAX_TOKENS, part_c, write_feature
 
 HIT_TARGET_S = 0.05e-3
 MISS_OVERHEAD_TARGET = 0.10
@@ -231,24 +232,14 @@ def miss_steps(serving, jpeg: bytes, kwargs: dict) -> dict[str, Callable[[], obj
 
 
 def feature_ref(resolver, resolved) -> str:
-    """An ``mmfile:v1`` ref to ``resolved``'s item, written to the bench's run (vLLM's encoding,
-    as ``/inference/v1/resolve`` gives it)."""
-    import hashlib
-
+    """An ``mmfile:v1`` ref to ``resolved``'s item (vLLM's encoding, as ``/inference/v1/resolve``
+    gives it), written to the bench's run."""
     import pybase64
 
-    from protocol.features import write_feature_item
-    from protocol.refs import FileRef
     from vllm_plugin.items import encode_item
 
     payload = pybase64.b64decode(encode_item(resolved.item))
-    ids = FileRef(
-        run_id="bench",
-        fingerprint=resolver.adapter.fingerprint,
-        modality="image",
-        mm_hash=hashlib.sha256(payload).hexdigest(),
-    )
-    return write_feature_item(bench_asset_root(), ids, payload, placeholder_length=resolved.num_placeholders)
+    return write_feature(payload, resolver.adapter.fingerprint, resolved.num_placeholders)
 
 
 def part_b(model: Path, photos: int, repeat: int) -> tuple[list[tuple], list[tuple]]:
@@ -317,9 +308,6 @@ def part_b_profile(model: Path, photos: int) -> tuple[list[tuple], list[tuple]]:
         "pass" if wire == 0 else "MISS",
     )
     return [target], [(name, f"{ms:.2f} ms", f"{share * 100:.0f}%") for name, ms, share in top]
-
-
-# --- (c): a real server ------------------------------------------------------------------------
 
 
 def main() -> None:
