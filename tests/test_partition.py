@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from test_errors import _isort_style_key, _public_top_level_names
 
 from trainer_lib import cost, partition
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, lpt_bins
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, min_slack_bins, plan_bins
 from trainer_lib.cost import CostModel, sync_idle
 from trainer_lib.partition import min_micro_batches, partition_mini_batch
 from trainer_lib.plan import plan_step
@@ -390,3 +390,46 @@ def test_a_slot_one_trade_can_empty_is_dropped():
     assert partition._relocate(mb, [8], bins)
     assert sorted(i for c in bins for i in c[1]) == list(range(9))
     assert all(c[0] == sum(lengths[i] for i in c[1]) <= 8186 for c in bins)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 150), max_size=60),
+    cap=st.sampled_from([1, 50, 100]),
+    data=st.data(),
+)
+def test_min_slack_bins_keeps_plan_bins_contract(lengths, cap, data):
+    """Every item once; one key per bin; at most ``cap`` unless one longer item; bins by key, then
+    creation, indices ascending; and the any-fit property (G2's head): every bin but the last of
+    its key holds more than ``cap`` minus the key's largest item that fits."""
+    keys = data.draw(st.lists(st.sampled_from("ab"), min_size=len(lengths), max_size=len(lengths)))
+    bins = min_slack_bins(lengths, cap, keys=keys)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(b == sorted(b) and len({keys[i] for i in b}) == 1 for b in bins)
+    assert all(sum(lengths[i] for i in b) <= cap or len(b) == 1 for b in bins)
+    order = [keys[b[0]] for b in bins]
+    assert order == sorted(order, key=list(dict.fromkeys(keys)).index)  # keys in first-seen order
+    for key in set(keys):
+        fit = [b for b in bins if keys[b[0]] == key and sum(lengths[i] for i in b) <= cap]
+        largest = max((lengths[i] for b in fit for i in b), default=0)
+        assert all(sum(lengths[i] for i in b) > cap - largest for b in fit[:-1])
+        tokens = sum(lengths[i] for b in fit for i in b)
+        assert len(fit) >= -(-tokens // cap)
+
+
+def test_min_slack_bins_completes_a_bin_that_first_fit_leaves_short():
+    """cap 100: first fit puts 46 + 46 together (92, no item of <= 8 left) and then needs a third
+    bin; opening with 46 and completing it with 32 + 22 (exactly 100) leaves 46 + 18 + 17 + 17."""
+    lengths = [46, 46, 32, 22, 18, 17, 17]
+    assert len(plan_bins(lengths, 100)) == 3
+    assert min_slack_bins(lengths, 100) == [[0, 2, 3], [1, 4, 5, 6]]
+
+
+def test_the_slot_bound_is_reached_where_first_fit_and_one_trade_miss_it():
+    """The same samples on 2 ranks: FFD's three bins need two slots and no single trade empties
+    the second (its one 17-token sample fits no bin, nor does any trade make 17 tokens of room);
+    the plan is re-made with minimum bin slack and holds the one slot the bound allows."""
+    lengths = [46, 46, 32, 22, 18, 17, 17]
+    assert min_micro_batches(lengths, dp_size=2, cap=100) == 1
+    part = partition_mini_batch(lengths, dp_size=2, cap=100)
+    assert part.num_micro_batches == 1 and sorted(part.tokens) == [[98], [100]]

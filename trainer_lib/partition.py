@@ -22,7 +22,9 @@ gathered layer by layer), so the slowest rank of a slot sets its pace. The algor
    larger than the tail's mean bin first trades its bin for the head bin of the smallest samples.
 4. **Fewer slots.** While the plan has more slots than :func:`min_micro_batches`, its lightest
    slot is emptied into the others (best fit, else one trade between two bins that makes room:
-   Fleszar & Hindi 2002's exchange moves), or the plan is kept. No bin loses tokens.
+   Fleszar & Hindi 2002's exchange moves), or the plan is kept. No bin loses tokens. If the plan
+   is still above the bound, steps 2-4 run again with minimum bin slack for FFD
+   (:func:`~trainer_lib.bins.min_slack_bins`), kept if it has fewer slots.
 5. **Deal.** Slot by slot, the bin with the most tokens goes to the rank with the fewest so far.
 
 Guarantees (proofs in docs/PACKING.md §3): (G1) rank token totals differ by at most the largest
@@ -35,15 +37,25 @@ each rank's share afterwards (``verl/utils/seqlen_balancing.py``: ``get_seqlen_b
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from operator import itemgetter
 
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, best_fit_with_exchange, lpt_bins, plan_bins
+from trainer_lib.bins import (
+    NEUTRAL,
+    PIXELS,
+    STRAY,
+    best_fit_with_exchange,
+    lpt_bins,
+    min_slack_bins,
+    plan_bins,
+)
 
 __all__ = ["DpPartition", "min_micro_batches", "partition_mini_batch"]
 
+_Bins = list[tuple[int, list[int]]]
+"""``(tokens, sample indices)`` bins; a slot is ``dp`` of them (an empty bin: ``(0, [])``)."""
 _VISION, _TEXT, _EITHER = 0, 1, 2
 """Where a sample may go: vision slots only (pixels), text slots only, either (plain text)."""
 
@@ -168,19 +180,30 @@ def partition_mini_batch(
         return _deal(slots, kinds, 1)
     if PIXELS not in kinds:  # no vision slots: no side to keep, no pad to make room for
         mb = _Batch(lengths, keys, kinds, [_EITHER] * n, cap, 0, dp_size, stretch_cap)
+        long_slots, section = _long_slots(mb)
+        text_slots, room = [], cap
+    else:
+        places = _places(lengths, kinds, cap, reserve)
+        mb = _Batch(lengths, keys, kinds, places, cap, reserve, dp_size, stretch_cap)
         long_slots, rest = _long_slots(mb)
-        return _deal(_drop_slots(mb, long_slots + _section(mb, rest, cap, weight)), kinds, dp_size)
-    mb = _Batch(
-        lengths, keys, kinds, _places(lengths, kinds, cap, reserve), cap, reserve, dp_size, stretch_cap
-    )
-    long_slots, rest = _long_slots(mb)
-    text_slots, free = _text_slots(mb, rest)
-    vision = [i for i in rest if mb.place[i] == _VISION] + free
-    slots = long_slots + _section(mb, vision, cap - reserve, weight) + text_slots
-    return _deal(_drop_slots(mb, slots), kinds, dp_size)
+        text_slots, free = _text_slots(mb, rest)
+        section, room = [i for i in rest if mb.place[i] == _VISION] + free, cap - reserve
+    slots = _planned(mb, lambda pack: long_slots + _section(mb, section, room, weight, pack) + text_slots)
+    return _deal(slots, kinds, dp_size)
 
 
-def _text_slots(mb: _Batch, items: list[int]) -> tuple[list[list[tuple[int, list[int]]]], list[int]]:
+def _planned(mb: _Batch, build: Callable[[Callable], list[_Bins]]) -> list[_Bins]:
+    """Steps 2-4 on ``build(pack)``'s slots (a section packed by ``pack``): with first-fit-decreasing,
+    then, if step 4 leaves more slots than :func:`min_micro_batches`, with minimum bin slack."""
+    slots = _drop_slots(mb, build(plan_bins))
+    if len(slots) > _floor(mb, range(mb.n)):
+        tight = _drop_slots(mb, build(min_slack_bins))
+        if len(tight) < len(slots):
+            return tight
+    return slots
+
+
+def _text_slots(mb: _Batch, items: list[int]) -> tuple[list[_Bins], list[int]]:
     """Step 1's text slots: the samples that must not meet the vision tower, LPT into the fewest
     slots that hold them, topped up with plain text up to the mini-batch's expected fill. Returns
     the slots and the plain text left for the vision slots."""
@@ -197,7 +220,7 @@ def _text_slots(mb: _Batch, items: list[int]) -> tuple[list[list[tuple[int, list
     return _slots(_sized(bins, lengths), [], x, dp), free
 
 
-def _long_slots(mb: _Batch) -> tuple[list[list[tuple[int, list[int]]]], list[int]]:
+def _long_slots(mb: _Batch) -> tuple[list[_Bins], list[int]]:
     """Slots for the samples above the cap (they run alone): per side (with pixels, without),
     largest first, ``dp`` to a slot; the slot's other bins are filled by LPT up to the cap
     (``stretch``: up to the slot's longest sample), less ``reserve`` on the vision side. Returns
@@ -266,33 +289,31 @@ def _floor(mb: _Batch, items: Sequence[int]) -> int:
     return max(total, _slots_needed(mb, pix, mb.cap - mb.reserve) + _slots_needed(mb, text, mb.cap))
 
 
-def _sized(bins: list[list[int]], lengths: Sequence[int]) -> list[tuple[int, list[int]]]:
+def _sized(bins: list[list[int]], lengths: Sequence[int]) -> _Bins:
     """``(tokens, bin)`` pairs, most tokens first."""
     length = lengths.__getitem__
     return sorted(((sum(map(length, b)), b) for b in bins), key=itemgetter(0), reverse=True)
 
 
-def _slots(
-    head: list[tuple[int, list[int]]], tail: list[tuple[int, list[int]]], num_slots: int, dp: int
-) -> list[list[tuple[int, list[int]]]]:
+def _slots(head: _Bins, tail: _Bins, num_slots: int, dp: int) -> list[_Bins]:
     """``head + tail`` padded with empty bins and cut into ``num_slots`` slots of ``dp``."""
     ordered = head + tail + [(0, [])] * (num_slots * dp - len(head) - len(tail))
     return [ordered[s * dp : (s + 1) * dp] for s in range(num_slots)]
 
 
 def _section(
-    mb: _Batch, items: list[int], cap: int, weight: Sequence[float]
-) -> list[list[tuple[int, list[int]]]]:
+    mb: _Batch, items: list[int], cap: int, weight: Sequence[float], pack: Callable = plan_bins
+) -> list[_Bins]:
     """Slots of ``dp`` ``(tokens, bin)`` pairs (empty bins included) holding ``items``, each bin at
-    most ``cap`` tokens unless it is one longer sample: FFD head, LPT tail."""
+    most ``cap`` tokens unless it is one longer sample: head of ``pack``'s full bins
+    (:func:`~trainer_lib.bins.plan_bins` or :func:`~trainer_lib.bins.min_slack_bins`; a section
+    never holds both ``PIXELS`` and ``STRAY``), LPT tail."""
     if not items:
         return []
-    lengths, keys, kinds, dp = mb.lengths, mb.keys, mb.kinds, mb.dp
-    ffd = plan_bins(
-        [lengths[i] for i in items], cap, keys=[keys[i] for i in items], kinds=[kinds[i] for i in items]
-    )
-    bins = [[items[j] for j in b] for b in ffd]
-    last = {keys[b[0]]: j for j, b in enumerate(bins)}  # plan_bins: bins by key, then by creation
+    lengths, keys, dp = mb.lengths, mb.keys, mb.dp
+    packed = pack([lengths[i] for i in items], cap, keys=None if mb.one_key else [keys[i] for i in items])
+    bins = [[items[j] for j in b] for b in packed]
+    last = {keys[b[0]]: j for j, b in enumerate(bins)}  # bins by key, then by creation
     full = _sized([b for j, b in enumerate(bins) if last[keys[b[0]]] != j], lengths)
     num_slots = -(-len(bins) // dp)
     head_slots = min(len(full) // dp, num_slots)
@@ -311,13 +332,7 @@ def _section(
     return _slots(head, tail, num_slots, dp)
 
 
-def _swap_big_samples_out(
-    head: list[tuple[int, list[int]]],
-    tail: list[tuple[int, list[int]]],
-    nbins: int,
-    full: int,
-    lengths: Sequence[int],
-) -> None:
+def _swap_big_samples_out(head: _Bins, tail: _Bins, nbins: int, full: int, lengths: Sequence[int]) -> None:
     """While the tail's largest sample exceeds its mean bin (LPT could not balance around it), swap
     that sample's bin into the head for the head bin of the smallest samples. Head bins stay above
     ``full`` tokens."""
@@ -336,7 +351,7 @@ def _swap_big_samples_out(
         head[k], tail[j], biggest[k] = tail[j], head[k], big
 
 
-def _drop_slots(mb: _Batch, slots: list[list[tuple[int, list[int]]]]) -> list[list[tuple[int, list[int]]]]:
+def _drop_slots(mb: _Batch, slots: list[_Bins]) -> list[_Bins]:
     """Step 4: while the plan has more slots than :func:`min_micro_batches`, empty its lightest
     slot into the others by :func:`_relocate`, or keep the slots as they are. A sample goes only to
     a slot of its side (pixels: vision slots; stray or near-cap text: text slots; plain text:
@@ -360,7 +375,7 @@ def _drop_slots(mb: _Batch, slots: list[list[tuple[int, list[int]]]]) -> list[li
     return slots
 
 
-def _limit(mb: _Batch, slot: list[tuple[int, list[int]]], vision: bool) -> int:
+def _limit(mb: _Batch, slot: _Bins, vision: bool) -> int:
     """Tokens a bin of ``slot`` may hold: ``cap`` (``stretch``: at least the slot's longest sample,
     as :func:`_long_slots` filled it), less ``reserve`` in a vision slot."""
     longest = max((mb.lengths[i] for _, b in slot for i in b), default=0) if mb.stretch else 0
@@ -381,7 +396,7 @@ def _relocate(mb: _Batch, items: list[int], bins: list[list]) -> bool:
     return best_fit_with_exchange(items, bins, mb.lengths, fits)
 
 
-def _deal(slots: list[list[tuple[int, list[int]]]], kinds: Sequence[int], dp: int) -> DpPartition:
+def _deal(slots: list[_Bins], kinds: Sequence[int], dp: int) -> DpPartition:
     """Slot by slot, the bin with the most tokens to the rank with the fewest so far (ties: lower
     rank); slots of empty bins only (LPT may leave bins unused) are dropped."""
     slots = [slot for slot in slots if any(b for _, b in slot)]
