@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 from test_errors import _isort_style_key, _public_top_level_names
 
 from trainer_lib import cost, partition
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, min_slack_bins, plan_bins
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
 from trainer_lib.cost import CostModel, sync_idle
 from trainer_lib.partition import min_micro_batches, partition_mini_batch
 from trainer_lib.plan import plan_step
+from trainer_lib.repack import min_slack_bins
 
 
 def slot_spread(part, k: int) -> int:

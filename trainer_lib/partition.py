@@ -24,7 +24,7 @@ gathered layer by layer), so the slowest rank of a slot sets its pace. The algor
    slot is emptied into the others (best fit, else one trade between two bins that makes room:
    Fleszar & Hindi 2002's exchange moves), or the plan is kept. No bin loses tokens. If the plan
    is still above the bound, steps 2-4 run again with minimum bin slack for FFD
-   (:func:`~trainer_lib.bins.min_slack_bins`), kept if it has fewer slots.
+   (:func:`~trainer_lib.repack.min_slack_bins`), kept if it has fewer slots.
 5. **Deal.** Slot by slot, the bin with the most tokens goes to the rank with the fewest so far.
 
 Guarantees (proofs in docs/PACKING.md §3): (G1) rank token totals differ by at most the largest
@@ -42,15 +42,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from operator import itemgetter
 
-from trainer_lib.bins import (
-    NEUTRAL,
-    PIXELS,
-    STRAY,
-    best_fit_with_exchange,
-    lpt_bins,
-    min_slack_bins,
-    plan_bins,
-)
+from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
+from trainer_lib.repack import best_fit_with_exchange, min_slack_bins
 
 __all__ = ["DpPartition", "min_micro_batches", "partition_mini_batch"]
 
@@ -306,7 +299,7 @@ def _section(
 ) -> list[_Bins]:
     """Slots of ``dp`` ``(tokens, bin)`` pairs (empty bins included) holding ``items``, each bin at
     most ``cap`` tokens unless it is one longer sample: head of ``pack``'s full bins
-    (:func:`~trainer_lib.bins.plan_bins` or :func:`~trainer_lib.bins.min_slack_bins`; a section
+    (:func:`~trainer_lib.bins.plan_bins` or :func:`~trainer_lib.repack.min_slack_bins`; a section
     never holds both ``PIXELS`` and ``STRAY``), LPT tail."""
     if not items:
         return []
@@ -383,7 +376,7 @@ def _limit(mb: _Batch, slot: _Bins, vision: bool) -> int:
 
 
 def _relocate(mb: _Batch, items: list[int], bins: list[list]) -> bool:
-    """:func:`~trainer_lib.bins.best_fit_with_exchange` where a sample may go only where its key
+    """:func:`~trainer_lib.repack.best_fit_with_exchange` where a sample may go only where its key
     and its side (``place``: vision, text or either) allow."""
 
     keys, place = mb.keys, mb.place
