@@ -14,11 +14,12 @@ gathered layer by layer), so the slowest rank of a slot sets its pace. The algor
    cap (no room for an image pad), to *text* slots, topped up with plain text (LPT, up to the
    expected fill). Other text joins the vision slots, whose bins keep ``reserve`` tokens free for
    the synthetic-image pad a bin without images gets there.
-2. **Head.** A section is packed first-fit-decreasing (:func:`~trainer_lib.bins.plan_bins`).
-   Every FFD bin but the last of its key holds more than ``cap - largest sample`` tokens; whole
-   slots of these full bins form the head, grouped by descending vision cost.
+2. **Head.** A section is packed first-fit-decreasing (:func:`~trainer_lib.bins.plan_bins`; in
+   step 4's second pass, by minimum bin slack). Every bin but the last of its key holds more than
+   ``cap - largest sample`` tokens; whole slots of these full bins form the head, grouped by
+   descending vision cost.
 3. **Tail.** The other bins' samples are re-dealt to ``dp`` bins per remaining slot by LPT
-   (:func:`~trainer_lib.bins.lpt_bins`); if that overflows a bin, FFD's are kept. A tail sample
+   (:func:`~trainer_lib.bins.lpt_bins`); if that overflows a bin, the packer's are kept. A tail sample
    larger than the tail's mean bin first trades its bin for the head bin of the smallest samples.
 4. **Fewer slots.** While the plan has more slots than :func:`min_micro_batches`, its lightest
    slot is emptied into the others (best fit, else one trade between two bins that makes room:

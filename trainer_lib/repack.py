@@ -21,7 +21,7 @@ def min_slack_bins(lengths: Sequence[int], cap: int, *, keys: Sequence[Any] | No
     subset enumeration replaced by a subset sum over reachable sums held as the bits of one Python
     integer (``reach | reach << size``, items largest first). The search stops at the first subset
     that leaves at most the bin's share of the spare room of the bound ``ceil(tokens / cap)``
-    (``(bound * cap - tokens) / bins left``, 0 once the bound is passed: then the closest subset),
+    (``(bound * cap - tokens) / bins left``; none once the bound is passed: the closest subset),
     topped up first-fit with what still fits; a bin that cannot get that full takes the closest
     subset. Same contract as :func:`plan_bins` without kinds (the caller keeps ``PIXELS`` and
     ``STRAY`` apart): an item longer than ``cap`` gets a bin of its own; bins are ordered by key
