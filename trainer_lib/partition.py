@@ -189,9 +189,10 @@ def partition_mini_batch(
 def _planned(mb: _Batch, build: Callable[[Callable], list[_Bins]]) -> list[_Bins]:
     """Steps 2-4 on ``build(pack)``'s slots (a section packed by ``pack``): with first-fit-decreasing,
     then, if step 4 leaves more slots than :func:`min_micro_batches`, with minimum bin slack."""
-    slots = _drop_slots(mb, build(plan_bins))
-    if len(slots) > _floor(mb, range(mb.n)):
-        tight = _drop_slots(mb, build(min_slack_bins))
+    floor = _floor(mb, range(mb.n))
+    slots = _drop_slots(mb, build(plan_bins), floor)
+    if len(slots) > floor:
+        tight = _drop_slots(mb, build(min_slack_bins), floor)
         if len(tight) < len(slots):
             return tight
     return slots
@@ -345,14 +346,14 @@ def _swap_big_samples_out(head: _Bins, tail: _Bins, nbins: int, full: int, lengt
         head[k], tail[j], biggest[k] = tail[j], head[k], big
 
 
-def _drop_slots(mb: _Batch, slots: list[_Bins]) -> list[_Bins]:
-    """Step 4: while the plan has more slots than :func:`min_micro_batches`, empty its lightest
+def _drop_slots(mb: _Batch, slots: list[_Bins], floor: int) -> list[_Bins]:
+    """Step 4: while the plan has more slots than ``floor`` (:func:`min_micro_batches`), empty its lightest
     slot into the others by :func:`_relocate`, or keep the slots as they are. A sample goes only to
     a slot of its side (pixels: vision slots; stray or near-cap text: text slots; plain text:
     either), and a bin holds at most its limit (:func:`_limit`), so every rule holds; bins only
     gain tokens, so full bins stay full."""
     slots = [slot for slot in slots if any(b for _, b in slot)]
-    floor, dp = _floor(mb, range(mb.n)), mb.dp
+    dp = mb.dp
     pix = {i for i, k in enumerate(mb.kinds) if k == PIXELS}
     while len(slots) > floor:
         v = min(range(len(slots)), key=lambda s: sum(load for load, _ in slots[s]))
