@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NEUTRAL", "PIXELS", "STRAY", "bin_capacity", "lpt_bins", "plan_bins"]
+__all__ = ["NEUTRAL", "PIXELS", "STRAY", "bin_capacity", "key_groups", "lpt_bins", "plan_bins"]
 
 NEUTRAL, PIXELS, STRAY = 0, 1, 2
 """Bin-compatibility classes: text without placeholder tokens joins any bin; a sample with
@@ -37,6 +37,17 @@ def bin_capacity(seq_len: int, micro_batch_max_tokens: int | None = None) -> int
             f"micro_batch_max_tokens {cap} is larger than seq_len {seq_len}; it must be <= seq_len"
         )
     return cap
+
+
+def key_groups(keys: Sequence[Any] | None, n: int) -> list[list[int]]:
+    """Indices ``0 .. n-1`` grouped by isolation key, keys in first-seen order, indices ascending
+    (one group when ``keys`` is None or holds a single key)."""
+    if keys is None or not n or keys.count(keys[0]) == n:  # one key: no grouping to do
+        return [list(range(n))]
+    groups: dict[Any, list[int]] = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
 
 
 def plan_bins(
@@ -62,14 +73,8 @@ def plan_bins(
     n = len(lengths)
     lengths_list = list(map(int, lengths))
     kinds_list = [NEUTRAL] * n if kinds is None else list(map(int, kinds))
-    groups: dict[Any, list[int]] = {}
-    if keys is None or not n or keys.count(keys[0]) == n:  # one key: no grouping to do
-        groups[None] = list(range(n))
-    else:
-        for i, key in enumerate(keys):
-            groups.setdefault(key, []).append(i)
     out: list[list[int]] = []
-    for members in groups.values():
+    for members in key_groups(keys, n):
         order = sorted(members, key=lengths_list.__getitem__, reverse=True)  # stable: ties keep input order
         few = sum(map(lengths_list.__getitem__, members)) <= _SCAN_BINS * cap
         fit = _first_fit_scan if few else _first_fit

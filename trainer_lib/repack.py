@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from trainer_lib.bins import key_groups
+
 __all__ = ["best_fit_with_exchange", "min_slack_bins"]
 
 
@@ -34,11 +36,8 @@ def min_slack_bins(lengths: Sequence[int], cap: int, *, keys: Sequence[Any] | No
     8k, several times :func:`plan_bins`); :func:`~trainer_lib.partition.partition_mini_batch` runs
     it only where first-fit-decreasing misses the slot bound (docs/PACKING.md §3.2).
     """
-    groups: dict[Any, list[int]] = {}
-    for i in range(len(lengths)):
-        groups.setdefault(None if keys is None else keys[i], []).append(i)
     out: list[list[int]] = []
-    for members in groups.values():
+    for members in key_groups(keys, len(lengths)):
         left = sorted(members, key=lengths.__getitem__, reverse=True)  # stable: ties keep input order
         sizes = [lengths[i] for i in left]
         fit = sum(n for n in sizes if n <= cap)
@@ -50,8 +49,9 @@ def min_slack_bins(lengths: Sequence[int], cap: int, *, keys: Sequence[Any] | No
             if room >= 0:  # else above the cap: alone, outside the bound
                 share = spare // bound if bound > 0 else 0
                 chosen = _subset_sum(sizes, room, max(room - share, 0))
-                if sizes and room - sum(sizes[k] for k in chosen) >= sizes[-1]:  # stopped early: top up
-                    chosen |= _first_fit_into(sizes, room, chosen)
+                short = room - sum(sizes[k] for k in chosen)
+                if sizes and short >= sizes[-1]:  # stopped early: top up
+                    chosen |= _first_fit_into(sizes, short, chosen)
                 for k in sorted(chosen, reverse=True):
                     room -= sizes.pop(k)
                     bin_.append(left.pop(k))
@@ -62,9 +62,8 @@ def min_slack_bins(lengths: Sequence[int], cap: int, *, keys: Sequence[Any] | No
 
 
 def _first_fit_into(sizes: list[int], room: int, chosen: set[int]) -> set[int]:
-    """Positions of the items not in ``chosen`` that still fit, largest first, into ``room`` less
-    ``chosen``'s sizes: afterwards no other item fits the bin."""
-    room -= sum(sizes[k] for k in chosen)
+    """Positions of the items not in ``chosen`` that fit, largest first, into the ``room`` that
+    ``chosen`` leaves: afterwards no other item fits the bin."""
     more = set()
     for k, size in enumerate(sizes):
         if size <= room and k not in chosen:
