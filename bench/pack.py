@@ -54,8 +54,9 @@ from protocol.structs import MMRefs, RawMMRef, TrainingSample
 from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, plan_bins
 from trainer_lib.cost import CostModel
 from trainer_lib.packing import analyze_entry, pack_samples
-from trainer_lib.partition import min_micro_batches, partition_mini_batch
+from trainer_lib.partition import partition_mini_batch
 from trainer_lib.plan import mini_batch_entries, plan_step
+from trainer_lib.slot_bound import min_micro_batches
 
 SEQ_LEN = 16384
 TOK, PAD, V_START, V_END = 261, 256, 259, 260

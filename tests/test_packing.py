@@ -25,8 +25,8 @@ from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, _first_fit, _first_fit_scan
 from trainer_lib.model_inputs import check_placeholder_alignment
 from trainer_lib.packing import pack_samples, rebuild_micro_batch
 from trainer_lib.padding import pad_samples, padded_sample_count, smallest_image_grid
-from trainer_lib.partition import min_micro_batches
 from trainer_lib.plan import plan_step
+from trainer_lib.slot_bound import min_micro_batches
 
 TOK = 261  # <|image_pad|> of the tiny models
 PAD = 256  # <|endoftext|>

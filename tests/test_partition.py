@@ -15,9 +15,10 @@ from test_errors import _isort_style_key, _public_top_level_names
 from trainer_lib import cost, partition
 from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
 from trainer_lib.cost import CostModel, sync_idle
-from trainer_lib.partition import min_micro_batches, partition_mini_batch
+from trainer_lib.partition import partition_mini_batch
 from trainer_lib.plan import plan_step
 from trainer_lib.repack import min_slack_bins
+from trainer_lib.slot_bound import EITHER, SlotRules, min_micro_batches
 
 
 def slot_spread(part, k: int) -> int:
@@ -370,9 +371,9 @@ def test_relocate_keeps_limits_and_never_lightens_a_bin(bins, items, limit):
         state.append([sum(lengths[start:]), list(range(start, len(lengths))), limit, False])
     extra = list(range(len(lengths), len(lengths) + len(items)))
     lengths += items
-    keys, place = ["k"] * len(lengths), [partition._EITHER] * len(lengths)
+    keys, place = ["k"] * len(lengths), [EITHER] * len(lengths)
     before = [c[0] for c in state]
-    mb = partition._Batch(lengths, keys, [NEUTRAL] * len(lengths), place, limit, 0, 1)
+    mb = SlotRules(lengths, keys, [NEUTRAL] * len(lengths), place, limit, 0, 1)
     if partition._relocate(mb, extra, state):
         assert sorted(i for c in state for i in c[1]) == list(range(len(lengths)))
         for c, was in zip(state, before, strict=True):
@@ -387,7 +388,7 @@ def test_a_slot_one_trade_can_empty_is_dropped():
     lengths = [3070, 1852, 1551, 1206, 3612, 1688, 1511, 1010, 521]
     bins = [[sum(lengths[:4]), [0, 1, 2, 3], 8186, True], [sum(lengths[4:8]), [4, 5, 6, 7], 8186, True]]
     assert all(c[2] - c[0] < 521 for c in bins)
-    mb = partition._Batch(lengths, ["k"] * 9, [NEUTRAL] * 9, [partition._EITHER] * 9, 8192, 6, 2)
+    mb = SlotRules(lengths, ["k"] * 9, [NEUTRAL] * 9, [EITHER] * 9, 8192, 6, 2)
     assert partition._relocate(mb, [8], bins)
     assert sorted(i for c in bins for i in c[1]) == list(range(9))
     assert all(c[0] == sum(lengths[i] for i in c[1]) <= 8186 for c in bins)

@@ -7,8 +7,9 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
 - :func:`pack_samples`, :func:`rebuild_micro_batch` — micro-batches (:mod:`trainer_lib.packing`,
   bins in :mod:`trainer_lib.bins`).
 - :func:`pad_samples`, :func:`make_pad_sample` — padding samples (:mod:`trainer_lib.padding`).
-- :func:`partition_mini_batch` — balanced data-parallel slots (:mod:`trainer_lib.partition`; tighter
-  packings where first fit misses the slot bound in :mod:`trainer_lib.repack`).
+- :func:`partition_mini_batch` — balanced data-parallel slots (:mod:`trainer_lib.partition`; the
+  slot rules and bound in :mod:`trainer_lib.slot_bound`, tighter packings where first fit misses
+  the bound in :mod:`trainer_lib.repack`).
 - :class:`CostModel` — FLOPs per sample, the predicted sync idle (:mod:`trainer_lib.cost`).
 - :func:`deal_mini_batch` — one mini-batch as every rank's micro-batches (:mod:`trainer_lib.ranks`).
 - :func:`plan_step`, :class:`StepPlan`, :class:`RankLoad` — a whole step (:mod:`trainer_lib.plan`).

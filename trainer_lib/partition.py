@@ -21,9 +21,10 @@ gathered layer by layer), so the slowest rank of a slot sets its pace. The algor
 3. **Tail.** The other bins' samples are re-dealt to ``dp`` bins per remaining slot by LPT
    (:func:`~trainer_lib.bins.lpt_bins`); if that overflows a bin, the packer's are kept. A tail sample
    larger than the tail's mean bin first trades its bin for the head bin of the smallest samples.
-4. **Fewer slots.** While the plan has more slots than :func:`min_micro_batches`, its lightest
-   slot is emptied into the others (best fit, else one trade between two bins that makes room:
-   Fleszar & Hindi 2002's exchange moves), or the plan is kept. No bin loses tokens. If the plan
+4. **Fewer slots.** While the plan has more slots than the bound
+   (:func:`~trainer_lib.slot_bound.min_micro_batches`), its lightest slot is emptied into the
+   others (best fit, else one trade between two bins that makes room: Fleszar & Hindi 2002's
+   exchange moves), or the plan is kept. No bin loses tokens. If the plan
    is still above the bound, steps 2-4 run again with minimum bin slack for FFD
    (:func:`~trainer_lib.repack.min_slack_bins`), kept if it has fewer slots.
 5. **Deal.** Slot by slot, the bin with the most tokens goes to the rank with the fewest so far.
@@ -38,44 +39,18 @@ each rank's share afterwards (``verl/utils/seqlen_balancing.py``: ``get_seqlen_b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from operator import itemgetter
 
 from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
 from trainer_lib.repack import best_fit_with_exchange, min_slack_bins
+from trainer_lib.slot_bound import EITHER, TEXT, VISION, SlotRules, places, slot_floor, slots_needed
 
-__all__ = ["DpPartition", "min_micro_batches", "partition_mini_batch"]
+__all__ = ["DpPartition", "partition_mini_batch"]
 
 _Bins = list[tuple[int, list[int]]]
 """``(tokens, sample indices)`` bins; a slot is ``dp`` of them (an empty bin: ``(0, [])``)."""
-_VISION, _TEXT, _EITHER = 0, 1, 2
-"""Where a sample may go: vision slots only (pixels), text slots only, either (plain text)."""
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """One mini-batch's per-sample inputs and the rules every helper applies to them."""
-
-    lengths: Sequence[int]
-    keys: Sequence[Hashable]
-    kinds: Sequence[int]
-    place: Sequence[int]
-    """Per sample: :data:`_VISION`, :data:`_TEXT` or :data:`_EITHER` (:func:`_places`)."""
-    cap: int
-    reserve: int
-    dp: int
-    stretch: bool = False
-
-    @property
-    def n(self) -> int:
-        return len(self.lengths)
-
-    @cached_property
-    def one_key(self) -> bool:
-        """Every sample has the same isolation key (the usual case: bins need no grouping)."""
-        return not self.keys or list(self.keys).count(self.keys[0]) == len(self.keys)
 
 
 @dataclass(frozen=True)
@@ -100,28 +75,6 @@ class DpPartition:
     @property
     def rank_tokens(self) -> list[int]:
         return [sum(row) for row in self.tokens]
-
-
-def min_micro_batches(
-    lengths: Sequence[int],
-    *,
-    dp_size: int,
-    cap: int,
-    keys: Sequence[Hashable] | None = None,
-    kinds: Sequence[int] | None = None,
-    reserve: int = 0,
-) -> int:
-    """A lower bound on the micro-batches per rank of any plan under :func:`partition_mini_batch`'s rules.
-
-    ``ceil(bins / dp_size)``, where per isolation key a sample above the cap fills a bin alone and
-    the others fill bins completely; with images, at least the vision slots plus the text slots
-    this bound gives each section (a slot runs the vision tower on every rank or none).
-    """
-    keys = [None] * len(lengths) if keys is None else keys
-    kinds = [NEUTRAL] * len(lengths) if kinds is None else kinds
-    reserve = reserve if dp_size > 1 else 0  # one rank: no slot to align, no pad to make room for
-    mb = _Batch(lengths, keys, kinds, _places(lengths, kinds, cap, reserve), cap, reserve, dp_size)
-    return _floor(mb, range(len(lengths)))
 
 
 def partition_mini_batch(
@@ -173,23 +126,24 @@ def partition_mini_batch(
         slots = [[(sum(lengths[i] for i in b), b)] for b in bins]
         return _deal(slots, kinds, 1)
     if PIXELS not in kinds:  # no vision slots: no side to keep, no pad to make room for
-        mb = _Batch(lengths, keys, kinds, [_EITHER] * n, cap, 0, dp_size, stretch_cap)
+        mb = SlotRules(lengths, keys, kinds, [EITHER] * n, cap, 0, dp_size, stretch_cap)
         long_slots, section = _long_slots(mb)
         text_slots, room = [], cap
     else:
-        places = _places(lengths, kinds, cap, reserve)
-        mb = _Batch(lengths, keys, kinds, places, cap, reserve, dp_size, stretch_cap)
+        where = places(lengths, kinds, cap, reserve)
+        mb = SlotRules(lengths, keys, kinds, where, cap, reserve, dp_size, stretch_cap)
         long_slots, rest = _long_slots(mb)
         text_slots, free = _text_slots(mb, rest)
-        section, room = [i for i in rest if mb.place[i] == _VISION] + free, cap - reserve
+        section, room = [i for i in rest if mb.place[i] == VISION] + free, cap - reserve
     slots = _planned(mb, lambda pack: long_slots + _section(mb, section, room, weight, pack) + text_slots)
     return _deal(slots, kinds, dp_size)
 
 
-def _planned(mb: _Batch, build: Callable[[Callable], list[_Bins]]) -> list[_Bins]:
+def _planned(mb: SlotRules, build: Callable[[Callable], list[_Bins]]) -> list[_Bins]:
     """Steps 2-4 on ``build(pack)``'s slots (a section packed by ``pack``): with first-fit-decreasing,
-    then, if step 4 leaves more slots than :func:`min_micro_batches`, with minimum bin slack."""
-    floor = _floor(mb, range(mb.n))
+    then, if step 4 leaves more slots than the bound (:func:`~trainer_lib.slot_bound.slot_floor`),
+    with minimum bin slack."""
+    floor = slot_floor(mb, range(mb.n))
     slots = _drop_slots(mb, build(plan_bins), floor)
     if len(slots) > floor:
         tight = _drop_slots(mb, build(min_slack_bins), floor)
@@ -198,24 +152,24 @@ def _planned(mb: _Batch, build: Callable[[Callable], list[_Bins]]) -> list[_Bins
     return slots
 
 
-def _text_slots(mb: _Batch, items: list[int]) -> tuple[list[_Bins], list[int]]:
+def _text_slots(mb: SlotRules, items: list[int]) -> tuple[list[_Bins], list[int]]:
     """Step 1's text slots: the samples that must not meet the vision tower, LPT into the fewest
     slots that hold them, topped up with plain text up to the mini-batch's expected fill. Returns
     the slots and the plain text left for the vision slots."""
     lengths, keys, cap, dp = mb.lengths, mb.keys, mb.cap, mb.dp
-    text = [i for i in items if mb.place[i] == _TEXT]
-    free = [i for i in items if mb.place[i] == _EITHER]
+    text = [i for i in items if mb.place[i] == TEXT]
+    free = [i for i in items if mb.place[i] == EITHER]
     if not text:
         return [], free
-    target = min(cap, sum(lengths[i] for i in items) / (dp * max(_floor(mb, items), 1)))
-    x = _slots_needed(mb, text, cap)
+    target = min(cap, sum(lengths[i] for i in items) / (dp * max(slot_floor(mb, items), 1)))
+    x = slots_needed(mb, text, cap)
     while (dealt := lpt_bins(text, lengths, keys, x * dp, cap, free, target)) is None:
         x += 1
     bins, free = dealt
     return _slots(_sized(bins, lengths), [], x, dp), free
 
 
-def _long_slots(mb: _Batch) -> tuple[list[_Bins], list[int]]:
+def _long_slots(mb: SlotRules) -> tuple[list[_Bins], list[int]]:
     """Slots for the samples above the cap (they run alone): per side (with pixels, without),
     largest first, ``dp`` to a slot; the slot's other bins are filled by LPT up to the cap
     (``stretch``: up to the slot's longest sample), less ``reserve`` on the vision side. Returns
@@ -231,7 +185,7 @@ def _long_slots(mb: _Batch) -> tuple[list[_Bins], list[int]]:
         over = sorted((i for i in over_all if (kinds[i] == PIXELS) == pixels), key=length, reverse=True)
         if not over:
             continue
-        ok = (_VISION, _EITHER) if pixels else (_TEXT, _EITHER)
+        ok = (VISION, EITHER) if pixels else (TEXT, EITHER)
         pool = [
             i
             for i in range(n)
@@ -249,41 +203,6 @@ def _long_slots(mb: _Batch) -> tuple[list[_Bins], list[int]]:
     return slots, [i for i in range(n) if i not in used]
 
 
-def _places(lengths: Sequence[int], kinds: Sequence[int], cap: int, reserve: int) -> list[int]:
-    """Per sample: :data:`_VISION`, :data:`_TEXT` or :data:`_EITHER` (see step 1 of the module doc)."""
-    return [
-        _VISION if k == PIXELS else _TEXT if k == STRAY or n > cap - reserve else _EITHER
-        for n, k in zip(lengths, kinds, strict=True)
-    ]
-
-
-def _slots_needed(mb: _Batch, items: Iterable[int], cap: int) -> int:
-    """``ceil(bins / dp)``, bins counted per key: one per sample above ``cap``, the rest full."""
-    lengths, keys, dp = mb.lengths, mb.keys, mb.dp
-    if mb.one_key:
-        sizes = list(map(lengths.__getitem__, items))
-        over = sum(n > cap for n in sizes)
-        fit_tokens = sum(sizes) - sum(n for n in sizes if n > cap)
-        return -(-(over + -(-fit_tokens // cap)) // dp)
-    over, fit = 0, {}
-    for i in items:
-        if lengths[i] > cap:
-            over += 1
-        else:
-            fit[keys[i]] = fit.get(keys[i], 0) + lengths[i]
-    return -(-(over + sum(-(-tokens // cap) for tokens in fit.values())) // dp)
-
-
-def _floor(mb: _Batch, items: Sequence[int]) -> int:
-    """:func:`min_micro_batches` of ``items`` from the samples' places."""
-    total = _slots_needed(mb, items, mb.cap)
-    pix = [i for i in items if mb.place[i] == _VISION]
-    if not pix:
-        return total
-    text = [i for i in items if mb.place[i] == _TEXT]
-    return max(total, _slots_needed(mb, pix, mb.cap - mb.reserve) + _slots_needed(mb, text, mb.cap))
-
-
 def _sized(bins: list[list[int]], lengths: Sequence[int]) -> _Bins:
     """``(tokens, bin)`` pairs, most tokens first."""
     length = lengths.__getitem__
@@ -297,7 +216,7 @@ def _slots(head: _Bins, tail: _Bins, num_slots: int, dp: int) -> list[_Bins]:
 
 
 def _section(
-    mb: _Batch, items: list[int], cap: int, weight: Sequence[float], pack: Callable = plan_bins
+    mb: SlotRules, items: list[int], cap: int, weight: Sequence[float], pack: Callable = plan_bins
 ) -> list[_Bins]:
     """Slots of ``dp`` ``(tokens, bin)`` pairs (empty bins included) holding ``items``, each bin at
     most ``cap`` tokens unless it is one longer sample: head of ``pack``'s full bins
@@ -346,9 +265,9 @@ def _swap_big_samples_out(head: _Bins, tail: _Bins, nbins: int, full: int, lengt
         head[k], tail[j], biggest[k] = tail[j], head[k], big
 
 
-def _drop_slots(mb: _Batch, slots: list[_Bins], floor: int) -> list[_Bins]:
-    """Step 4: while the plan has more slots than ``floor`` (:func:`min_micro_batches`), empty its lightest
-    slot into the others by :func:`_relocate`, or keep the slots as they are. A sample goes only to
+def _drop_slots(mb: SlotRules, slots: list[_Bins], floor: int) -> list[_Bins]:
+    """Step 4: while the plan has more slots than ``floor`` (the bound), empty its lightest slot
+    into the others by :func:`_relocate`, or keep the slots as they are. A sample goes only to
     a slot of its side (pixels: vision slots; stray or near-cap text: text slots; plain text:
     either), and a bin holds at most its limit (:func:`_limit`), so every rule holds; bins only
     gain tokens, so full bins stay full."""
@@ -370,23 +289,21 @@ def _drop_slots(mb: _Batch, slots: list[_Bins], floor: int) -> list[_Bins]:
     return slots
 
 
-def _limit(mb: _Batch, slot: _Bins, vision: bool) -> int:
+def _limit(mb: SlotRules, slot: _Bins, vision: bool) -> int:
     """Tokens a bin of ``slot`` may hold: ``cap`` (``stretch``: at least the slot's longest sample,
     as :func:`_long_slots` filled it), less ``reserve`` in a vision slot."""
     longest = max((mb.lengths[i] for _, b in slot for i in b), default=0) if mb.stretch else 0
     return max(mb.cap, longest) - (mb.reserve if vision else 0)
 
 
-def _relocate(mb: _Batch, items: list[int], bins: list[list]) -> bool:
+def _relocate(mb: SlotRules, items: list[int], bins: list[list]) -> bool:
     """:func:`~trainer_lib.repack.best_fit_with_exchange` where a sample may go only where its key
     and its side (``place``: vision, text or either) allow."""
 
     keys, place = mb.keys, mb.place
 
     def fits(i: int, c: list) -> bool:
-        return (not c[1] or keys[c[1][0]] == keys[i]) and (
-            place[i] == _EITHER or (place[i] == _VISION) == c[3]
-        )
+        return (not c[1] or keys[c[1][0]] == keys[i]) and (place[i] == EITHER or (place[i] == VISION) == c[3])
 
     return best_fit_with_exchange(items, bins, mb.lengths, fits)
 
