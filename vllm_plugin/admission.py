@@ -54,10 +54,10 @@ ENGINE_PREFIXES = (
 PLUGIN_PATHS = frozenset({"/inference/v1/generate", "/inference/v1/resolve"})
 """The plugin's own routes: they bind and label versions and apply the seed rule themselves."""
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+_Scope = MutableMapping[str, Any]
+_Message = MutableMapping[str, Any]
+_Receive = Callable[[], Awaitable[_Message]]
+_Send = Callable[[_Message], Awaitable[None]]
 
 
 class Admission:
@@ -121,10 +121,10 @@ class AdmissionMiddleware:
     """The ASGI middleware (see the module doc); finds the :class:`Admission` on
     ``app.state.mmref_admission`` (set by the plugin's ``init_state``; absent: a pass-through)."""
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
+    def __init__(self, app: Callable[[_Scope, _Receive, _Send], Awaitable[None]]) -> None:
         self.app = app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
         admission = _admission(scope)
         if admission is None:
             await self.app(scope, receive, send)
@@ -142,7 +142,7 @@ class AdmissionMiddleware:
             await self.app(scope, receive, _labelled(send, admission.versions))
 
 
-def _admission(scope: Scope) -> Admission | None:
+def _admission(scope: _Scope) -> Admission | None:
     if scope.get("type") != "http" or scope.get("method") != "POST":
         return None
     if not scope.get("path", "").startswith(ENGINE_PREFIXES):
@@ -152,10 +152,10 @@ def _admission(scope: Scope) -> Admission | None:
     return admission if isinstance(admission, Admission) else None
 
 
-def _labelled(send: Send, versions: Callable[[], Awaitable[str]]) -> Send:
+def _labelled(send: _Send, versions: Callable[[], Awaitable[str]]) -> _Send:
     """``send`` with the weight version added to a successful answer's headers."""
 
-    async def labelled(message: Message) -> None:
+    async def labelled(message: _Message) -> None:
         if message.get("type") == "http.response.start" and message.get("status") == 200:
             try:
                 version = await versions()
@@ -170,10 +170,10 @@ def _labelled(send: Send, versions: Callable[[], Awaitable[str]]) -> Send:
     return labelled
 
 
-async def _seed_check(rule: SplitRule, receive: Receive) -> tuple[Receive, MMRefError | None]:
+async def _seed_check(rule: SplitRule, receive: _Receive) -> tuple[_Receive, MMRefError | None]:
     """Read the body; refuse a seeded request that can be split. Returns the ``receive`` that
     replays the body to vLLM's route."""
-    messages: list[Message] = []
+    messages: list[_Message] = []
     while True:
         message = await receive()
         messages.append(message)
@@ -189,7 +189,7 @@ async def _seed_check(rule: SplitRule, receive: Receive) -> tuple[Receive, MMRef
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
             pass  # not JSON: vLLM's route refuses it with its own error
 
-    async def replay() -> Message:
+    async def replay() -> _Message:
         return messages.pop(0) if messages else await receive()
 
     return replay, refusal
@@ -245,7 +245,7 @@ def _has_media(body: dict[str, Any]) -> bool:
     return False
 
 
-async def _refuse(send: Send, error: MMRefError) -> None:
+async def _refuse(send: _Send, error: MMRefError) -> None:
     from vllm_plugin.protocol import error_body
 
     logger.info("mmref refused a request on vLLM's route: %s %s", error.code, error.message[:300])
