@@ -176,5 +176,5 @@ def test_the_middleware_parses_only_bodies_that_name_a_seed():
     assert _mentions_seed([b'{"seed": 7}'])
     assert _mentions_seed([b'{"se', b'ed": 7}'])
     assert _mentions_seed([b'x"', b"s", b"e", b"e", b'd"'])
-    assert not _mentions_seed([b'{"sed": 7, "text": "seed"}'])
+    assert not _mentions_seed([b'{"sed": 7, "text": "seeds, seed"}'])
     assert not _mentions_seed([])

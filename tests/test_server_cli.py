@@ -55,6 +55,9 @@ def cli_server(qwen2_vl_dir, output_root, photo_refs, media, tmp_path_factory) -
 
 
 def test_the_entry_point_loads_in_every_api_process(cli_server):
+    deadline = time.monotonic() + 60  # /health answers once one process is up; the other may still start
+    while cli_server.log().count("engine item cache none") < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
     log = cli_server.log()
     assert log.count("Loaded endpoint plugin mmref") == 2
     assert log.count("Endpoint plugin overrides POST /inference/v1/generate") == 2

@@ -65,10 +65,9 @@ class MMRefEndpointPlugin:
         dev_mode = bool(envs.VLLM_SERVER_DEV_MODE)
         api_router.attach_router(app, dev_mode=dev_mode)
         app.add_middleware(AdmissionMiddleware)
+        logger.info("mmref: routes attached (vLLM %s, supported %s)", version, SUPPORTED_VLLM)
         logger.info(
-            "mmref: routes attached (vLLM %s, supported %s; weight-update routes: %s)",
-            version,
-            SUPPORTED_VLLM,
+            "mmref: weight-update routes /mmref/v1/weights/* %s",
             "on" if dev_mode else "off (VLLM_SERVER_DEV_MODE unset)",
         )
 
