@@ -69,7 +69,7 @@ def _plan(
             )
 
         lengths = [a.length for a in analyses]
-        keys = [(e.sample.run_id, e.sample.lora_id) for e in entries]
+        keys = [e.sample.isolation_key for e in entries]
         kinds = [a.kind for a in analyses]
         per_rank = [[build(b) for b in bins] for bins in shares(lengths, keys, kinds, cap, dp_size)]
         pads = (adapter, pad_token_id, placeholder_token_id)

@@ -163,7 +163,7 @@ def run_single(rng, mix: dict, cap: int, steps: int, repeats: int, prompts: int)
         )
         packed = run()
         kinds = [PIXELS if s.mm_refs else (STRAY if TOK in s.input_ids else NEUTRAL) for s in samples]
-        keys = [(s.run_id, s.lora_id) for s in samples]
+        keys = [s.isolation_key for s in samples]
         lengths = [len(s.input_ids) for s in samples]
         ffd = functools.partial(plan_bins, lengths, cap, keys=keys, kinds=kinds)
         plan.append(len(samples) / timeit(ffd, repeat=repeats).best)
@@ -187,7 +187,7 @@ def mini_batch_inputs(samples, dp: int, mbs: int, cm: CostModel) -> list[tuple]:
     out = []
     for entries in mini_batch_entries(samples, dp_size=dp, mini_batch_size=mbs, pad_token_id=PAD):
         an = [analyze_entry(e, TOK, _QwenCounts().num_placeholders, e.sample_index) for e in entries]
-        keys = [(e.sample.run_id, e.sample.lora_id) for e in entries]
+        keys = [e.sample.isolation_key for e in entries]
         out.append(
             ([a.length for a in an], keys, [a.kind for a in an], [cm.vision(a.image_tokens) for a in an])
         )

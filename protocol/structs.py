@@ -138,6 +138,12 @@ class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, om
             mm_refs=MMRefs(items=list(images)) if images else None,
         )
 
+    @property
+    def isolation_key(self) -> tuple[str, str | None]:
+        """``(run_id, lora_id)``: samples of different keys never share a micro-batch (packing
+        isolation); a pad takes the key of the sample it is packed beside."""
+        return (self.run_id, self.lora_id)
+
     def __post_init__(self) -> None:
         n = _check_token_arrays(self)
         if self.mm_refs is not None and self.mm_refs.mm_token_type_ids is not None:

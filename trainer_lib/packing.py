@@ -146,7 +146,7 @@ def build_micro_batch(
         raise ValueError("a micro-batch needs at least one sample")
     if analyses is None:
         analyses = [analyze_entry(e, placeholder_token_id, num_placeholders, e.sample_index) for e in entries]
-    keys = {(e.sample.run_id, e.sample.lora_id) for e in entries}
+    keys = {e.sample.isolation_key for e in entries}
     if len(keys) != 1:
         raise ValueError(
             f"samples of different (run_id, lora_id) in one micro-batch: {sorted(keys, key=str)}"
@@ -258,7 +258,7 @@ def pack_samples(
         for i, e in enumerate(entries)
     ]
     lengths = [a.length for a in analyses]
-    keys = [(e.sample.run_id, e.sample.lora_id) for e in entries]
+    keys = [e.sample.isolation_key for e in entries]
     kinds = [a.kind for a in analyses]
     bins = plan_bins(lengths, cap, keys=keys, kinds=kinds)
     micro_batches = []

@@ -22,6 +22,7 @@ from trainer_lib.packing import PackEntry
 
 __all__ = [
     "make_pad_sample",
+    "pad_key",
     "pad_samples",
     "padded_sample_count",
     "smallest_image_grid",
@@ -44,6 +45,12 @@ def padded_sample_count(
         raise ValueError(f"need num_samples >= 0 and sizes >= 1, got {num_samples}, {sizes}")
     multiple = math.lcm(*sizes)
     return -(-num_samples // multiple) * multiple
+
+
+def pad_key(last: TrainingSample | None) -> tuple[str, str | None]:
+    """The isolation key pads take: ``last``'s (the last real sample beside them, so they pack
+    with it and never open a bin of their own just for isolation), ``("", None)`` without one."""
+    return last.isolation_key if last is not None else ("", None)
 
 
 def make_pad_sample(
@@ -124,7 +131,7 @@ def pad_samples(
         mini_batch_size=mini_batch_size,
         critic_mini_batch_size=critic_mini_batch_size,
     )
-    run_id, lora_id = (samples[-1].run_id, samples[-1].lora_id) if samples else ("", None)
+    run_id, lora_id = pad_key(samples[-1] if samples else None)
     pads = [
         make_pad_sample(pad_token_id=pad_token_id, num_tokens=pad_tokens, run_id=run_id, lora_id=lora_id)
         for _ in range(target - len(samples))

@@ -18,7 +18,7 @@ from trainer_lib.bins import bin_capacity
 from trainer_lib.cost import CostModel, sync_idle
 from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
 from trainer_lib.packing import PackEntry
-from trainer_lib.padding import make_pad_sample, padded_sample_count
+from trainer_lib.padding import make_pad_sample, pad_key, padded_sample_count
 from trainer_lib.ranks import deal_mini_batch
 
 __all__ = ["RankLoad", "StepPlan", "mini_batch_entries", "plan_step"]
@@ -221,8 +221,7 @@ def mini_batch_entries(
     out, real, pad_index = [], 0, n
     for j in range(k):
         m = q + (j < r)
-        last = samples[real + m - 1] if m else samples[n - 1] if n else None
-        key = (last.run_id, last.lora_id) if last else ("", None)
+        key = pad_key(samples[real + m - 1] if real + m else None)
         pad = make_pad_sample(pad_token_id=pad_token_id, num_tokens=pad_tokens, run_id=key[0], lora_id=key[1])
         entries = [PackEntry(samples[i], i) for i in range(real, real + m)]
         entries += [PackEntry(pad, pad_index + i) for i in range(mini_batch_size - m)]

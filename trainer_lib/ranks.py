@@ -26,7 +26,7 @@ from trainer_lib.bins import PIXELS
 from trainer_lib.cost import CostModel
 from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
 from trainer_lib.packing import PackEntry, SampleAnalysis, analyze_entry, build_micro_batch
-from trainer_lib.padding import make_pad_sample, smallest_image_grid, synthetic_image_pad
+from trainer_lib.padding import make_pad_sample, pad_key, smallest_image_grid, synthetic_image_pad
 from trainer_lib.partition import partition_mini_batch
 
 __all__ = ["deal_mini_batch"]
@@ -81,7 +81,7 @@ def deal_mini_batch(
         [a.length for a in analyses],
         dp_size=dp_size,
         cap=cap,
-        keys=[(e.sample.run_id, e.sample.lora_id) for e in entries],
+        keys=[e.sample.isolation_key for e in entries],
         kinds=kinds,
         vision_cost=[
             cost_model.vision(a.image_tokens) if cost_model is not None else sum(a.image_tokens)
@@ -90,9 +90,8 @@ def deal_mini_batch(
         reserve=pads.image_pad_length if aligned else 0,
         stretch_cap=stretch_cap,
     )
-    last = entries[-1].sample if entries else None
-    pad_key = (last.run_id, last.lora_id) if last is not None else ("", None)  # sample-count pads' key
-    build = functools.partial(_micro_batch, entries, analyses, pads, pad_key)
+    last_key = pad_key(entries[-1].sample if entries else None)  # the sample-count pads' key
+    build = functools.partial(_micro_batch, entries, analyses, pads, last_key)
     return [
         PackedBatch(
             micro_batches=[build(b, pix) for b, pix in zip(row, part.slot_has_pixels, strict=True)],
@@ -106,7 +105,7 @@ def _micro_batch(
     entries: Sequence[PackEntry],
     analyses: Sequence[SampleAnalysis],
     pads: _Pads,
-    pad_key: tuple[str, str | None],
+    last_key: tuple[str, str | None],
     indices: Sequence[int],
     vision_slot: bool,
 ) -> PackedMicroBatch:
@@ -115,7 +114,7 @@ def _micro_batch(
     order = sorted(indices, key=lambda i: (entries[i].sample.is_padding, i))
     chosen = [entries[i] for i in order]
     found = [analyses[i] for i in order]
-    key = (chosen[0].sample.run_id, chosen[0].sample.lora_id) if chosen else pad_key
+    key = chosen[0].sample.isolation_key if chosen else last_key
     if vision_slot and all(a.kind != PIXELS for a in found):
         chosen.append(pads.image(*key))
         found.append(pads.image_analysis)
