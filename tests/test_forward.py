@@ -24,19 +24,15 @@ from protocol.adapters import load_adapter, offload_image
 from protocol.refs import format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample, decode_microbatch, encode
 from trainer_lib import materialize
-from trainer_lib.attention import (
-    VARLEN_ATTENTION,
-    PackingUnsupported,
-    check_packable,
-    prepare_model_for_packing,
-    select_backend,
-)
+from trainer_lib.attention import VARLEN_ATTENTION
 from trainer_lib.forward import packed_logprobs
 from trainer_lib.materialize import materialize_micro_batch
 from trainer_lib.model_inputs import PackedInputs, packed_inputs
+from trainer_lib.packed_call import PackingUnsupported
 from trainer_lib.packing import pack_samples, rebuild_micro_batch
 from trainer_lib.plan import plan_step
 from trainer_lib.positions import build_position_ids, cu_seqlens, rope_index_fn, text_position_ids
+from trainer_lib.prepare import check_packable, prepare_model_for_packing, select_backend
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 IM_START, IM_END, V_START, V_END, PAD = 257, 258, 259, 260, 256
