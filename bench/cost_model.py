@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_facts, print_table
 from _models import qwen2_vl_2b_config
-from pack import make_ref, make_step
+from pack import make_ref, make_step, qwen_spec
 from packed_forward import build_model, random_features, sync
 
 from protocol.structs import MMRefs, TrainingSample
@@ -89,9 +89,10 @@ def terms(samples: list[TrainingSample]) -> list[float]:
 
 def time_one(model, samples, tok: int, dtype, device: str, repeats: int) -> float:
     """Best fwd+bwd seconds of one micro-batch (inputs built beforehand)."""
-    (mb,) = pack_samples(samples, placeholder_token_id=tok, seq_len=1 << 20).micro_batches
+    spec = qwen_spec(tok)
+    (mb,) = pack_samples(samples, spec, seq_len=1 << 20).micro_batches
     feats = random_features([list(g) for g in mb.image_grids], dtype, "cpu") if mb.images else {}
-    inputs = packed_inputs(mb, feats, model)
+    inputs = packed_inputs(mb, feats, model, spec)
     best = float("inf")
     for _ in range(repeats + 1):  # the first is a warm-up
         model.zero_grad(set_to_none=True)

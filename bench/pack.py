@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages, not the installed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baselines import karmarkar_karp, plan_today, plan_verl
 from _common import print_facts, print_table, timeit, verdict
@@ -57,6 +58,7 @@ from trainer_lib.packing import analyze_entry, pack_samples
 from trainer_lib.partition import partition_mini_batch
 from trainer_lib.plan import mini_batch_entries, plan_step
 from trainer_lib.slot_bound import min_micro_batches
+from trainer_lib.spec import PackingSpec
 
 SEQ_LEN = 16384
 TOK, PAD, V_START, V_END = 261, 256, 259, 260
@@ -127,6 +129,13 @@ class _QwenCounts:
         return (1, 4, 4)
 
 
+def qwen_spec(tok: int = TOK) -> PackingSpec:
+    """The packing facts of a Qwen2-VL model whose image placeholder id is ``tok``."""
+    return PackingSpec(placeholder_token_id=tok, pad_token_id=PAD, adapter=_QwenCounts())
+
+
+SPEC = qwen_spec()
+
 SINGLE = [
     ("1 rank, cap = seq_len 16k", {}, SEQ_LEN),
     ("1 rank, cap 8k", {}, 8192),
@@ -158,9 +167,8 @@ def run_single(rng, mix: dict, cap: int, steps: int, repeats: int, prompts: int)
     plan, pack = [], []
     for _ in range(steps):
         samples = make_step(rng, **{"prompts": prompts, **mix})
-        run = functools.partial(
-            pack_samples, samples, placeholder_token_id=TOK, seq_len=SEQ_LEN, micro_batch_max_tokens=cap
-        )
+        spec = PackingSpec(placeholder_token_id=TOK, pad_token_id=PAD)  # as before: counts not checked
+        run = functools.partial(pack_samples, samples, spec, seq_len=SEQ_LEN, micro_batch_max_tokens=cap)
         packed = run()
         kinds = [PIXELS if s.mm_refs else (STRAY if TOK in s.input_ids else NEUTRAL) for s in samples]
         keys = [s.isolation_key for s in samples]
@@ -185,8 +193,8 @@ def run_single(rng, mix: dict, cap: int, steps: int, repeats: int, prompts: int)
 def mini_batch_inputs(samples, dp: int, mbs: int, cm: CostModel) -> list[tuple]:
     """Per mini-batch: lengths, keys, kinds and vision costs, as ``plan_step`` derives them."""
     out = []
-    for entries in mini_batch_entries(samples, dp_size=dp, mini_batch_size=mbs, pad_token_id=PAD):
-        an = [analyze_entry(e, TOK, _QwenCounts().num_placeholders, e.sample_index) for e in entries]
+    for entries in mini_batch_entries(samples, SPEC, dp_size=dp, mini_batch_size=mbs):
+        an = [analyze_entry(e, SPEC, e.sample_index) for e in entries]
         keys = [e.sample.isolation_key for e in entries]
         out.append(
             ([a.length for a in an], keys, [a.kind for a in an], [cm.vision(a.image_tokens) for a in an])
@@ -254,14 +262,13 @@ def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
     }
     out["floor"] = {"m": [], "waste": [], "idle": []}
     kwargs = {"dp_size": 8, "mini_batch_size": mbs, "seq_len": SEQ_LEN, "micro_batch_max_tokens": cap}
-    kwargs |= {"placeholder_token_id": TOK, "pad_token_id": PAD, "adapter": _QwenCounts()}
     for _ in range(args.steps):
         samples = make_step(rng, **{"prompts": args.prompts, **mix})
         inputs = mini_batch_inputs(samples, 8, mbs, cm)
         for name in plans_for(cap):
             fn, options = PLANS[name]
             balanced = {"cost_model": cm} if name.startswith("balanced") else {}
-            run = functools.partial(fn, samples, **kwargs, **options, **balanced)
+            run = functools.partial(fn, samples, SPEC, **kwargs, **options, **balanced)
             plan, r = run(), out[name]
             shares = [s for ranks in plan.mini_batches for s in ranks]
             r["m"] += [ranks[0].num_micro_batches for ranks in plan.mini_batches]

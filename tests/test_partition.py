@@ -288,13 +288,11 @@ def test_plan_step_on_the_bench_mix(bench_mix, seed, dp, mbs, cap, stretch):
     )  # fmt: skip
     plan = plan_step(
         samples,
+        pack.SPEC,
         dp_size=dp,
         mini_batch_size=mbs,
         seq_len=16384,
         micro_batch_max_tokens=cap,
-        placeholder_token_id=pack.TOK,
-        pad_token_id=pack.PAD,
-        adapter=pack._QwenCounts(),
         cost_model=cm,
         stretch_cap=stretch,
     )

@@ -35,7 +35,7 @@ from protocol.adapters import offload_image
 from protocol.placeholders import expand_image_placeholders
 from protocol.structs import MMRefs, TrainingSample
 from rl_server import prefix_cache_hits, push_weights, reset_stock_caches, save_weights, weight_version
-from trainer_lib import prepare_model_for_packing
+from trainer_lib import MaterializeConfig, PackingSpec, prepare_model_for_packing
 from trainer_lib.mismatch import MismatchStats, logprob_mismatch, recompute_logprobs
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
@@ -185,7 +185,10 @@ def sample(prompt: list[int], completion: list[int], logprobs: list, refs) -> Tr
 
 def mismatch(samples: list[TrainingSample], model, adapter, output_root) -> MismatchStats:
     """The trainer's recompute of the sampled tokens (packed forward) vs the server's logprobs."""
-    results = recompute_logprobs(samples, model, adapter, output_root, seq_len=2048)
+    spec = PackingSpec.from_adapter(adapter, model, pad_token_id=0)  # no pad is made here
+    results = recompute_logprobs(
+        samples, model, spec, MaterializeConfig(asset_root=output_root), seq_len=2048
+    )
     inference = torch.cat([torch.tensor(s.inference_logprobs) for s in samples])
     return logprob_mismatch(
         torch.cat([lp for lp, _ in results]), inference, torch.cat([m for _, m in results])

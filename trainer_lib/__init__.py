@@ -6,7 +6,9 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
 - :class:`PackedMicroBatch`, :class:`PackedBatch` — the packed micro-batch (:mod:`trainer_lib.micro_batch`).
 - :func:`pack_samples`, :func:`rebuild_micro_batch` — micro-batches (:mod:`trainer_lib.packing`,
   bins in :mod:`trainer_lib.bins`).
-- :func:`pad_samples`, :func:`make_pad_sample` — padding samples (:mod:`trainer_lib.padding`).
+- :class:`PackingSpec` — the model family's packing facts, passed to every stage below
+  (:mod:`trainer_lib.spec`).
+- :func:`make_pad_sample`, :func:`padded_sample_count` — padding samples (:mod:`trainer_lib.padding`).
 - :func:`partition_mini_batch` — balanced data-parallel slots (:mod:`trainer_lib.partition`; the
   slot rules and bound in :mod:`trainer_lib.slot_bound`, tighter packings where first fit misses
   the bound in :mod:`trainer_lib.repack`).
@@ -46,12 +48,13 @@ from trainer_lib.mismatch import BF16_NOISE_FACTOR, MismatchStats, logprob_misma
 from trainer_lib.model_inputs import PackedInputs, check_placeholder_alignment, packed_inputs
 from trainer_lib.packed_call import CU_SEQLENS_KWARG, PackingUnsupported
 from trainer_lib.packing import PackEntry, pack_samples, rebuild_micro_batch
-from trainer_lib.padding import make_pad_sample, pad_samples, padded_sample_count
+from trainer_lib.padding import make_pad_sample, padded_sample_count
 from trainer_lib.partition import partition_mini_batch
 from trainer_lib.plan import RankLoad, StepPlan, plan_step
 from trainer_lib.positions import build_position_ids, cu_seqlens, mrope_position_ids, text_position_ids
 from trainer_lib.prepare import check_packable, prepare_model_for_packing, select_backend
 from trainer_lib.ranks import deal_mini_batch
+from trainer_lib.spec import PackingSpec
 
 __all__ = [
     "BF16_NOISE_FACTOR",
@@ -69,6 +72,7 @@ __all__ = [
     "PackedBatch",
     "PackedInputs",
     "PackedMicroBatch",
+    "PackingSpec",
     "PackingUnsupported",
     "RankFailed",
     "RankLoad",
@@ -91,7 +95,6 @@ __all__ = [
     "pack_samples",
     "packed_inputs",
     "packed_logprobs",
-    "pad_samples",
     "padded_sample_count",
     "partition_mini_batch",
     "plan_step",

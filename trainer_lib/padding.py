@@ -1,33 +1,26 @@
 """Padding samples: zero-loss, out of metrics, never a copy of a real sample (docs/PACKING.md §3).
 
-Every pad has ``is_padding=True``, ``loss_mask`` all False, advantages 0 and its own token ids,
-and no group, so group-relative advantages computed elsewhere never see it:
+Every pad (:func:`make_pad_sample`) has ``is_padding=True``, ``loss_mask`` all False, advantages 0
+and its own token ids, and no group, so group-relative advantages computed elsewhere never see it:
 
-- **text pads** (:func:`make_pad_sample`): ``pad_tokens`` pad ids. :func:`pad_samples` appends
+- **text pads**: ``spec.pad_tokens`` pad ids. :func:`~trainer_lib.plan.mini_batch_entries` adds
   them up to :func:`padded_sample_count`, a multiple of ``lcm(dp_size, mini_batch_size[,
   critic_mini_batch_size])`` (verl's scheme: 2 tokens, independent ids);
-- **synthetic-image pads** (:func:`synthetic_image_pad`): ``[pad] + [placeholder] * n + [pad]`` with one
-  synthetic image (zero features from ``adapter.synthesize_placeholder``), so a micro-batch runs
-  the vision tower (:mod:`trainer_lib.ranks`).
+- **synthetic-image pads** (``grid=``): ``[pad] + [placeholder] * n + [pad]`` with one synthetic
+  image (zero features from ``adapter.synthesize_placeholder``), so a micro-batch runs the vision
+  tower (:mod:`trainer_lib.ranks`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 from protocol.structs import TrainingSample
 from trainer_lib.packing import PackEntry
+from trainer_lib.spec import PackingSpec
 
-__all__ = [
-    "make_pad_sample",
-    "pad_key",
-    "pad_samples",
-    "padded_sample_count",
-    "smallest_image_grid",
-    "synthetic_image_pad",
-]
+__all__ = ["make_pad_sample", "pad_key", "padded_sample_count"]
 
 
 def padded_sample_count(
@@ -54,86 +47,32 @@ def pad_key(last: TrainingSample | None) -> tuple[str, str | None]:
 
 
 def make_pad_sample(
-    *, pad_token_id: int, num_tokens: int = 2, run_id: str = "", lora_id: str | None = None
-) -> TrainingSample:
-    """A minimal zero-loss text sample: ``num_tokens`` pad ids, ``is_padding=True``.
+    spec: PackingSpec, key: tuple[str, str | None] = ("", None), *, grid: Sequence[int] | None = None
+) -> PackEntry:
+    """A zero-loss pad of isolation ``key`` (``(run_id, lora_id)``), ``sample_index`` None.
+
+    Without ``grid``: a text pad of ``spec.pad_tokens`` pad ids. With ``grid``: ``[pad] +
+    [placeholder] * n + [pad]`` carrying one synthetic image (``n = adapter.num_placeholders(grid)``;
+    zero features from ``adapter.synthesize_placeholder(grid)``, added by
+    :func:`trainer_lib.materialize.materialize_micro_batch`).
 
     Raises:
-        ValueError: ``num_tokens < 1``.
+        ValueError: ``grid`` without the spec's adapter.
     """
-    if num_tokens < 1:
-        raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-    return TrainingSample(
-        input_ids=[pad_token_id] * num_tokens,
-        loss_mask=[False] * num_tokens,
-        advantages=[0.0] * num_tokens,
-        inference_logprobs=[0.0] * num_tokens,
-        run_id=run_id,
-        lora_id=lora_id,
-        is_padding=True,
-    )
-
-
-def smallest_image_grid(adapter: Any) -> tuple[int, ...]:
-    """The smallest grid the family's processor produces (a 1x1 image after its resize rules).
-
-    Qwen-VL: ``smart_resize`` lifts tiny images to ``min_pixels``; released Qwen2-VL gives
-    ``(1, 4, 4)`` = 4 placeholder tokens.
-    """
-    return tuple(adapter.grid_for_size(1, 1))
-
-
-def synthetic_image_pad(
-    adapter: Any,
-    *,
-    grid: Sequence[int],
-    pad_token_id: int,
-    placeholder_token_id: int,
-    run_id: str = "",
-    lora_id: str | None = None,
-) -> PackEntry:
-    """A zero-loss pad carrying one synthetic image: ``[pad] + [placeholder] * n + [pad]``.
-
-    Its features are ``adapter.synthesize_placeholder(grid)`` (zeros of the right shapes), added
-    by :func:`trainer_lib.forward.materialize_micro_batch`.
-    """
-    n = adapter.num_placeholders(grid)
-    ids = [pad_token_id] + [placeholder_token_id] * n + [pad_token_id]
+    pad = spec.pad_token_id
+    if grid is None:
+        ids = [pad] * spec.pad_tokens
+    elif spec.num_placeholders is None:
+        raise ValueError("a synthetic-image pad needs the spec's adapter (num_placeholders)")
+    else:
+        ids = [pad] + [spec.placeholder_token_id] * spec.num_placeholders(grid) + [pad]
     sample = TrainingSample(
         input_ids=ids,
         loss_mask=[False] * len(ids),
         advantages=[0.0] * len(ids),
         inference_logprobs=[0.0] * len(ids),
-        run_id=run_id,
-        lora_id=lora_id,
+        run_id=key[0],
+        lora_id=key[1],
         is_padding=True,
     )
-    return PackEntry(sample, None, tuple(int(g) for g in grid))
-
-
-def pad_samples(
-    samples: Sequence[TrainingSample],
-    *,
-    dp_size: int,
-    mini_batch_size: int,
-    critic_mini_batch_size: int | None = None,
-    pad_token_id: int,
-    pad_tokens: int = 2,
-) -> list[TrainingSample]:
-    """``samples`` followed by text pads up to :func:`padded_sample_count`.
-
-    Pads take the ``run_id``/``lora_id`` of the last sample (so they pack with it and never
-    open a bin of their own just for isolation).
-    """
-    target = padded_sample_count(
-        len(samples),
-        dp_size=dp_size,
-        mini_batch_size=mini_batch_size,
-        critic_mini_batch_size=critic_mini_batch_size,
-    )
-    run_id, lora_id = pad_key(samples[-1] if samples else None)
-    pads = [
-        make_pad_sample(pad_token_id=pad_token_id, num_tokens=pad_tokens, run_id=run_id, lora_id=lora_id)
-        for _ in range(target - len(samples))
-    ]
-    return [*samples, *pads]
+    return PackEntry(sample, None, None if grid is None else tuple(int(g) for g in grid))

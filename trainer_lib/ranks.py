@@ -8,8 +8,8 @@ none. :func:`deal_mini_batch` analyses the mini-batch's samples once, plans the 
 work grouped by slot) and builds each rank's micro-batches:
 
 - a bin in a vision slot that holds no image gets a **synthetic-image pad** (placeholder tokens of
-  a minimal grid, zero features from ``adapter.synthesize_placeholder``); the partition kept room
-  for it (``reserve``);
+  ``spec.image_pad_grid``, zero features from ``adapter.synthesize_placeholder``); the partition
+  kept room for it (``reserve``);
 - an empty bin (a rank with nothing left for that slot) becomes a lone pad: a synthetic-image pad
   in a vision slot, a text pad otherwise, keyed like the mini-batch's last entry (its
   sample-count pads' key).
@@ -19,30 +19,25 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from trainer_lib.bins import PIXELS
 from trainer_lib.cost import CostModel
 from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
 from trainer_lib.packing import PackEntry, SampleAnalysis, analyze_entry, build_micro_batch
-from trainer_lib.padding import make_pad_sample, pad_key, smallest_image_grid, synthetic_image_pad
+from trainer_lib.padding import make_pad_sample, pad_key
 from trainer_lib.partition import partition_mini_batch
+from trainer_lib.spec import PackingSpec
 
 __all__ = ["deal_mini_batch"]
 
 
 def deal_mini_batch(
     entries: Sequence[PackEntry],
+    spec: PackingSpec,
     *,
     dp_size: int,
     cap: int,
-    placeholder_token_id: int,
-    pad_token_id: int,
-    adapter: Any = None,
     cost_model: CostModel | None = None,
-    synthetic_image_grid: Sequence[int] | None = None,
-    pad_tokens: int = 2,
     stretch_cap: bool = False,
 ) -> list[PackedBatch]:
     """One mini-batch's samples as ``dp_size`` ranks' micro-batches, the same count on every rank.
@@ -50,14 +45,12 @@ def deal_mini_batch(
     Args:
         entries: the mini-batch's samples (sample-count pads included), each with its
             ``sample_index``.
+        spec: the family's facts; its adapter checks every ref's count, and the synthetic-image
+            pads need it (required when ``dp_size > 1`` and there are images).
         cap: ``micro_batch_max_tokens``: a micro-batch holds at most ``cap`` tokens, pads
             included, unless it is one longer sample (or ``stretch_cap``).
-        adapter: the family's adapter: ``num_placeholders`` checks every ref's count, and the
-            synthetic-image pads need it (required when ``dp_size > 1`` and there are images).
         cost_model: vision-tower cost per sample, to group vision slots by (default: the
             samples' image placeholder tokens).
-        synthetic_image_grid: the synthetic-image pad's grid (bounded by ``adapter.check_grid``);
-            default :func:`~trainer_lib.padding.smallest_image_grid`.
         stretch_cap: in a slot where some rank runs a sample longer than ``cap``, the other
             ranks' micro-batches may hold up to that sample's length (see
             :func:`~trainer_lib.partition.partition_mini_batch`).
@@ -70,13 +63,11 @@ def deal_mini_batch(
         ValueError: a bad ``dp_size`` or cap, a pad's room not below the cap, images to align
             without an adapter, and what :func:`~trainer_lib.packing.build_micro_batch` raises.
         PlaceholderMismatch: a sample whose image tokens do not match its refs.
-        GridMismatch: a ``synthetic_image_grid`` the processor cannot produce.
+        GridMismatch: a ``spec.synthetic_grid`` the processor cannot produce.
     """
-    num_placeholders = adapter.num_placeholders if adapter is not None else None
-    analyses = [analyze_entry(e, placeholder_token_id, num_placeholders, e.sample_index) for e in entries]
+    analyses = [analyze_entry(e, spec, e.sample_index) for e in entries]
     kinds = [a.kind for a in analyses]
-    pads = _Pads(adapter, synthetic_image_grid, pad_token_id, placeholder_token_id, pad_tokens)
-    aligned = dp_size > 1 and PIXELS in kinds and adapter is not None
+    aligned = dp_size > 1 and PIXELS in kinds and spec.adapter is not None
     part = partition_mini_batch(
         [a.length for a in analyses],
         dp_size=dp_size,
@@ -87,11 +78,11 @@ def deal_mini_batch(
             cost_model.vision(a.image_tokens) if cost_model is not None else sum(a.image_tokens)
             for a in analyses
         ],
-        reserve=pads.image_pad_length if aligned else 0,
+        reserve=spec.image_pad_length if aligned else 0,
         stretch_cap=stretch_cap,
     )
     last_key = pad_key(entries[-1].sample if entries else None)  # the sample-count pads' key
-    build = functools.partial(_micro_batch, entries, analyses, pads, last_key)
+    build = functools.partial(_micro_batch, entries, analyses, spec, last_key)
     return [
         PackedBatch(
             micro_batches=[build(b, pix) for b, pix in zip(row, part.slot_has_pixels, strict=True)],
@@ -104,7 +95,7 @@ def deal_mini_batch(
 def _micro_batch(
     entries: Sequence[PackEntry],
     analyses: Sequence[SampleAnalysis],
-    pads: _Pads,
+    spec: PackingSpec,
     last_key: tuple[str, str | None],
     indices: Sequence[int],
     vision_slot: bool,
@@ -116,65 +107,8 @@ def _micro_batch(
     found = [analyses[i] for i in order]
     key = chosen[0].sample.isolation_key if chosen else last_key
     if vision_slot and all(a.kind != PIXELS for a in found):
-        chosen.append(pads.image(*key))
-        found.append(pads.image_analysis)
+        chosen.append(make_pad_sample(spec, key, grid=spec.image_pad_grid))
     elif not chosen:
-        chosen.append(pads.text(*key))
-        found.append(pads.text_analysis)
-    return build_micro_batch(chosen, found, placeholder_token_id=pads.placeholder_token_id)
-
-
-@dataclass
-class _Pads:
-    """Builds the pad samples of :func:`deal_mini_batch` (and analyses them once)."""
-
-    adapter: Any
-    requested_grid: Sequence[int] | None
-    pad_token_id: int
-    placeholder_token_id: int
-    pad_tokens: int
-
-    @functools.cached_property
-    def grid(self) -> tuple[int, ...]:
-        """The synthetic image's grid: the requested one (bounded by ``adapter.check_grid``), or the
-        smallest the processor makes."""
-        if self.adapter is None:
-            raise ValueError(
-                "a rank's micro-batch must run the vision tower with no image of its own: aligning "
-                "the vision tower across ranks needs the adapter (synthetic-image pads)"
-            )
-        if self.requested_grid is None:
-            return smallest_image_grid(self.adapter)
-        return tuple(self.adapter.check_grid(tuple(int(g) for g in self.requested_grid)))
-
-    @functools.cached_property
-    def image_pad_length(self) -> int:
-        """Tokens of a synthetic-image pad: ``[pad] + placeholders + [pad]``."""
-        return self.adapter.num_placeholders(self.grid) + 2 if self.adapter is not None else 0
-
-    @functools.cached_property
-    def image_analysis(self) -> SampleAnalysis:
-        pad = self.image("", None)
-        return analyze_entry(pad, self.placeholder_token_id, self.adapter.num_placeholders, None)
-
-    @functools.cached_property
-    def text_analysis(self) -> SampleAnalysis:
-        return analyze_entry(self.text("", None), self.placeholder_token_id, None, None)
-
-    def image(self, run_id: str, lora_id: str | None) -> PackEntry:
-        """A zero-loss pad carrying one synthetic image."""
-        return synthetic_image_pad(
-            self.adapter,
-            grid=self.grid,
-            pad_token_id=self.pad_token_id,
-            placeholder_token_id=self.placeholder_token_id,
-            run_id=run_id,
-            lora_id=lora_id,
-        )
-
-    def text(self, run_id: str, lora_id: str | None) -> PackEntry:
-        """A zero-loss text pad of ``pad_tokens`` pad ids."""
-        pad = make_pad_sample(
-            pad_token_id=self.pad_token_id, num_tokens=self.pad_tokens, run_id=run_id, lora_id=lora_id
-        )
-        return PackEntry(pad)
+        chosen.append(make_pad_sample(spec, key))
+    found += [analyze_entry(pad, spec, None) for pad in chosen[len(found) :]]
+    return build_micro_batch(chosen, spec, found)
