@@ -12,7 +12,7 @@
   rank shares, each share packed first-fit-decreasing on its own (``rearrange_micro_batches`` packs
   per rank), then the counts evened as above.
 
-Both share ``plan_step``'s padding and mini-batch split (:func:`trainer_lib.plan.mini_batch_entries`)
+Both share ``plan_step``'s padding and mini-batch split (:func:`trainer_lib.planning.plan.mini_batch_entries`)
 and the library's micro-batch builder, so only the dealing differs.
 """
 
@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from protocol.structs import TrainingSample
-from trainer_lib.bins import PIXELS, bin_capacity, plan_bins
 from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
-from trainer_lib.packing import PackEntry, analyze_entry, build_micro_batch
-from trainer_lib.padding import make_pad_sample, pad_key
-from trainer_lib.plan import StepPlan, mini_batch_entries
+from trainer_lib.planning.bins import PIXELS, bin_capacity, plan_bins
+from trainer_lib.planning.packing import PackEntry, analyze_entry, build_micro_batch
+from trainer_lib.planning.padding import make_pad_sample, pad_key
+from trainer_lib.planning.plan import StepPlan, mini_batch_entries
 from trainer_lib.spec import PackingSpec
 
 __all__ = ["karmarkar_karp", "plan_today", "plan_verl"]

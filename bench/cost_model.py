@@ -1,4 +1,4 @@
-"""Measure what a packed micro-batch costs on the GPU and check ``trainer_lib.cost.CostModel`` against it.
+"""Measure what a packed micro-batch costs on the GPU and check ``trainer_lib.CostModel`` against it.
 
 Usage::
 
@@ -37,8 +37,8 @@ from packed_forward import build_model, random_features, sync
 
 from protocol.structs import MMRefs, TrainingSample
 from trainer_lib import packed_inputs, packed_logprobs, prepare_model_for_packing
-from trainer_lib.cost import CostModel
-from trainer_lib.packing import pack_samples
+from trainer_lib.planning.cost import CostModel
+from trainer_lib.planning.packing import pack_samples
 
 TEXT = [(16384, 16384), (8192, 8192), (4096, 4096), (16384, 4096), (16384, 1024), (16384, 256), (8192, 512)]
 """(micro-batch tokens T, sample length l) of the text-only shapes."""

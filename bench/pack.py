@@ -52,12 +52,12 @@ from _models import qwen2_vl_2b_config
 
 from protocol.refs import RawRefBody, format_mmraw
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, plan_bins
-from trainer_lib.cost import CostModel
-from trainer_lib.packing import analyze_entry, pack_samples
-from trainer_lib.partition import partition_mini_batch
-from trainer_lib.plan import mini_batch_entries, plan_step
-from trainer_lib.slot_bound import min_micro_batches
+from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, plan_bins
+from trainer_lib.planning.cost import CostModel
+from trainer_lib.planning.packing import analyze_entry, pack_samples
+from trainer_lib.planning.partition import partition_mini_batch
+from trainer_lib.planning.plan import mini_batch_entries, plan_step
+from trainer_lib.planning.slot_bound import min_micro_batches
 from trainer_lib.spec import PackingSpec
 
 SEQ_LEN = 16384

@@ -40,7 +40,7 @@ from pack import make_ref, qwen_spec
 
 from protocol.structs import MMRefs, TrainingSample
 from trainer_lib import packed_inputs, packed_logprobs, prepare_model_for_packing
-from trainer_lib.packing import pack_samples
+from trainer_lib.planning.packing import pack_samples
 
 TARGET = 2.5
 

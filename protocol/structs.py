@@ -103,7 +103,7 @@ class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, om
     """Packing isolation: samples of different ``(run_id, lora_id)`` never share a micro-batch."""
     lora_id: str | None = None
     is_padding: bool = False
-    """A zero-loss pad kept out of metrics (``trainer_lib.padding``)."""
+    """A zero-loss pad kept out of metrics (``trainer_lib.planning.padding``)."""
 
     @classmethod
     def from_rollout(

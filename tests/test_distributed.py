@@ -21,8 +21,8 @@ from protocol.errors import AssetNotFound, PlaceholderMismatch
 from protocol.refs import format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample, encode
 from trainer_lib.distributed import RankFailed, check_all_ranks, fail_fast
-from trainer_lib.packing import pack_samples
-from trainer_lib.plan import plan_step
+from trainer_lib.planning.packing import pack_samples
+from trainer_lib.planning.plan import plan_step
 from trainer_lib.spec import PackingSpec
 
 TIMEOUT_S = 120

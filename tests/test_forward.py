@@ -29,8 +29,8 @@ from trainer_lib.forward import packed_logprobs
 from trainer_lib.materialize import materialize_micro_batch
 from trainer_lib.model_inputs import PackedInputs, packed_inputs
 from trainer_lib.packed_call import PackingUnsupported
-from trainer_lib.packing import pack_samples, rebuild_micro_batch
-from trainer_lib.plan import plan_step
+from trainer_lib.planning.packing import pack_samples, rebuild_micro_batch
+from trainer_lib.planning.plan import plan_step
 from trainer_lib.positions import build_position_ids, cu_seqlens, rope_index_fn, text_position_ids
 from trainer_lib.prepare import check_packable, prepare_model_for_packing, select_backend
 

@@ -19,8 +19,8 @@ from protocol.errors import InvalidRef, MMRefError
 from protocol.features import feature_path, read_feature_item, run_asset_root, write_feature_item
 from protocol.refs import FileRef, RawRefBody, file_uri_to_path, format_mmraw, parse_ref
 from protocol.structs import MicroBatch, decode_microbatch, decode_sample
-from trainer_lib.packing import PackEntry, build_micro_batch, rebuild_micro_batch
-from trainer_lib.padding import make_pad_sample
+from trainer_lib.planning.packing import PackEntry, build_micro_batch, rebuild_micro_batch
+from trainer_lib.planning.padding import make_pad_sample
 
 EXAMPLES = int(os.environ.get("MMREF_FUZZ_EXAMPLES", "1500"))
 FUZZ = settings(

@@ -233,9 +233,9 @@ def test_a_claimed_grid_is_bounded_before_any_stand_in_is_sized(store, qwen2_vl_
 def test_a_synthetic_grid_is_bounded_before_its_zeros_are_sized(store, qwen2_vl_adapter):
     """Synthetic pad images (a balance setting, or synthetic_grids off the wire) are bounded by the
     adapter's grid limits before synthesize_placeholder sizes zeros for them."""
-    from trainer_lib.packing import PackEntry, build_micro_batch, rebuild_micro_batch
-    from trainer_lib.padding import make_pad_sample
-    from trainer_lib.plan import plan_step
+    from trainer_lib.planning.packing import PackEntry, build_micro_batch, rebuild_micro_batch
+    from trainer_lib.planning.padding import make_pad_sample
+    from trainer_lib.planning.plan import plan_step
 
     root, refs = store
     config = MaterializeConfig(asset_root=root)

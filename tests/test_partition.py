@@ -1,7 +1,7 @@
-"""trainer_lib.partition and trainer_lib.cost: balanced data-parallel slots (every sample once,
-isolation, equal slot counts, the pad rule of vision slots, the micro-batch floor, the token-spread
-guarantee, the long-sample slots), the FLOP cost model and the sync-idle measure; and the same
-through plan_step on bench/pack.py's mix."""
+"""trainer_lib.planning's partition and cost: balanced data-parallel slots (every sample once,
+isolation, equal slot counts, the pad rule of vision slots, the micro-batch floor, the
+token-spread guarantee, the long-sample slots), the FLOP cost model and the sync-idle measure; and
+the same through plan_step on bench/pack.py's mix."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_errors import _isort_style_key, _public_top_level_names
 
-from trainer_lib import cost, partition
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
-from trainer_lib.cost import CostModel, sync_idle
-from trainer_lib.partition import partition_mini_batch
-from trainer_lib.plan import plan_step
-from trainer_lib.repack import min_slack_bins
-from trainer_lib.slot_bound import EITHER, SlotRules, min_micro_batches
+from trainer_lib.planning import cost, partition
+from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
+from trainer_lib.planning.cost import CostModel, sync_idle
+from trainer_lib.planning.partition import partition_mini_batch
+from trainer_lib.planning.plan import plan_step
+from trainer_lib.planning.repack import min_slack_bins
+from trainer_lib.planning.slot_bound import EITHER, SlotRules, min_micro_batches
 
 
 def slot_spread(part, k: int) -> int:
@@ -347,7 +347,10 @@ def test_cost_modules_are_documented_in_all():
 def test_dunder_all_sorted_and_complete():
     assert partition.__all__ == sorted(partition.__all__, key=_isort_style_key)
     assert (
-        sorted(_public_top_level_names("trainer_lib.partition") - set(partition.__all__) - {"__all__"}) == []
+        sorted(
+            _public_top_level_names("trainer_lib.planning.partition") - set(partition.__all__) - {"__all__"}
+        )
+        == []
     )
 
 

@@ -24,7 +24,7 @@ from trainer_lib.config import MaterializeConfig
 from trainer_lib.forward import packed_logprobs
 from trainer_lib.materialize import materialize_micro_batch
 from trainer_lib.model_inputs import packed_inputs
-from trainer_lib.packing import pack_samples
+from trainer_lib.planning.packing import pack_samples
 from trainer_lib.spec import PackingSpec
 
 __all__ = ["BF16_NOISE_FACTOR", "MismatchStats", "logprob_mismatch", "recompute_logprobs"]

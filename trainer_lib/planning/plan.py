@@ -2,10 +2,10 @@
 
 :func:`plan_step` runs the whole chain: pad the sample count and split into mini-batches
 (:func:`mini_batch_entries`: real samples spread evenly, so no optimizer step is pads alone; the
-pads from :mod:`trainer_lib.padding`), and deal each
-mini-batch to the data-parallel ranks as balanced micro-batches (:mod:`trainer_lib.ranks`, planned
-by :mod:`trainer_lib.partition`). :class:`StepPlan` holds the micro-batches and reports each rank's
-load and the predicted idle share at the synchronisation points (:mod:`trainer_lib.cost`).
+pads from :mod:`trainer_lib.planning.padding`), and deal each
+mini-batch to the data-parallel ranks as balanced micro-batches (:mod:`trainer_lib.planning.ranks`, planned
+by :mod:`trainer_lib.planning.partition`). :class:`StepPlan` holds the micro-batches and reports each rank's
+load and the predicted idle share at the synchronisation points (:mod:`trainer_lib.planning.cost`).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from protocol.structs import TrainingSample
-from trainer_lib.bins import bin_capacity
-from trainer_lib.cost import CostModel, sync_idle
 from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
-from trainer_lib.packing import PackEntry
-from trainer_lib.padding import make_pad_sample, pad_key, padded_sample_count
-from trainer_lib.ranks import deal_mini_batch
+from trainer_lib.planning.bins import bin_capacity
+from trainer_lib.planning.cost import CostModel, sync_idle
+from trainer_lib.planning.packing import PackEntry
+from trainer_lib.planning.padding import make_pad_sample, pad_key, padded_sample_count
+from trainer_lib.planning.ranks import deal_mini_batch
 from trainer_lib.spec import PackingSpec
 
 __all__ = ["RankLoad", "StepPlan", "mini_batch_entries", "plan_step"]
@@ -90,7 +90,7 @@ class StepPlan:
         ``1 - work / (dp * sum over slots of the slowest rank's time)``, where micro-batch ``k``
         of every rank is one slot (FSDP gathers parameters layer by layer, so a slot lasts as long
         as its slowest rank) and work is the real samples' cost; pads take time but do no work.
-        Cost: tokens by default; with a :class:`~trainer_lib.cost.CostModel`, FLOPs, with the
+        Cost: tokens by default; with a :class:`~trainer_lib.planning.cost.CostModel`, FLOPs, with the
         vision tower and the language model synchronised separately. ``mini_batch``: one
         optimizer step's idle share, default the whole step's.
         """
@@ -142,7 +142,7 @@ def plan_step(
     pads alone unless there are fewer real samples than mini-batches (then
     :attr:`StepPlan.num_loss_tokens_per_mini_batch` shows a 0: skip that ``optimizer.step()``;
     every rank computes the same plan, so they agree). Each mini-batch goes to
-    :func:`~trainer_lib.ranks.deal_mini_batch`: every rank gets the same number of micro-batches,
+    :func:`~trainer_lib.planning.ranks.deal_mini_batch`: every rank gets the same number of micro-batches,
     the fewest the cap allows under the packing rules, with nearly equal tokens in micro-batch
     ``k`` on every rank (docs/PACKING.md §3 states the bound). Sample ``i`` of the input is
     ``slot.sample_index == i`` wherever it lands; pads have indices ``>= len(samples)``
@@ -161,7 +161,8 @@ def plan_step(
             one rank must hold anyway, so peak memory is unchanged; docs/PACKING.md §3).
 
     Raises:
-        ValueError, PlaceholderMismatch, GridMismatch: see :func:`~trainer_lib.ranks.deal_mini_batch`.
+        ValueError, PlaceholderMismatch, GridMismatch: see
+            :func:`~trainer_lib.planning.ranks.deal_mini_batch`.
     """
     cap = bin_capacity(seq_len, micro_batch_max_tokens)
     chunks = mini_batch_entries(
@@ -190,15 +191,15 @@ def mini_batch_entries(
     critic_mini_batch_size: int | None = None,
 ) -> list[list[PackEntry]]:
     """The one way a step is padded: its samples padded to
-    :func:`~trainer_lib.padding.padded_sample_count` and cut into mini-batches: the real samples in
+    :func:`~trainer_lib.planning.padding.padded_sample_count` and cut into mini-batches: the real samples in
     order, spread as evenly as possible (``floor`` or ``ceil`` of ``N / k`` each), each topped up
-    with text pads (:func:`~trainer_lib.padding.make_pad_sample`) keyed like its last real sample
-    (:func:`~trainer_lib.padding.pad_key`: so pads never open a bin just for isolation).
+    with text pads (:func:`~trainer_lib.planning.padding.make_pad_sample`) keyed like its last real sample
+    (:func:`~trainer_lib.planning.padding.pad_key`: so pads never open a bin just for isolation).
     ``PackEntry.sample_index`` is the sample's input position; pads have indices
     ``>= len(samples)``. Only with fewer real samples than mini-batches is one all padding.
 
     Raises:
-        ValueError: a size below 1 (see :func:`~trainer_lib.padding.padded_sample_count`).
+        ValueError: a size below 1 (see :func:`~trainer_lib.planning.padding.padded_sample_count`).
     """
     n = len(samples)
     total = padded_sample_count(

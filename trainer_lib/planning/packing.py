@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from protocol.errors import PlaceholderMismatch
 from protocol.placeholders import check_placeholder_counts, grid_placeholder_count, locate_image_runs
 from protocol.structs import MicroBatch, MMRefs, RawMMRef, TrainingSample
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, bin_capacity, plan_bins
 from trainer_lib.micro_batch import ImageSpan, PackedBatch, PackedMicroBatch, SampleSlot
+from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, bin_capacity, plan_bins
 from trainer_lib.spec import PackingSpec
 
 __all__ = [
@@ -68,7 +68,7 @@ class SampleAnalysis:
     length: int
     """Tokens (``len(input_ids)``)."""
     kind: int
-    """:data:`~trainer_lib.bins.PIXELS` (images, real or synthetic), ``STRAY`` (text holding the
+    """:data:`~trainer_lib.planning.bins.PIXELS` (images, real or synthetic), ``STRAY`` (text holding the
     placeholder token) or ``NEUTRAL``."""
     spans: list[tuple[int, int, tuple[int, ...], RawMMRef | None]]
     """(start in sample, length, grid, ref) per image, in prompt order."""

@@ -4,7 +4,7 @@ Every rank must run the same number of forward/backward passes, and with a shard
 micro-batch ``k`` ("slot ``k``") is synchronous: parameters are gathered layer by layer, so the
 slot lasts as long as its slowest rank, and it must run the vision tower on every rank or on
 none. :func:`deal_mini_batch` analyses the mini-batch's samples once, plans the slots with
-:func:`trainer_lib.partition.partition_mini_batch` (tokens balanced inside every slot, vision
+:func:`trainer_lib.planning.partition.partition_mini_batch` (tokens balanced inside every slot, vision
 work grouped by slot) and builds each rank's micro-batches:
 
 - a bin in a vision slot that holds no image gets a **synthetic-image pad** (placeholder tokens of
@@ -20,12 +20,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from trainer_lib.bins import PIXELS
-from trainer_lib.cost import CostModel
 from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
-from trainer_lib.packing import PackEntry, SampleAnalysis, analyze_entry, build_micro_batch
-from trainer_lib.padding import make_pad_sample, pad_key
-from trainer_lib.partition import partition_mini_batch
+from trainer_lib.planning.bins import PIXELS
+from trainer_lib.planning.cost import CostModel
+from trainer_lib.planning.packing import PackEntry, SampleAnalysis, analyze_entry, build_micro_batch
+from trainer_lib.planning.padding import make_pad_sample, pad_key
+from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.spec import PackingSpec
 
 __all__ = ["deal_mini_batch"]
@@ -53,7 +53,7 @@ def deal_mini_batch(
             samples' image placeholder tokens).
         stretch_cap: in a slot where some rank runs a sample longer than ``cap``, the other
             ranks' micro-batches may hold up to that sample's length (see
-            :func:`~trainer_lib.partition.partition_mini_batch`).
+            :func:`~trainer_lib.planning.partition.partition_mini_batch`).
 
     Returns:
         ``dp_size`` :class:`~trainer_lib.PackedBatch` es in rank order: micro-batch ``k`` runs the
@@ -61,7 +61,7 @@ def deal_mini_batch(
 
     Raises:
         ValueError: a bad ``dp_size`` or cap, a pad's room not below the cap, images to align
-            without an adapter, and what :func:`~trainer_lib.packing.build_micro_batch` raises.
+            without an adapter, and what :func:`~trainer_lib.planning.packing.build_micro_batch` raises.
         PlaceholderMismatch: a sample whose image tokens do not match its refs.
         GridMismatch: a ``spec.synthetic_grid`` the processor cannot produce.
     """

@@ -3,12 +3,12 @@
 Every pad (:func:`make_pad_sample`) has ``is_padding=True``, ``loss_mask`` all False, advantages 0
 and its own token ids, and no group, so group-relative advantages computed elsewhere never see it:
 
-- **text pads**: ``spec.pad_tokens`` pad ids. :func:`~trainer_lib.plan.mini_batch_entries` adds
+- **text pads**: ``spec.pad_tokens`` pad ids. :func:`~trainer_lib.planning.plan.mini_batch_entries` adds
   them up to :func:`padded_sample_count`, a multiple of ``lcm(dp_size, mini_batch_size[,
   critic_mini_batch_size])`` (verl's scheme: 2 tokens, independent ids);
 - **synthetic-image pads** (``grid=``): ``[pad] + [placeholder] * n + [pad]`` with one synthetic
   image (zero features from ``adapter.synthesize_placeholder``), so a micro-batch runs the vision
-  tower (:mod:`trainer_lib.ranks`).
+  tower (:mod:`trainer_lib.planning.ranks`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 
 from protocol.structs import TrainingSample
-from trainer_lib.packing import PackEntry
+from trainer_lib.planning.packing import PackEntry
 from trainer_lib.spec import PackingSpec
 
 __all__ = ["make_pad_sample", "pad_key", "padded_sample_count"]

@@ -1,6 +1,6 @@
 """Bin capacity and bin planning for packing (docs/PACKING.md): first-fit-decreasing
 (:func:`plan_bins`) and longest-processing-time-first into a given number of bins
-(:func:`lpt_bins`); tighter, slower packings are in :mod:`trainer_lib.repack`.
+(:func:`lpt_bins`); tighter, slower packings are in :mod:`trainer_lib.planning.repack`.
 
 Pure Python + numpy: lengths, isolation keys and compatibility kinds in, bins of indices out.
 """
