@@ -138,12 +138,7 @@ def materialize(
         raise ValueError(f"policy must be 'placeholder_zero_loss' or 'error', got {policy!r}")
     if max_workers < 1:
         raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-    per_sample = [[r.ref for r in s.mm_refs.items] if s.mm_refs else [] for s in samples]
-    bodies = {ref: _raw_body(ref) for refs in per_sample for ref in refs}  # distinct, first-seen order
-    # family, fingerprint and payload, before any file is read; check_ref returns the bounded grid
-    grids = {ref: adapter.check_ref(body, ref=ref) for ref, body in bodies.items()}
-    for i, sample in enumerate(samples):
-        _check_sample(i, sample, adapter, grids, placeholder_token_id)
+    per_sample, bodies, grids = _checked_refs(samples, adapter, placeholder_token_id)
     resolve = functools.partial(
         _resolve,
         adapter=adapter,
@@ -156,6 +151,20 @@ def materialize(
     with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="mmref-mat") as pool:
         results = dict(zip(bodies, pool.map(resolve, bodies.items()), strict=True))
     return _assemble(samples, per_sample, results, grids, adapter, dedup=dedup)
+
+
+def _checked_refs(
+    samples: Sequence[TrainingSample], adapter: ImageAdapter, placeholder_token_id: int | None
+) -> tuple[list[list[str]], dict[str, RawRefBody], dict[str, tuple[int, ...]]]:
+    """Before any file is read: each sample's ref strings, every distinct ref's parsed body
+    (first-seen order) and its grid (family, fingerprint and payload checked, the grid bounded by
+    ``adapter.check_ref``); every sample checked against them (:func:`_check_sample`)."""
+    per_sample = [[r.ref for r in s.mm_refs.items] if s.mm_refs else [] for s in samples]
+    bodies = {ref: _raw_body(ref) for refs in per_sample for ref in refs}
+    grids = {ref: adapter.check_ref(body, ref=ref) for ref, body in bodies.items()}
+    for i, sample in enumerate(samples):
+        _check_sample(i, sample, adapter, grids, placeholder_token_id)
+    return per_sample, bodies, grids
 
 
 def _resolve(

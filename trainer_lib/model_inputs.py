@@ -101,25 +101,8 @@ def packed_inputs(
     ids = torch.as_tensor(packed.micro_batch.input_ids, dtype=torch.long).unsqueeze(0)
     pixel_values = grid = None
     if packed.images or features:
-        if not features:
-            raise ValueError(f"{len(packed.images)} images in the micro-batch but no features")
-        grid = features["image_grid_thw"]
-        per_image = grid if image_index is None else grid[image_index]
-        if per_image.tolist() != [list(g) for g in packed.image_grids]:
-            raise ValueError(
-                f"feature grids {per_image.tolist()} differ from the micro-batch's images "
-                f"{packed.image_grids}"
-            )
-        if spec.num_placeholders is None:
-            raise ValueError("counting an image's feature rows needs the spec's adapter")
-        check_placeholder_alignment(
-            ids,
-            spec.placeholder_token_id,
-            {"image_grid_thw": per_image},
-            mm_token_type_ids=torch.as_tensor(packed.mm_token_type_ids).unsqueeze(0),
-            num_placeholders=spec.num_placeholders,
-        )
-        pixel_values = features["pixel_values"]
+        _check_features(packed, features, ids, spec, image_index)
+        pixel_values, grid = features["pixel_values"], features["image_grid_thw"]
     starts = torch.zeros(packed.num_tokens, dtype=torch.bool)
     starts[[s.start for s in packed.slots]] = True
     return PackedInputs(
@@ -131,6 +114,34 @@ def packed_inputs(
         pixel_values=pixel_values,
         image_grid_thw=grid,
         image_index=image_index if pixel_values is not None else None,
+    )
+
+
+def _check_features(
+    packed: PackedMicroBatch,
+    features: Mapping[str, torch.Tensor],
+    ids: torch.Tensor,
+    spec: PackingSpec,
+    image_index: torch.Tensor | None,
+) -> None:
+    """The features are the micro-batch's images (same grids, in pack order) and their rows match
+    the placeholder tokens (:func:`check_placeholder_alignment`); errors: see :func:`packed_inputs`."""
+    if not features:
+        raise ValueError(f"{len(packed.images)} images in the micro-batch but no features")
+    grid = features["image_grid_thw"]
+    per_image = grid if image_index is None else grid[image_index]
+    if per_image.tolist() != [list(g) for g in packed.image_grids]:
+        raise ValueError(
+            f"feature grids {per_image.tolist()} differ from the micro-batch's images {packed.image_grids}"
+        )
+    if spec.num_placeholders is None:
+        raise ValueError("counting an image's feature rows needs the spec's adapter")
+    check_placeholder_alignment(
+        ids,
+        spec.placeholder_token_id,
+        {"image_grid_thw": per_image},
+        mm_token_type_ids=torch.as_tensor(packed.mm_token_type_ids).unsqueeze(0),
+        num_placeholders=spec.num_placeholders,
     )
 
 
