@@ -16,7 +16,8 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
 - :class:`CostModel` — FLOPs per sample, the predicted sync idle (:mod:`trainer_lib.planning.cost`).
 - :func:`deal_mini_batch` — one mini-batch as every rank's micro-batches (:mod:`trainer_lib.planning.ranks`).
 - :func:`plan_step`, :class:`StepPlan`, :class:`RankLoad` — a whole step (:mod:`trainer_lib.planning.plan`).
-- :func:`build_position_ids`, :func:`cu_seqlens` — MRoPE / 1D positions (:mod:`trainer_lib.positions`).
+- :func:`build_position_ids`, :func:`cu_seqlens` — MRoPE positions, sample boundaries
+  (:mod:`trainer_lib.positions`).
 - :func:`packed_inputs`, :func:`check_placeholder_alignment` — model inputs and the tripwire
   (:mod:`trainer_lib.model_inputs`).
 - :func:`prepare_model_for_packing`, :func:`check_packable` — which attention backends and
@@ -53,7 +54,7 @@ from trainer_lib.planning.padding import make_pad_sample, padded_sample_count
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import RankLoad, StepPlan, plan_step
 from trainer_lib.planning.ranks import deal_mini_batch
-from trainer_lib.positions import build_position_ids, cu_seqlens, mrope_position_ids, text_position_ids
+from trainer_lib.positions import build_position_ids, cu_seqlens, mrope_position_ids
 from trainer_lib.prepare import check_packable, prepare_model_for_packing, select_backend
 from trainer_lib.spec import PackingSpec
 
@@ -104,5 +105,4 @@ __all__ = [
     "recompute_logprobs",
     "register_varlen_attention",
     "select_backend",
-    "text_position_ids",
 ]
