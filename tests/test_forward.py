@@ -19,11 +19,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import ensure_tiny_model, photo_bytes
-from protocol.adapters import load_adapter, offload_image
+from helpers import (
+    PAD,
+    Family,
+    chat,
+    ensure_tiny_model,
+    reference_logprobs,
+    run_packed,
+    vllm_positions,
+)
 from protocol.refs import format_mmraw, parse_ref
-from protocol.structs import MMRefs, TrainingSample, decode_microbatch, encode
-from trainer_lib import MaterializeConfig, PackingSpec, materialize
+from protocol.structs import decode_microbatch, encode
+from trainer_lib import PackingSpec
 from trainer_lib.attention import VARLEN_ATTENTION
 from trainer_lib.forward import packed_logprobs
 from trainer_lib.materialize import materialize_micro_batch
@@ -35,63 +42,8 @@ from trainer_lib.positions import build_position_ids, cu_seqlens, rope_index_fn
 from trainer_lib.prepare import check_packable, prepare_model_for_packing, select_backend
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-IM_START, IM_END, V_START, V_END, PAD = 257, 258, 259, 260, 256
 TOL = 1e-5
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def text(s: str) -> list[int]:
-    return list(s.encode())
-
-
-def chat(images, prompt: str, answer: str, tok: int, *, adjacent: bool = False) -> TrainingSample:
-    """A Qwen-style chat: ``<im_start>user\\n <vision_start> pads <vision_end> prompt <im_end> answer``."""
-    ids = [IM_START, *text("user\n")]
-    for k, ref in enumerate(images):
-        if not adjacent or k == 0:
-            ids.append(V_START)
-        ids += [tok] * ref.num_placeholders
-        if not adjacent or k == len(images) - 1:
-            ids.append(V_END)
-    ids += [*text(prompt), IM_END, IM_START, *text("assistant\n")]
-    completion = [*text(answer), IM_END]
-    n = len(ids) + len(completion)
-    return TrainingSample(
-        input_ids=ids + completion,
-        loss_mask=[False] * len(ids) + [True] * len(completion),
-        advantages=[0.25] * n,
-        inference_logprobs=[0.0] * n,
-        mm_refs=MMRefs(items=list(images)) if images else None,
-    )
-
-
-class Family:
-    def __init__(self, name: str, root) -> None:
-        from transformers import AutoModelForImageTextToText
-
-        self.name = name
-        self.dir = ensure_tiny_model(name)
-        self.model = AutoModelForImageTextToText.from_pretrained(self.dir, dtype=torch.float32).eval()
-        self.adapter = load_adapter(self.dir)
-        self.root = root
-        self.tok = self.adapter.placeholder_token_id(self.model.config)
-        self.refs = {
-            n: offload_image(photo_bytes(n), root, self.adapter)
-            for n in ("astronaut", "coffee", "chelsea", "rocket")
-        }
-        self.spec = PackingSpec.from_adapter(self.adapter, self.model, pad_token_id=PAD)
-        self.config = MaterializeConfig(asset_root=root)
-
-    def samples(self) -> list[TrainingSample]:
-        r, t = self.refs, self.tok
-        return [
-            chat([r["astronaut"]], "What is in the picture?", "An astronaut.", t),
-            chat([], "Say hi.", "Hi there, how are you?", t),
-            chat([r["coffee"], r["chelsea"]], "Compare them.", "A cup; a cat.", t),
-            chat([], "Count to five", "1 2 3 4 5", t),
-            chat([r["rocket"]], "Name it", "rocket", t),
-            chat([r["chelsea"]], "?", "cat", t),
-        ]
 
 
 @pytest.fixture(scope="module")
@@ -103,29 +55,6 @@ def families(tmp_path_factory):
 def one_d_positions(seq_lens) -> torch.Tensor:
     """int64 ``[1, L]`` positions restarting at 0 per sample (DataCollatorWithFlattening style)."""
     return torch.cat([torch.arange(n, dtype=torch.long) for n in seq_lens]).unsqueeze(0)
-
-
-def reference_logprobs(fam: Family, sample: TrainingSample) -> torch.Tensor:
-    """transformers' own unpacked forward of one sample; logprob of token t given tokens < t."""
-    ids = torch.tensor([sample.input_ids])
-    kwargs = {}
-    if sample.mm_refs:
-        feats = materialize([sample], fam.adapter, fam.root).features
-        types_ = (ids == fam.tok).int()
-        kwargs = dict(
-            pixel_values=feats["pixel_values"],
-            image_grid_thw=feats["image_grid_thw"],
-            mm_token_type_ids=types_,
-        )
-    logits = fam.model(input_ids=ids, use_cache=False, **kwargs).logits[0].float()
-    lp = F.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
-    return torch.cat([torch.zeros(1), lp])
-
-
-def run_packed(fam: Family, packed):
-    m = materialize_micro_batch(packed, fam.spec, fam.config)
-    inputs = packed_inputs(m.packed, m.features, fam.model, fam.spec)
-    return inputs, packed_logprobs(fam.model, inputs)
 
 
 def leaky_logprobs(fam: Family, inputs: PackedInputs) -> torch.Tensor:
@@ -204,37 +133,6 @@ def test_dropping_the_block_diagonal_mask_breaks_the_match(families):
     assert errors["good"] <= TOL
     assert errors["use_cache=True"] > 1e-2
     assert errors["1D positions"] > 1e-2
-
-
-def vllm_positions(family: str, config, ids: list[int], spans) -> torch.Tensor:
-    """vLLM 0.32's MRoPE positions of one prompt (``get_mrope_input_positions``); spans: (offset, n, grid)."""
-    feats = [
-        types.SimpleNamespace(
-            mm_position=types.SimpleNamespace(offset=off, length=len_),
-            modality="image",
-            data={"image_grid_thw": types.SimpleNamespace(data=torch.tensor(grid))},
-        )
-        for off, len_, grid in spans
-    ]
-    if family in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):  # each its own vLLM class
-        from vllm.model_executor.models import qwen3_5, qwen3_vl, qwen3_vl_moe
-
-        cls = {
-            "qwen3_vl": qwen3_vl.Qwen3VLForConditionalGeneration,
-            "qwen3_vl_moe": qwen3_vl_moe.Qwen3VLMoeForConditionalGeneration,
-            "qwen3_5": qwen3_5.Qwen3_5ForConditionalGeneration,
-            "qwen3_5_moe": qwen3_5.Qwen3_5MoeForConditionalGeneration,
-        }[family]
-        return torch.as_tensor(
-            cls._get_mrope_input_positions(input_tokens=ids, mm_features=feats, config=config)[0]
-        )
-    if family == "qwen2_5_vl":
-        from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as cls
-    else:
-        from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration as cls
-    shim = types.SimpleNamespace(config=config)
-    shim.iter_mm_grid_thw = types.MethodType(cls.iter_mm_grid_thw, shim)
-    return torch.as_tensor(cls.get_mrope_input_positions(shim, ids, feats)[0])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

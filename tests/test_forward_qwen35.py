@@ -15,9 +15,9 @@ import time
 
 import pytest
 import torch
-from test_forward import Family, chat, reference_logprobs, run_packed, vllm_positions
 
 import trainer_lib.linear_attention as la
+from helpers import Family, chat, reference_logprobs, run_packed, vllm_positions
 from trainer_lib import (
     PackingUnsupported,
     build_position_ids,

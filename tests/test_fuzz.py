@@ -13,8 +13,8 @@ import os
 import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_packing import FAKE, TOK, make_ref, make_sample
 
+from helpers import FAKE, TOK, make_ref, make_sample
 from protocol.errors import InvalidRef, MMRefError
 from protocol.features import feature_path, read_feature_item, run_asset_root, write_feature_item
 from protocol.refs import FileRef, RawRefBody, file_uri_to_path, format_mmraw, parse_ref

@@ -22,9 +22,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from test_e2e_logprobs import rollout
 
-from helpers import VLLMServer, ensure_tiny_model, photo_bytes, start_server
+from helpers import VLLMServer, ensure_tiny_model, photo_bytes, rollout, start_server
 from protocol.adapters import ImageAdapter, load_adapter, offload_image
 from protocol.placeholders import expand_image_placeholders
 from protocol.structs import MMRefs, RawMMRef, TrainingSample

@@ -4,9 +4,7 @@ accounting, dp steps."""
 from __future__ import annotations
 
 import functools
-import importlib
 import math
-import pkgutil
 
 import msgspec
 import numpy as np
@@ -14,13 +12,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_errors import _isort_style_key, _public_top_level_names
 
-import trainer_lib
+from helpers import FAKE, PAD, SPEC, TOK, count, make_ref, make_sample
 from protocol.errors import PlaceholderMismatch
 from protocol.placeholders import locate_image_runs
-from protocol.refs import RawRefBody, format_mmraw
-from protocol.structs import MMRefs, RawMMRef, TrainingSample, decode_microbatch, encode
+from protocol.structs import RawMMRef, TrainingSample, decode_microbatch, encode
 from trainer_lib.model_inputs import check_placeholder_alignment
 from trainer_lib.planning.bins import (
     NEUTRAL,
@@ -36,92 +32,6 @@ from trainer_lib.planning.padding import padded_sample_count
 from trainer_lib.planning.plan import mini_batch_entries, plan_step
 from trainer_lib.planning.slot_bound import min_micro_batches
 from trainer_lib.spec import PackingSpec
-
-TOK = 261  # <|image_pad|> of the tiny models
-PAD = 256  # <|endoftext|>
-MERGE = 2
-
-
-def make_ref(h: int, w: int, salt: int = 0) -> RawMMRef:
-    """A syntactically valid ref for a (1, 2h, 2w) grid: h*w placeholders (packing reads no pixels)."""
-    digest = f"{h:04x}{w:04x}{salt:08x}".ljust(64, "a")
-    body = RawRefBody(
-        family="qwen2_vl",
-        modality="image",
-        mm_hash=digest[:32],
-        payload={"image_grid_thw": [1, 2 * h, 2 * w]},
-        raw_image_uri=f"file:///nonexistent/images/{digest[:16]}.jpg",
-    )
-    return RawMMRef(
-        ref=format_mmraw(body),
-        sha256=digest,
-        media_type="image/jpeg",
-        grid=[1, 2 * h, 2 * w],
-        num_placeholders=h * w,
-    )
-
-
-def count(grid) -> int:
-    t, h, w = grid
-    return t * h * w // MERGE**2
-
-
-class FakeAdapter:
-    """The two adapter methods packing/padding use, with Qwen's arithmetic (merge 2, min grid 1x4x4)."""
-
-    def num_placeholders(self, grid) -> int:
-        return count(grid)
-
-    def grid_for_size(self, width: int, height: int) -> tuple[int, int, int]:
-        return (1, 4, 4)
-
-
-SPEC = PackingSpec(placeholder_token_id=TOK, pad_token_id=PAD)
-"""No adapter: refs' counts taken as given, no synthetic-image pad."""
-FAKE = PackingSpec(placeholder_token_id=TOK, pad_token_id=PAD, adapter=FakeAdapter())
-"""Qwen's arithmetic: counts checked, synthetic-image pads of (1, 4, 4)."""
-
-
-def make_sample(
-    text: list[int],
-    refs: list[RawMMRef] = (),
-    *,
-    adjacent: bool = False,
-    typed: bool = False,
-    completion: int = 3,
-    run_id: str = "",
-    lora_id: str | None = None,
-    is_padding: bool = False,
-) -> TrainingSample:
-    """``text``, each image (``<vision_start> pads <vision_end>``, or pads back to back), a completion."""
-    ids = list(text)
-    types = [0] * len(ids)
-    for k, r in enumerate(refs):
-        if not adjacent or k == 0:
-            ids.append(259)
-            types.append(0)
-        ids += [TOK] * r.num_placeholders
-        types += [1] * r.num_placeholders
-        if not adjacent or k == len(refs) - 1:
-            ids.append(260)
-            types.append(0)
-    ids += [7] * completion
-    types += [0] * completion
-    n = len(ids)
-    loss = [False] * (n - completion) + [not is_padding] * completion
-    loss[0] = False  # a sample's first token has no logprob: packing refuses a loss on it
-    mm = MMRefs(items=list(refs), mm_token_type_ids=types if typed else None) if (refs or typed) else None
-    return TrainingSample(
-        input_ids=ids,
-        loss_mask=loss,
-        advantages=[0.0 if is_padding else 1.5] * n,
-        inference_logprobs=[-0.5] * n,
-        mm_refs=mm,
-        run_id=run_id,
-        lora_id=lora_id,
-        is_padding=is_padding,
-    )
-
 
 # --- hypothesis strategies ---------------------------------------------------------------------------
 
@@ -615,20 +525,6 @@ def test_step_plan_reports_each_rank_and_the_predicted_idle():
     ]
     assert plan.sync_idle() == pytest.approx(1 - (56 + 53 + 12) / (2 * 56 + 2 * 12))
     assert plan.sync_idle(mini_batch=0) == plan.sync_idle()
-
-
-TRAINER_MODULES = [
-    "trainer_lib",
-    *sorted(m.name for m in pkgutil.walk_packages(trainer_lib.__path__, "trainer_lib.")),
-]
-
-
-@pytest.mark.parametrize("module_name", TRAINER_MODULES)
-def test_dunder_all_sorted_and_complete(module_name):
-    module = importlib.import_module(module_name)
-    assert module.__all__ == sorted(module.__all__, key=_isort_style_key)
-    assert [n for n in module.__all__ if not hasattr(module, n)] == []
-    assert sorted(_public_top_level_names(module_name) - set(module.__all__) - {"__all__"}) == []
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
