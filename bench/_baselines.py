@@ -12,7 +12,7 @@
   rank shares, each share packed first-fit-decreasing on its own (``rearrange_micro_batches`` packs
   per rank), then the counts evened as above.
 
-Both share ``plan_step``'s padding and mini-batch split (:func:`trainer_lib.plan.mini_batch_entries`)
+Both share ``plan_step``'s padding and mini-batch split (:func:`trainer_lib.planning.plan.mini_batch_entries`)
 and the library's micro-batch builder, so only the dealing differs.
 """
 
@@ -23,57 +23,51 @@ from collections.abc import Sequence
 from typing import Any
 
 from protocol.structs import TrainingSample
-from trainer_lib.bins import PIXELS, bin_capacity, plan_bins
 from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
-from trainer_lib.packing import PackEntry, analyze_entry, build_micro_batch
-from trainer_lib.padding import make_pad_sample, smallest_image_grid, synthetic_image_pad
-from trainer_lib.plan import StepPlan, mini_batch_entries
+from trainer_lib.planning.bins import PIXELS, bin_capacity, plan_bins
+from trainer_lib.planning.packing import PackEntry, analyze_entry, build_micro_batch
+from trainer_lib.planning.padding import make_pad_sample, pad_key
+from trainer_lib.planning.plan import StepPlan, mini_batch_entries
+from trainer_lib.spec import PackingSpec
 
 __all__ = ["karmarkar_karp", "plan_today", "plan_verl"]
 
 
-def plan_today(samples: Sequence[TrainingSample], **kwargs: Any) -> StepPlan:
+def plan_today(samples: Sequence[TrainingSample], spec: PackingSpec, **kwargs: Any) -> StepPlan:
     """``plan_step`` as it was before issue 13 (same arguments, no ``cost_model``)."""
-    return _plan(samples, _today_shares, **kwargs)
+    return _plan(samples, spec, _today_shares, **kwargs)
 
 
-def plan_verl(samples: Sequence[TrainingSample], **kwargs: Any) -> StepPlan:
+def plan_verl(samples: Sequence[TrainingSample], spec: PackingSpec, **kwargs: Any) -> StepPlan:
     """verl's order: KK rank shares, each packed on its own, counts evened with pads."""
-    return _plan(samples, _verl_shares, **kwargs)
+    return _plan(samples, spec, _verl_shares, **kwargs)
 
 
 def _plan(
     samples: Sequence[TrainingSample],
+    spec: PackingSpec,
     shares,
     *,
     dp_size: int,
     mini_batch_size: int,
     seq_len: int,
-    placeholder_token_id: int,
-    pad_token_id: int,
-    adapter: Any,
     micro_batch_max_tokens: int | None = None,
 ) -> StepPlan:
     cap = bin_capacity(seq_len, micro_batch_max_tokens)
-    chunks = mini_batch_entries(
-        samples, dp_size=dp_size, mini_batch_size=mini_batch_size, pad_token_id=pad_token_id
-    )
+    chunks = mini_batch_entries(samples, spec, dp_size=dp_size, mini_batch_size=mini_batch_size)
     mini_batches = []
     for entries in chunks:
-        analyses = [analyze_entry(e, placeholder_token_id, adapter.num_placeholders, None) for e in entries]
+        analyses = [analyze_entry(e, spec, None) for e in entries]
 
         def build(b: list[int], entries=entries, analyses=analyses) -> PackedMicroBatch:
             b = sorted(b, key=lambda i: (entries[i].sample.is_padding, i))
-            return build_micro_batch(
-                [entries[i] for i in b], [analyses[i] for i in b], placeholder_token_id=placeholder_token_id
-            )
+            return build_micro_batch([entries[i] for i in b], spec, [analyses[i] for i in b])
 
         lengths = [a.length for a in analyses]
-        keys = [(e.sample.run_id, e.sample.lora_id) for e in entries]
+        keys = [e.sample.isolation_key for e in entries]
         kinds = [a.kind for a in analyses]
         per_rank = [[build(b) for b in bins] for bins in shares(lengths, keys, kinds, cap, dp_size)]
-        pads = (adapter, pad_token_id, placeholder_token_id)
-        mini_batches.append([PackedBatch(mbs, cap) for mbs in _even(per_rank, cap, *pads)])
+        mini_batches.append([PackedBatch(mbs, cap) for mbs in _even(per_rank, cap, spec)])
     num_pads = sum(e.sample.is_padding for entries in chunks for e in entries)
     return StepPlan(mini_batches=mini_batches, num_padding_samples=num_pads)
 
@@ -145,26 +139,20 @@ def karmarkar_karp(values: Sequence[float], k: int) -> list[list[int]]:
 
 
 def _even(
-    per_rank: list[list[PackedMicroBatch]], cap: int, adapter: Any, pad_id: int, tok: int
+    per_rank: list[list[PackedMicroBatch]], cap: int, spec: PackingSpec
 ) -> list[list[PackedMicroBatch]]:
     """Pixels first with the same count on every rank (synthetic-image pads: into a text micro-batch
     with room and no stray sample, else alone), then text-pad micro-batches up to the same count."""
-    grid = smallest_image_grid(adapter)
-    room = adapter.num_placeholders(grid) + 2
+    room = spec.image_pad_length
 
     def with_image(mb: PackedMicroBatch | None, key: tuple) -> PackedMicroBatch:
         entries = [PackEntry(s.sample, s.sample_index) for s in mb.slots] if mb else []
-        pad = synthetic_image_pad(
-            adapter, grid=grid, pad_token_id=pad_id, placeholder_token_id=tok, run_id=key[0], lora_id=key[1]
-        )
-        return build_micro_batch(
-            [*entries, pad], placeholder_token_id=tok, num_placeholders=adapter.num_placeholders
-        )
+        return build_micro_batch([*entries, make_pad_sample(spec, key, grid=spec.image_pad_grid)], spec)
 
     n_pix = max(sum(mb.has_pixels for mb in mbs) for mbs in per_rank)
     out = []
     for mbs in per_rank:
-        key = (mbs[-1].run_id, mbs[-1].lora_id) if mbs else ("", None)
+        key = pad_key(mbs[-1].slots[-1].sample if mbs else None)
         pix = [mb for mb in mbs if mb.has_pixels]
         text = [mb for mb in mbs if not mb.has_pixels]
         kept = []
@@ -177,9 +165,6 @@ def _even(
         out.append(pix + [with_image(None, key) for _ in range(n_pix - len(pix))] + kept)
     total = max(len(mbs) for mbs in out)
     for mbs in out:
-        key = (mbs[-1].run_id, mbs[-1].lora_id) if mbs else ("", None)
-        pad = make_pad_sample(pad_token_id=pad_id, run_id=key[0], lora_id=key[1])
-        mbs += [
-            build_micro_batch([PackEntry(pad)], placeholder_token_id=tok) for _ in range(total - len(mbs))
-        ]
+        pad = make_pad_sample(spec, pad_key(mbs[-1].slots[-1].sample if mbs else None))
+        mbs += [build_micro_batch([pad], spec) for _ in range(total - len(mbs))]
     return out

@@ -1,4 +1,4 @@
-"""Measure what a packed micro-batch costs on the GPU and check ``trainer_lib.cost.CostModel`` against it.
+"""Measure what a packed micro-batch costs on the GPU and check ``trainer_lib.CostModel`` against it.
 
 Usage::
 
@@ -32,13 +32,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_facts, print_table
 from _models import qwen2_vl_2b_config
-from pack import make_ref, make_step
+from pack import make_ref, make_step, qwen_spec
 from packed_forward import build_model, random_features, sync
 
 from protocol.structs import MMRefs, TrainingSample
 from trainer_lib import packed_inputs, packed_logprobs, prepare_model_for_packing
-from trainer_lib.cost import CostModel
-from trainer_lib.packing import pack_samples
+from trainer_lib.planning.cost import CostModel
+from trainer_lib.planning.packing import pack_samples
 
 TEXT = [(16384, 16384), (8192, 8192), (4096, 4096), (16384, 4096), (16384, 1024), (16384, 256), (8192, 512)]
 """(micro-batch tokens T, sample length l) of the text-only shapes."""
@@ -89,9 +89,10 @@ def terms(samples: list[TrainingSample]) -> list[float]:
 
 def time_one(model, samples, tok: int, dtype, device: str, repeats: int) -> float:
     """Best fwd+bwd seconds of one micro-batch (inputs built beforehand)."""
-    (mb,) = pack_samples(samples, placeholder_token_id=tok, seq_len=1 << 20).micro_batches
+    spec = qwen_spec(tok)
+    (mb,) = pack_samples(samples, spec, seq_len=1 << 20).micro_batches
     feats = random_features([list(g) for g in mb.image_grids], dtype, "cpu") if mb.images else {}
-    inputs = packed_inputs(mb, feats, model)
+    inputs = packed_inputs(mb, feats, model, spec)
     best = float("inf")
     for _ in range(repeats + 1):  # the first is a warm-up
         model.zero_grad(set_to_none=True)

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages, not the installed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baselines import karmarkar_karp, plan_today, plan_verl
 from _common import print_facts, print_table, timeit, verdict
@@ -51,12 +52,13 @@ from _models import qwen2_vl_2b_config
 
 from protocol.refs import RawRefBody, format_mmraw
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, plan_bins
-from trainer_lib.cost import CostModel
-from trainer_lib.packing import analyze_entry, pack_samples
-from trainer_lib.partition import partition_mini_batch
-from trainer_lib.plan import mini_batch_entries, plan_step
-from trainer_lib.slot_bound import min_micro_batches
+from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, plan_bins
+from trainer_lib.planning.cost import CostModel
+from trainer_lib.planning.packing import analyze_entry, pack_samples
+from trainer_lib.planning.partition import partition_mini_batch
+from trainer_lib.planning.plan import mini_batch_entries, plan_step
+from trainer_lib.planning.slot_bound import min_micro_batches
+from trainer_lib.spec import PackingSpec
 
 SEQ_LEN = 16384
 TOK, PAD, V_START, V_END = 261, 256, 259, 260
@@ -65,9 +67,9 @@ RESERVE = 6  # a synthetic-image pad of the smallest Qwen2-VL grid: [pad] + 4 pl
 TARGET_IDLE, TARGET_WASTE, TARGET_PLAN = 0.02, 0.04, 200_000
 
 
-def make_ref(rng: np.random.Generator) -> RawMMRef:
-    h, w = (int(x) for x in rng.integers(8, 37, size=2))  # merged 28-px cells: 224..1008 px per side
-    digest = "".join(rng.choice(list("0123456789abcdef"), size=64))
+def grid_ref(h: int, w: int, digest: str) -> RawMMRef:
+    """A syntactically valid Qwen2-VL ref of grid ``(1, 2h, 2w)`` (``h*w`` placeholders) whose
+    sha256 is ``digest`` (64 hex digits); no image behind it (planning reads no pixels)."""
     body = RawRefBody(
         family="qwen2_vl",
         modality="image",
@@ -82,6 +84,12 @@ def make_ref(rng: np.random.Generator) -> RawMMRef:
         grid=[1, 2 * h, 2 * w],
         num_placeholders=h * w,
     )
+
+
+def make_ref(rng: np.random.Generator) -> RawMMRef:
+    """A random image of the mix: 8..36 merged 28-px cells per side (224..1008 px)."""
+    h, w = (int(x) for x in rng.integers(8, 37, size=2))
+    return grid_ref(h, w, "".join(rng.choice(list("0123456789abcdef"), size=64)))
 
 
 def make_step(rng: np.random.Generator, prompts: int = PROMPTS, rollouts: int = ROLLOUTS, lora_ids=(None,)):
@@ -127,6 +135,13 @@ class _QwenCounts:
         return (1, 4, 4)
 
 
+def qwen_spec(tok: int = TOK) -> PackingSpec:
+    """The packing facts of a Qwen2-VL model whose image placeholder id is ``tok``."""
+    return PackingSpec(placeholder_token_id=tok, pad_token_id=PAD, adapter=_QwenCounts())
+
+
+SPEC = qwen_spec()
+
 SINGLE = [
     ("1 rank, cap = seq_len 16k", {}, SEQ_LEN),
     ("1 rank, cap 8k", {}, 8192),
@@ -158,12 +173,11 @@ def run_single(rng, mix: dict, cap: int, steps: int, repeats: int, prompts: int)
     plan, pack = [], []
     for _ in range(steps):
         samples = make_step(rng, **{"prompts": prompts, **mix})
-        run = functools.partial(
-            pack_samples, samples, placeholder_token_id=TOK, seq_len=SEQ_LEN, micro_batch_max_tokens=cap
-        )
+        spec = PackingSpec(placeholder_token_id=TOK, pad_token_id=PAD)  # as before: counts not checked
+        run = functools.partial(pack_samples, samples, spec, seq_len=SEQ_LEN, micro_batch_max_tokens=cap)
         packed = run()
         kinds = [PIXELS if s.mm_refs else (STRAY if TOK in s.input_ids else NEUTRAL) for s in samples]
-        keys = [(s.run_id, s.lora_id) for s in samples]
+        keys = [s.isolation_key for s in samples]
         lengths = [len(s.input_ids) for s in samples]
         ffd = functools.partial(plan_bins, lengths, cap, keys=keys, kinds=kinds)
         plan.append(len(samples) / timeit(ffd, repeat=repeats).best)
@@ -185,9 +199,9 @@ def run_single(rng, mix: dict, cap: int, steps: int, repeats: int, prompts: int)
 def mini_batch_inputs(samples, dp: int, mbs: int, cm: CostModel) -> list[tuple]:
     """Per mini-batch: lengths, keys, kinds and vision costs, as ``plan_step`` derives them."""
     out = []
-    for entries in mini_batch_entries(samples, dp_size=dp, mini_batch_size=mbs, pad_token_id=PAD):
-        an = [analyze_entry(e, TOK, _QwenCounts().num_placeholders, e.sample_index) for e in entries]
-        keys = [(e.sample.run_id, e.sample.lora_id) for e in entries]
+    for entries in mini_batch_entries(samples, SPEC, dp_size=dp, mini_batch_size=mbs):
+        an = [analyze_entry(e, SPEC, e.sample_index) for e in entries]
+        keys = [e.sample.isolation_key for e in entries]
         out.append(
             ([a.length for a in an], keys, [a.kind for a in an], [cm.vision(a.image_tokens) for a in an])
         )
@@ -254,14 +268,13 @@ def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
     }
     out["floor"] = {"m": [], "waste": [], "idle": []}
     kwargs = {"dp_size": 8, "mini_batch_size": mbs, "seq_len": SEQ_LEN, "micro_batch_max_tokens": cap}
-    kwargs |= {"placeholder_token_id": TOK, "pad_token_id": PAD, "adapter": _QwenCounts()}
     for _ in range(args.steps):
         samples = make_step(rng, **{"prompts": args.prompts, **mix})
         inputs = mini_batch_inputs(samples, 8, mbs, cm)
         for name in plans_for(cap):
             fn, options = PLANS[name]
             balanced = {"cost_model": cm} if name.startswith("balanced") else {}
-            run = functools.partial(fn, samples, **kwargs, **options, **balanced)
+            run = functools.partial(fn, samples, SPEC, **kwargs, **options, **balanced)
             plan, r = run(), out[name]
             shares = [s for ranks in plan.mini_batches for s in ranks]
             r["m"] += [ranks[0].num_micro_batches for ranks in plan.mini_batches]

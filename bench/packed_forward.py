@@ -36,11 +36,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_bytes, machine_facts, print_table, ratio_row
 from _models import qwen2_vl_2b_config
-from pack import make_ref
+from pack import make_ref, qwen_spec
 
 from protocol.structs import MMRefs, TrainingSample
 from trainer_lib import packed_inputs, packed_logprobs, prepare_model_for_packing
-from trainer_lib.packing import pack_samples
+from trainer_lib.planning.packing import pack_samples
 
 TARGET = 2.5
 
@@ -108,11 +108,12 @@ def sync(device: str) -> None:
 
 
 def run_packed(model, samples, tok, cap, seq_len, dtype, device) -> float:
-    step = pack_samples(samples, placeholder_token_id=tok, seq_len=seq_len, micro_batch_max_tokens=cap)
+    spec = qwen_spec(tok)
+    step = pack_samples(samples, spec, seq_len=seq_len, micro_batch_max_tokens=cap)
     start = time.perf_counter()
     for mb in step.micro_batches:
         feats = random_features([list(g) for g in mb.image_grids], dtype, "cpu") if mb.images else {}
-        inputs = packed_inputs(mb, feats, model)
+        inputs = packed_inputs(mb, feats, model, spec)
         out = packed_logprobs(model, inputs)
         (out.logprobs * out.loss_mask).sum().backward()
     sync(device)

@@ -103,7 +103,7 @@ class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, om
     """Packing isolation: samples of different ``(run_id, lora_id)`` never share a micro-batch."""
     lora_id: str | None = None
     is_padding: bool = False
-    """A zero-loss pad kept out of metrics (``trainer_lib.padding``)."""
+    """A zero-loss pad kept out of metrics (``trainer_lib.planning.padding``)."""
 
     @classmethod
     def from_rollout(
@@ -137,6 +137,12 @@ class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, om
             inference_logprobs=[0.0] * n + list(completion_logprobs),
             mm_refs=MMRefs(items=list(images)) if images else None,
         )
+
+    @property
+    def isolation_key(self) -> tuple[str, str | None]:
+        """``(run_id, lora_id)``: samples of different keys never share a micro-batch (packing
+        isolation); a pad takes the key of the sample it is packed beside."""
+        return (self.run_id, self.lora_id)
 
     def __post_init__(self) -> None:
         n = _check_token_arrays(self)

@@ -124,7 +124,7 @@ def control_prompt(ctx: dict, client) -> tuple[list[int], str]:
     raise SystemExit("no control prompt whose cached blocks cover its image")
 
 
-def mismatch_bound(model, samples, adapter, output_root, serve_dtype: str) -> tuple[float, object]:
+def mismatch_bound(model, samples, spec, config, serve_dtype: str) -> tuple[float, object]:
     """1e-4 against a float32 server; against bfloat16, ``BF16_NOISE_FACTOR`` x the trainer's own
     bf16-vs-fp32 mean |d| on the same samples (docs/PACKING.md §9). Returns ``(bound, noise)``."""
     import copy
@@ -133,21 +133,19 @@ def mismatch_bound(model, samples, adapter, output_root, serve_dtype: str) -> tu
 
     if serve_dtype == "float32":
         return 1e-4, None
-    fp32 = recompute_logprobs(samples, model, adapter, output_root, seq_len=2048)
-    bf16 = recompute_logprobs(
-        samples, copy.deepcopy(model).to(torch.bfloat16), adapter, output_root, seq_len=2048
-    )
+    fp32 = recompute_logprobs(samples, model, spec, config, seq_len=2048)
+    bf16 = recompute_logprobs(samples, copy.deepcopy(model).to(torch.bfloat16), spec, config, seq_len=2048)
     noise = logprob_mismatch(
         torch.cat([lp for lp, _ in bf16]), torch.cat([lp for lp, _ in fp32]), torch.cat([m for _, m in fp32])
     )
     return BF16_NOISE_FACTOR * noise.mean_abs, noise
 
 
-def control_mismatch(model, sample, adapter, output_root) -> float:
+def control_mismatch(model, sample, spec, config) -> float:
     """Mean |d| of the control's server logprobs against the trainer's current weights."""
     from trainer_lib import logprob_mismatch, recompute_logprobs
 
-    ((lp, mask),) = recompute_logprobs([sample], model, adapter, output_root, seq_len=2048)
+    ((lp, mask),) = recompute_logprobs([sample], model, spec, config, seq_len=2048)
     return logprob_mismatch(lp, torch.tensor(sample.inference_logprobs), mask).mean_abs
 
 
@@ -177,10 +175,11 @@ def rl_step(ctx: dict, client, step: int) -> dict:
     rewards = [reward(ctx["tokenizer"], s) for s in samples]
     samples = grpo_advantages(samples, rewards, GROUP)
     control = stale_control(client, ctx["model_dir"], *ctx["control"])
-    model, adapter, root = ctx["model"], ctx["adapter"], ctx["output_root"]
-    bound, noise = mismatch_bound(model, samples, adapter, root, ctx["serve_dtype"])
-    stale = control_mismatch(model, control, adapter, root)
-    result = train_step(model, ctx["optimizer"], samples, adapter, root, pad_id=ctx["pad_id"])
+    model, spec, config = ctx["model"], ctx["spec"], ctx["materialize"]
+    bound, noise = mismatch_bound(model, samples, spec, config, ctx["serve_dtype"])
+    stale = control_mismatch(model, control, spec, config)
+    result = train_step(model, ctx["optimizer"], samples, spec, config)
+    root = ctx["output_root"]
     new_version = f"step-{step + 1}"
     pushed = reload_and_version(client, save_weights(model, root / "weights" / new_version), new_version)
     row = {
@@ -208,7 +207,7 @@ def setup(args) -> dict:
     """Model, photos, prompts, the control and the trainer (model + optimizer)."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    from trainer_lib import prepare_model_for_packing
+    from trainer_lib import MaterializeConfig, PackingSpec, prepare_model_for_packing
 
     output_root = args.keep or Path(tempfile.mkdtemp(prefix="mmref-demo-"))
     asset_root = output_root / "run_demo" / "assets"
@@ -240,6 +239,8 @@ def setup(args) -> dict:
         "output_root": output_root,
         "model_dir": model_dir,
         "adapter": adapter,
+        "spec": PackingSpec.from_adapter(adapter, model, pad_token_id=pad_id),
+        "materialize": MaterializeConfig(asset_root=output_root),
         "tokenizer": tokenizer,
         "pad_id": pad_id,
         "chat": chat,

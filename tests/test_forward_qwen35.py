@@ -15,9 +15,9 @@ import time
 
 import pytest
 import torch
-from test_forward import Family, chat, reference_logprobs, run_packed, vllm_positions
 
 import trainer_lib.linear_attention as la
+from helpers import Family, chat, reference_logprobs, run_packed, vllm_positions
 from trainer_lib import (
     PackingUnsupported,
     build_position_ids,
@@ -47,13 +47,7 @@ def families(tmp_path_factory) -> dict[str, Family]:
 
 
 def pack(fam: Family, samples, cap: int | None = None):
-    return pack_samples(
-        samples,
-        placeholder_token_id=fam.tok,
-        seq_len=4096,
-        micro_batch_max_tokens=cap,
-        num_placeholders=fam.adapter.num_placeholders,
-    )
+    return pack_samples(samples, fam.spec, seq_len=4096, micro_batch_max_tokens=cap)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -173,8 +167,8 @@ def test_dedup_runs_each_image_once_with_the_same_logprobs(families, family):
         with torch.no_grad():
             outs = []
             for dedup in (False, True):
-                m = materialize_micro_batch(mb, fam.adapter, fam.root, dedup=dedup)
-                inputs = packed_inputs(m.packed, m.features, fam.model, image_index=m.image_index)
+                m = materialize_micro_batch(mb, fam.spec, fam.config, dedup=dedup)
+                inputs = packed_inputs(m.packed, m.features, fam.model, fam.spec, image_index=m.image_index)
                 outs.append(packed_logprobs(fam.model, inputs).logprobs)
     finally:
         hook.remove()
@@ -188,8 +182,8 @@ def test_dedup_runs_each_image_once_with_the_same_logprobs(families, family):
 def test_an_unprepared_hybrid_model_is_refused_not_leaked(families):
     fam = families["qwen3_5"]
     (mb,) = pack(fam, fam.samples()[:2]).micro_batches
-    m = materialize_micro_batch(mb, fam.adapter, fam.root)
-    inputs = packed_inputs(m.packed, m.features, fam.model)
+    m = materialize_micro_batch(mb, fam.spec, fam.config)
+    inputs = packed_inputs(m.packed, m.features, fam.model, fam.spec)
     remove_linear_attention(fam.model)
     try:
         with pytest.raises(PackingUnsupported, match="prepare_model_for_packing"), torch.no_grad():
@@ -234,13 +228,13 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def _packed_and_alone(fam: Family, model, samples) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token logprobs of ``samples`` packed in one micro-batch, and of each sample packed alone."""
     (mb,) = pack(fam, samples).micro_batches
-    m = materialize_micro_batch(mb, fam.adapter, fam.root)
-    packed = packed_logprobs(model, packed_inputs(m.packed, m.features, model)).logprobs
+    m = materialize_micro_batch(mb, fam.spec, fam.config)
+    packed = packed_logprobs(model, packed_inputs(m.packed, m.features, model, fam.spec)).logprobs
     alone = []
     for s in samples:
         (one,) = pack(fam, [s]).micro_batches
-        mm = materialize_micro_batch(one, fam.adapter, fam.root)
-        alone.append(packed_logprobs(model, packed_inputs(mm.packed, mm.features, model)).logprobs)
+        mm = materialize_micro_batch(one, fam.spec, fam.config)
+        alone.append(packed_logprobs(model, packed_inputs(mm.packed, mm.features, model, fam.spec)).logprobs)
     return packed, torch.cat(alone)
 
 

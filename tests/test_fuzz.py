@@ -13,14 +13,14 @@ import os
 import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_packing import TOK, FakeAdapter, count, make_ref, make_sample
 
+from helpers import FAKE, TOK, make_ref, make_sample
 from protocol.errors import InvalidRef, MMRefError
 from protocol.features import feature_path, read_feature_item, run_asset_root, write_feature_item
 from protocol.refs import FileRef, RawRefBody, file_uri_to_path, format_mmraw, parse_ref
 from protocol.structs import MicroBatch, decode_microbatch, decode_sample
-from trainer_lib.packing import PackEntry, build_micro_batch, rebuild_micro_batch
-from trainer_lib.padding import synthetic_image_pad
+from trainer_lib.planning.packing import PackEntry, build_micro_batch, rebuild_micro_batch
+from trainer_lib.planning.padding import make_pad_sample
 
 EXAMPLES = int(os.environ.get("MMREF_FUZZ_EXAMPLES", "1500"))
 FUZZ = settings(
@@ -122,12 +122,8 @@ def tampered_micro_batches(draw):
     ]
     entries = [PackEntry(s, i) for i, s in enumerate(samples)]
     if draw(st.booleans()):
-        entries.append(
-            synthetic_image_pad(FakeAdapter(), grid=(1, 4, 4), pad_token_id=256, placeholder_token_id=TOK)
-        )
-    wire = msgspec.to_builtins(
-        build_micro_batch(entries, placeholder_token_id=TOK, num_placeholders=count).micro_batch
-    )
+        entries.append(make_pad_sample(FAKE, grid=(1, 4, 4)))
+    wire = msgspec.to_builtins(build_micro_batch(entries, FAKE).micro_batch)
     wire += [None] * (len(MB_FIELDS) - len(wire))  # omitted trailing defaults
     for name in draw(st.lists(st.sampled_from(MB_FIELDS), min_size=1, max_size=3, unique=True)):
         i, value = MB_FIELDS.index(name), wire[MB_FIELDS.index(name)]
@@ -165,7 +161,7 @@ def test_rebuilding_a_tampered_micro_batch(data):
     except (msgspec.DecodeError, msgspec.ValidationError):
         return
     try:
-        packed = rebuild_micro_batch(mb, placeholder_token_id=TOK, num_placeholders=count)
+        packed = rebuild_micro_batch(mb, FAKE)
     except ValueError:
         return
     assert packed.micro_batch == mb and sum(s.length for s in packed.slots) == len(mb.input_ids)

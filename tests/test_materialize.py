@@ -17,7 +17,7 @@ from protocol.errors import AssetNotFound, AssetOutsideRoot, AssetTooLarge, Grid
 from protocol.images import load_image
 from protocol.refs import format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample
-from trainer_lib import MaterializeConfig, materialize, materialize_micro_batch, pack_samples
+from trainer_lib import MaterializeConfig, PackingSpec, materialize, materialize_micro_batch, pack_samples
 
 TOK = 261  # <|image_pad|> of the tiny Qwen2-VL
 
@@ -132,20 +132,19 @@ def test_materialize_and_packing_refuse_the_same_prompts_the_same_way(store, qwe
             [1, *[tok] * (n + 4)], ref=msgspec.structs.replace(good, num_placeholders=n + 4)
         ),  # lying count
     ]
+    spec = PackingSpec(placeholder_token_id=tok, pad_token_id=0, adapter=qwen2_vl_adapter)
     for s in bad:
         with pytest.raises(PlaceholderMismatch) as packed:
-            pack_samples(
-                [s],
-                placeholder_token_id=tok,
-                seq_len=4096,
-                num_placeholders=qwen2_vl_adapter.num_placeholders,
-            )
+            pack_samples([s], spec, seq_len=4096)
         with pytest.raises(PlaceholderMismatch) as materialized:
             materialize([s], qwen2_vl_adapter, root, placeholder_token_id=tok)
         assert str(materialized.value) == str(packed.value) and materialized.value.ref == packed.value.ref
     ok = prompt([1, *[tok] * n, 2])
     assert materialize([ok], qwen2_vl_adapter, root, placeholder_token_id=tok).stats.images == 1
-    assert pack_samples([ok], placeholder_token_id=tok, seq_len=4096).num_samples == 1
+    assert (
+        pack_samples([ok], PackingSpec(placeholder_token_id=tok, pad_token_id=0), seq_len=4096).num_samples
+        == 1
+    )
 
 
 def packable(ref) -> TrainingSample:
@@ -162,23 +161,28 @@ def packable(ref) -> TrainingSample:
 
 
 def test_materialize_micro_batch_takes_every_materialize_setting(store, qwen2_vl_adapter, monkeypatch):
-    """MaterializeConfig().materialize_kwargs() fits materialize_micro_batch, and its limits apply."""
+    """materialize_micro_batch takes the MaterializeConfig, and its limits apply; the pixel mode
+    is the spec's."""
     root, refs = store
     s = packable(refs["coffee"])
-    (mb,) = pack_samples([s], placeholder_token_id=TOK, seq_len=4096).micro_batches
+    spec = PackingSpec(placeholder_token_id=TOK, pad_token_id=0, adapter=qwen2_vl_adapter)
+    (mb,) = pack_samples([s], spec, seq_len=4096).micro_batches
     monkeypatch.setenv("MMREF_ASSET_ROOT", str(root))
     for name, value in (("MMREF_MAX_IMAGE_BYTES", "1000"), ("MMREF_MAX_IMAGE_PIXELS", "100")):
         with monkeypatch.context() as env:
             env.setenv(name, value)
             env.setenv("MMREF_MISSING_POLICY", "error")
             with pytest.raises(AssetTooLarge):
-                materialize_micro_batch(mb, qwen2_vl_adapter, **MaterializeConfig().materialize_kwargs())
+                materialize_micro_batch(mb, spec, MaterializeConfig())
             env.setenv("MMREF_MISSING_POLICY", "placeholder_zero_loss")
-            m = materialize_micro_batch(mb, qwen2_vl_adapter, **MaterializeConfig().materialize_kwargs())
+            m = materialize_micro_batch(mb, spec, MaterializeConfig())
             assert m.stats.placeholders == 1 and m.packed.num_loss_tokens == 0, name
-    m = materialize_micro_batch(mb, qwen2_vl_adapter, **MaterializeConfig().materialize_kwargs())
+    m = materialize_micro_batch(mb, spec, MaterializeConfig())
     assert m.stats.placeholders == 0 and m.packed.num_loss_tokens == 2
-    raw = materialize_micro_batch(mb, qwen2_vl_adapter, root, device_normalize=True).features["pixel_values"]
+    raw_spec = PackingSpec(
+        placeholder_token_id=TOK, pad_token_id=0, adapter=qwen2_vl_adapter, device_normalize=True
+    )
+    raw = materialize_micro_batch(mb, raw_spec, MaterializeConfig()).features["pixel_values"]
     want = materialize([s], qwen2_vl_adapter, root, device_normalize=True).features["pixel_values"]
     assert torch.equal(raw, want) and not torch.equal(raw, m.features["pixel_values"])
 
@@ -229,37 +233,33 @@ def test_a_claimed_grid_is_bounded_before_any_stand_in_is_sized(store, qwen2_vl_
 def test_a_synthetic_grid_is_bounded_before_its_zeros_are_sized(store, qwen2_vl_adapter):
     """Synthetic pad images (a balance setting, or synthetic_grids off the wire) are bounded by the
     adapter's grid limits before synthesize_placeholder sizes zeros for them."""
-    from trainer_lib.packing import PackEntry, build_micro_batch, rebuild_micro_batch
-    from trainer_lib.padding import synthetic_image_pad
-    from trainer_lib.plan import plan_step
+    from trainer_lib.planning.packing import PackEntry, build_micro_batch, rebuild_micro_batch
+    from trainer_lib.planning.padding import make_pad_sample
+    from trainer_lib.planning.plan import plan_step
 
     root, refs = store
+    config = MaterializeConfig(asset_root=root)
     axes, _ = qwen2_vl_adapter.grid_limits()
     huge = (1, 2, 2 * axes[2])  # one axis over the processor's limit
-    pad = synthetic_image_pad(qwen2_vl_adapter, grid=huge, pad_token_id=0, placeholder_token_id=TOK)
-    wire = build_micro_batch(
-        [PackEntry(packable(refs["coffee"]), 0), pad],
-        placeholder_token_id=TOK,
-        num_placeholders=qwen2_vl_adapter.num_placeholders,
-    ).micro_batch
-    mb = rebuild_micro_batch(
-        wire, placeholder_token_id=TOK, num_placeholders=qwen2_vl_adapter.num_placeholders
-    )
+    spec = PackingSpec(placeholder_token_id=TOK, pad_token_id=0, adapter=qwen2_vl_adapter)
+    pad = make_pad_sample(spec, grid=huge)
+    wire = build_micro_batch([PackEntry(packable(refs["coffee"]), 0), pad], spec).micro_batch
+    mb = rebuild_micro_batch(wire, spec)
     with pytest.raises(GridMismatch, match="exceeds"):
-        materialize_micro_batch(mb, qwen2_vl_adapter, root)
+        materialize_micro_batch(mb, spec, config)
     text_only = TrainingSample(
         input_ids=[1, 2, 3], loss_mask=[False, True, True], advantages=[0.0] * 3, inference_logprobs=[0.0] * 3
     )
     step = [packable(refs["coffee"]), text_only]
-    kwargs = dict(dp_size=2, mini_batch_size=2, seq_len=4096, pad_token_id=0, placeholder_token_id=TOK)
+    kwargs = dict(dp_size=2, mini_batch_size=2, seq_len=4096)
     with pytest.raises(GridMismatch, match="exceeds"):
-        plan_step(step, synthetic_image_grid=huge, adapter=qwen2_vl_adapter, **kwargs)
+        plan_step(step, PackingSpec(TOK, 0, qwen2_vl_adapter, synthetic_grid=huge), **kwargs)
     (ranks,) = plan_step(
-        step, synthetic_image_grid=(1, 4, 4), adapter=qwen2_vl_adapter, **kwargs
+        step, PackingSpec(TOK, 0, qwen2_vl_adapter, synthetic_grid=(1, 4, 4)), **kwargs
     ).mini_batches
     padded = next(mb for r in ranks for mb in r.micro_batches if mb.sample_indices == [1])
     assert padded.images[-1].ref is None and padded.images[-1].grid == (1, 4, 4)
-    assert materialize_micro_batch(padded, qwen2_vl_adapter, root).stats.images == 0
+    assert materialize_micro_batch(padded, spec, config).stats.images == 0
 
 
 def test_offloading_again_repairs_a_damaged_image(qwen2_vl_adapter, tmp_path):

@@ -45,4 +45,6 @@ def test_wheel_metadata_and_contents(wheel):
     assert "mmref = vllm_plugin.plugin:MMRefEndpointPlugin" in entry_points
     packages = {n.split("/")[0] for n in whl.namelist() if n.endswith(".py")}
     assert packages == {"protocol", "trainer_lib", "vllm_plugin"}
-    assert "protocol/adapters/registry.py" in whl.namelist() and "trainer_lib/plan.py" in whl.namelist()
+    assert (
+        "protocol/adapters/registry.py" in whl.namelist() and "trainer_lib/planning/plan.py" in whl.namelist()
+    )

@@ -1,5 +1,5 @@
-"""Placeholder arithmetic: ``protocol.placeholders.locate_image_runs`` / ``check_range`` and
-``protocol.placeholders.expand_image_placeholders``."""
+"""Placeholder arithmetic of ``protocol.placeholders``: ``locate_image_runs``, ``check_range`` and
+``expand_image_placeholders``."""
 
 from __future__ import annotations
 

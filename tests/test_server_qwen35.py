@@ -22,16 +22,17 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from test_e2e_logprobs import rollout
 
-from helpers import VLLMServer, ensure_tiny_model, photo_bytes, start_server
+from helpers import VLLMServer, ensure_tiny_model, photo_bytes, rollout, start_server
 from protocol.adapters import ImageAdapter, load_adapter, offload_image
 from protocol.placeholders import expand_image_placeholders
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
 from tiny_models import SERVE_DTYPES
 from trainer_lib import (
     BF16_NOISE_FACTOR,
+    MaterializeConfig,
     MismatchStats,
+    PackingSpec,
     logprob_mismatch,
     materialize,
     prepare_model_for_packing,
@@ -190,7 +191,9 @@ def recompute(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sample ``(logprobs, loss mask)``, packed (cap 512 tokens: 3 micro-batches here)."""
     root = Path(served.server.asset_root)
-    return recompute_logprobs(samples, model, served.adapter, root, seq_len=2048, micro_batch_max_tokens=512)
+    spec = PackingSpec.from_adapter(served.adapter, model, pad_token_id=0)  # no pad is made here
+    config = MaterializeConfig(asset_root=root)
+    return recompute_logprobs(samples, model, spec, config, seq_len=2048, micro_batch_max_tokens=512)
 
 
 def compare(results, reference) -> MismatchStats:

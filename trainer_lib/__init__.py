@@ -4,21 +4,27 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
 
 - :func:`materialize`, :func:`materialize_micro_batch` — features from refs (:mod:`trainer_lib.materialize`).
 - :class:`PackedMicroBatch`, :class:`PackedBatch` — the packed micro-batch (:mod:`trainer_lib.micro_batch`).
-- :func:`pack_samples`, :func:`rebuild_micro_batch` — micro-batches (:mod:`trainer_lib.packing`,
-  bins in :mod:`trainer_lib.bins`).
-- :func:`pad_samples`, :func:`make_pad_sample` — padding samples (:mod:`trainer_lib.padding`).
-- :func:`partition_mini_batch` — balanced data-parallel slots (:mod:`trainer_lib.partition`; the
-  slot rules and bound in :mod:`trainer_lib.slot_bound`, tighter packings where first fit misses
-  the bound in :mod:`trainer_lib.repack`).
-- :class:`CostModel` — FLOPs per sample, the predicted sync idle (:mod:`trainer_lib.cost`).
-- :func:`deal_mini_batch` — one mini-batch as every rank's micro-batches (:mod:`trainer_lib.ranks`).
-- :func:`plan_step`, :class:`StepPlan`, :class:`RankLoad` — a whole step (:mod:`trainer_lib.plan`).
-- :func:`build_position_ids`, :func:`cu_seqlens` — MRoPE / 1D positions (:mod:`trainer_lib.positions`).
+- :func:`pack_samples`, :func:`rebuild_micro_batch` — micro-batches (:mod:`trainer_lib.planning.packing`,
+  bins in :mod:`trainer_lib.planning.bins`).
+- :class:`PackingSpec` — the model family's packing facts, passed to every stage below
+  (:mod:`trainer_lib.spec`).
+- :func:`make_pad_sample`, :func:`padded_sample_count` — padding samples
+  (:mod:`trainer_lib.planning.padding`).
+- :func:`partition_mini_batch` — balanced data-parallel slots (:mod:`trainer_lib.planning.partition`; the
+  slot rules and bound in :mod:`trainer_lib.planning.slot_bound`, tighter packings where first fit misses
+  the bound in :mod:`trainer_lib.planning.repack`).
+- :class:`CostModel` — FLOPs per sample, the predicted sync idle (:mod:`trainer_lib.planning.cost`).
+- :func:`deal_mini_batch` — one mini-batch as every rank's micro-batches (:mod:`trainer_lib.planning.ranks`).
+- :func:`plan_step`, :class:`StepPlan`, :class:`RankLoad` — a whole step (:mod:`trainer_lib.planning.plan`).
+- :func:`build_position_ids`, :func:`cu_seqlens` — MRoPE positions, sample boundaries
+  (:mod:`trainer_lib.positions`).
 - :func:`packed_inputs`, :func:`check_placeholder_alignment` — model inputs and the tripwire
   (:mod:`trainer_lib.model_inputs`).
-- :func:`prepare_model_for_packing` — attention backends (:mod:`trainer_lib.attention`) and, for
-  hybrid models, the linear-attention path (:mod:`trainer_lib.linear_attention`,
-  :func:`linear_attention_path` reports it).
+- :func:`prepare_model_for_packing`, :func:`check_packable` — which attention backends and
+  linear-attention paths keep samples apart (:mod:`trainer_lib.prepare`), installing the varlen
+  kernel (:mod:`trainer_lib.attention`) and, for hybrid models, the Gated DeltaNet path
+  (:mod:`trainer_lib.linear_attention`, :func:`linear_attention_path` reports it);
+  :class:`PackingUnsupported` and the model-call keywords in :mod:`trainer_lib.packed_call`.
 - :func:`packed_logprobs` — the packed forward (:mod:`trainer_lib.forward`).
 - :func:`fail_fast`, :func:`check_all_ranks` — rank-wide errors (:mod:`trainer_lib.distributed`).
 - :func:`recompute_logprobs`, :func:`logprob_mismatch` — trainer vs inference (:mod:`trainer_lib.mismatch`).
@@ -26,17 +32,8 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
 """
 
 from protocol.placeholders import locate_image_runs
-from trainer_lib.attention import (
-    CU_SEQLENS_KWARG,
-    VARLEN_ATTENTION,
-    PackingUnsupported,
-    check_packable,
-    prepare_model_for_packing,
-    register_varlen_attention,
-    select_backend,
-)
+from trainer_lib.attention import VARLEN_ATTENTION, register_varlen_attention
 from trainer_lib.config import MaterializeConfig
-from trainer_lib.cost import CostModel
 from trainer_lib.distributed import RankFailed, check_all_ranks, fail_fast
 from trainer_lib.forward import ForwardResult, packed_logprobs
 from trainer_lib.linear_attention import linear_attention_path
@@ -50,12 +47,16 @@ from trainer_lib.materialize import (
 from trainer_lib.micro_batch import ImageSpan, PackedBatch, PackedMicroBatch, SampleSlot
 from trainer_lib.mismatch import BF16_NOISE_FACTOR, MismatchStats, logprob_mismatch, recompute_logprobs
 from trainer_lib.model_inputs import PackedInputs, check_placeholder_alignment, packed_inputs
-from trainer_lib.packing import PackEntry, pack_samples, rebuild_micro_batch
-from trainer_lib.padding import make_pad_sample, pad_samples, padded_sample_count
-from trainer_lib.partition import partition_mini_batch
-from trainer_lib.plan import RankLoad, StepPlan, plan_step
-from trainer_lib.positions import build_position_ids, cu_seqlens, mrope_position_ids, text_position_ids
-from trainer_lib.ranks import deal_mini_batch
+from trainer_lib.packed_call import CU_SEQLENS_KWARG, PackingUnsupported
+from trainer_lib.planning.cost import CostModel
+from trainer_lib.planning.packing import PackEntry, pack_samples, rebuild_micro_batch
+from trainer_lib.planning.padding import make_pad_sample, padded_sample_count
+from trainer_lib.planning.partition import partition_mini_batch
+from trainer_lib.planning.plan import RankLoad, StepPlan, plan_step
+from trainer_lib.planning.ranks import deal_mini_batch
+from trainer_lib.positions import build_position_ids, cu_seqlens, mrope_position_ids
+from trainer_lib.prepare import check_packable, prepare_model_for_packing, select_backend
+from trainer_lib.spec import PackingSpec
 
 __all__ = [
     "BF16_NOISE_FACTOR",
@@ -73,6 +74,7 @@ __all__ = [
     "PackedBatch",
     "PackedInputs",
     "PackedMicroBatch",
+    "PackingSpec",
     "PackingUnsupported",
     "RankFailed",
     "RankLoad",
@@ -95,7 +97,6 @@ __all__ = [
     "pack_samples",
     "packed_inputs",
     "packed_logprobs",
-    "pad_samples",
     "padded_sample_count",
     "partition_mini_batch",
     "plan_step",
@@ -104,5 +105,4 @@ __all__ = [
     "recompute_logprobs",
     "register_varlen_attention",
     "select_backend",
-    "text_position_ids",
 ]

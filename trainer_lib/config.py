@@ -21,6 +21,7 @@ class MaterializeConfig(BaseSettings):
 
         cfg = MaterializeConfig()            # raises pydantic.ValidationError naming the bad variable
         batch = materialize(samples, adapter, **cfg.materialize_kwargs())
+        m = materialize_micro_batch(packed, spec, cfg)
     """
 
     model_config = SettingsConfigDict(env_prefix="MMREF_", extra="ignore", frozen=True)

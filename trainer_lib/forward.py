@@ -1,7 +1,7 @@
 """Run a Hugging Face Qwen-VL model on a packed micro-batch; per-token logprobs (docs/PACKING.md).
 
 One packed micro-batch is one row (:class:`~trainer_lib.model_inputs.PackedInputs`); attention
-stays inside each sample through the backend :mod:`trainer_lib.attention` set up, and the
+stays inside each sample through the backend :mod:`trainer_lib.prepare` set up, and the
 linear-attention layers of hybrid models (Qwen3.5) through the path
 :mod:`trainer_lib.linear_attention` installed. The LM head runs in chunks (float32 log-softmax;
 no ``[L, vocab]`` tensor at once).
@@ -14,15 +14,11 @@ from typing import Any
 
 import torch
 
-from trainer_lib.attention import (
-    CU_SEQLENS_KWARG,
-    MAX_SEQLEN_KWARG,
-    VARLEN_ATTENTION,
-    PackingUnsupported,
-    check_packable,
-)
+from trainer_lib.attention import VARLEN_ATTENTION
 from trainer_lib.linear_attention import linear_attention_path
 from trainer_lib.model_inputs import PackedInputs
+from trainer_lib.packed_call import CU_SEQLENS_KWARG, MAX_SEQLEN_KWARG, PackingUnsupported
+from trainer_lib.prepare import check_packable
 
 __all__ = ["ForwardResult", "packed_logprobs"]
 
@@ -73,7 +69,7 @@ def packed_logprobs(
     Runs ``model.model(input_ids, position_ids [4,1,L], pixel_values, image_grid_thw,
     attention_mask=None, use_cache=False)`` then the LM head in ``chunk_size``-token chunks
     (float32 log-softmax; no ``[L, vocab]`` tensor at once). Gradients flow when enabled. The
-    sample boundaries (``cu_seqlens``) go down as :data:`~trainer_lib.attention.CU_SEQLENS_KWARG`
+    sample boundaries (``cu_seqlens``) go down as :data:`~trainer_lib.packed_call.CU_SEQLENS_KWARG`
     only where a layer reads them: the ``mmref_varlen`` backend and linear-attention layers.
 
     Args:

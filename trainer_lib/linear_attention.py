@@ -7,10 +7,10 @@ sequence: the conv carries ``kernel - 1`` tokens and the recurrent state carries
 the next sample (measured on the tiny models: packed vs one-sample-at-a-time logprobs off by
 4e-2, docs/PACKING.md §9). :func:`prepare_linear_attention` replaces the forward of every such
 layer instance with one that honours the micro-batch's ``cu_seqlens``, passed to the model call as
-the keyword :data:`~trainer_lib.attention.CU_SEQLENS_KWARG` (transformers forwards unknown keywords
+the keyword :data:`~trainer_lib.packed_call.CU_SEQLENS_KWARG` (transformers forwards unknown keywords
 down to every layer; the vision tower ignores this name, unlike ``cu_seqlens`` / ``position_ids``,
 which it takes). The full-attention layers keep the attention backend rules of
-:mod:`trainer_lib.attention` (``mmref_varlen`` reads the same keyword).
+:mod:`trainer_lib.prepare` (``mmref_varlen`` reads the same keyword).
 :func:`trainer_lib.prepare_model_for_packing` calls :func:`prepare_linear_attention` and
 :func:`trainer_lib.packed_logprobs` passes the keyword; this module is the layer-level part.
 
@@ -32,7 +32,7 @@ Paths (:func:`linear_attention_path` reports the installed one, like the attenti
 Both paths compute the layer as ``Qwen3_5GatedDeltaNet.forward`` does without a cache
 (transformers ``models/qwen3_5/modeling_qwen3_5.py``, mirrored by :func:`_gated_delta_net`; the
 MoE variant's layer is the same code). A packed row whose model call lacks the keyword is
-refused (:class:`~trainer_lib.attention.PackingUnsupported`), found from text position ids that
+refused (:class:`~trainer_lib.packed_call.PackingUnsupported`), found from text position ids that
 restart inside the row; so are layer kinds and models this module cannot pack safely.
 """
 
@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from trainer_lib.attention import CU_SEQLENS_KWARG, PackingUnsupported
+from trainer_lib.packed_call import CU_SEQLENS_KWARG, PackingUnsupported
 
 __all__ = [
     "FLA_VARLEN",
@@ -335,7 +335,7 @@ def prepare_linear_attention(model: torch.nn.Module, path: str | None = None) ->
     transformers' own forward (one sample per row). A model call whose text position ids restart
     inside the row must pass it (``model.model(..., mmref_cu_seqlens=cu_seqlens)``, int
     ``[num_samples + 1]`` as :func:`trainer_lib.positions.cu_seqlens` builds it) and raises
-    :class:`~trainer_lib.attention.PackingUnsupported` without it. Stays installed (through backward
+    :class:`~trainer_lib.packed_call.PackingUnsupported` without it. Stays installed (through backward
     and gradient-checkpoint recomputation too) until :func:`remove_linear_attention`; bound
     methods, so ``copy.deepcopy`` of the model keeps it.
 

@@ -37,7 +37,9 @@ from protocol.refs import FileRef, RawRefBody, parse_ref
 from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore
 from protocol.structs import TrainingSample
 from trainer_lib import metrics
+from trainer_lib.config import MaterializeConfig
 from trainer_lib.micro_batch import PackedMicroBatch, SampleSlot, replace_loss_mask
+from trainer_lib.spec import PackingSpec
 
 __all__ = [
     "MaterializeStats",
@@ -136,12 +138,7 @@ def materialize(
         raise ValueError(f"policy must be 'placeholder_zero_loss' or 'error', got {policy!r}")
     if max_workers < 1:
         raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-    per_sample = [[r.ref for r in s.mm_refs.items] if s.mm_refs else [] for s in samples]
-    bodies = {ref: _raw_body(ref) for refs in per_sample for ref in refs}  # distinct, first-seen order
-    # family, fingerprint and payload, before any file is read; check_ref returns the bounded grid
-    grids = {ref: adapter.check_ref(body, ref=ref) for ref, body in bodies.items()}
-    for i, sample in enumerate(samples):
-        _check_sample(i, sample, adapter, grids, placeholder_token_id)
+    per_sample, bodies, grids = _checked_refs(samples, adapter, placeholder_token_id)
     resolve = functools.partial(
         _resolve,
         adapter=adapter,
@@ -154,6 +151,20 @@ def materialize(
     with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="mmref-mat") as pool:
         results = dict(zip(bodies, pool.map(resolve, bodies.items()), strict=True))
     return _assemble(samples, per_sample, results, grids, adapter, dedup=dedup)
+
+
+def _checked_refs(
+    samples: Sequence[TrainingSample], adapter: ImageAdapter, placeholder_token_id: int | None
+) -> tuple[list[list[str]], dict[str, RawRefBody], dict[str, tuple[int, ...]]]:
+    """Before any file is read: each sample's ref strings, every distinct ref's parsed body
+    (first-seen order) and its grid (family, fingerprint and payload checked, the grid bounded by
+    ``adapter.check_ref``); every sample checked against them (:func:`_check_sample`)."""
+    per_sample = [[r.ref for r in s.mm_refs.items] if s.mm_refs else [] for s in samples]
+    bodies = {ref: _raw_body(ref) for refs in per_sample for ref in refs}
+    grids = {ref: adapter.check_ref(body, ref=ref) for ref, body in bodies.items()}
+    for i, sample in enumerate(samples):
+        _check_sample(i, sample, adapter, grids, placeholder_token_id)
+    return per_sample, bodies, grids
 
 
 def _resolve(
@@ -237,31 +248,27 @@ class MaterializedMicroBatch:
 
 
 def materialize_micro_batch(
-    packed: PackedMicroBatch,
-    adapter: ImageAdapter,
-    asset_root: str | os.PathLike[str],
-    *,
-    policy: MissingPolicy = "placeholder_zero_loss",
-    max_workers: int = 2,
-    device_normalize: bool = False,
-    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-    dedup: bool = False,
+    packed: PackedMicroBatch, spec: PackingSpec, config: MaterializeConfig, *, dedup: bool = False
 ) -> MaterializedMicroBatch:
     """Features for every image of the micro-batch, in pack order.
 
-    Real images go through :func:`materialize` with the same keywords (so
-    ``MaterializeConfig().materialize_kwargs()`` fits both); synthetic pad images
-    (``ImageSpan.ref is None``) are ``adapter.synthesize_placeholder(grid)``, the grid bounded by
-    ``adapter.check_grid`` first. ``dedup=True``: each distinct image's features once plus
-    ``image_index``; :func:`~trainer_lib.packed_logprobs` then runs the vision tower once per
-    distinct image and repeats its embeddings.
+    Real images go through :func:`materialize` with ``spec.adapter``, the pixel mode
+    ``spec.device_normalize`` and the settings of ``config`` (asset root, missing-image policy,
+    workers, limits); synthetic pad images (``ImageSpan.ref is None``) are
+    ``adapter.synthesize_placeholder(grid)``, the grid bounded by ``adapter.check_grid`` first.
+    ``dedup=True``: each distinct image's features once plus ``image_index``;
+    :func:`~trainer_lib.packed_logprobs` then runs the vision tower once per distinct image and
+    repeats its embeddings.
 
     Raises:
         MMRefError subclasses: see :func:`materialize`; GridMismatch for a synthetic grid the
             processor cannot produce.
-        ValueError: a synthetic image before a real one (pads must follow the real samples).
+        ValueError: a synthetic image before a real one (pads must follow the real samples), or
+            a spec without an adapter.
     """
+    adapter = spec.adapter
+    if adapter is None:
+        raise ValueError("materializing features needs the spec's adapter")
     kinds = [im.ref is None for im in packed.images]
     if kinds != sorted(kinds):
         raise ValueError("synthetic pad images must follow every real image of the micro-batch")
@@ -269,12 +276,8 @@ def materialize_micro_batch(
     batch = materialize(
         [s.sample for s in real_slots],
         adapter,
-        asset_root,
-        policy=policy,
-        max_workers=max_workers,
-        device_normalize=device_normalize,
-        max_image_bytes=max_image_bytes,
-        max_image_pixels=max_image_pixels,
+        **config.materialize_kwargs(),
+        device_normalize=spec.device_normalize,
         dedup=dedup,
     )
     synthetic = [  # a grid from the wire is bounded before anything is sized by it

@@ -3,7 +3,7 @@
 :class:`PackedMicroBatch` wraps :class:`protocol.structs.MicroBatch` (what crosses the wire) with
 derived views: per-sample :class:`SampleSlot` (offsets, image counts, padding flags, the samples
 themselves) and :class:`ImageSpan` (placeholder offsets rebased onto the pack).
-:class:`PackedBatch` is a list of them with totals. Built by :mod:`trainer_lib.packing`.
+:class:`PackedBatch` is a list of them with totals. Built by :mod:`trainer_lib.planning.packing`.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class PackedMicroBatch:
     Every per-token array (``micro_batch.input_ids``, ``loss_mask``, ``advantages``,
     ``inference_logprobs`` and :attr:`mm_token_type_ids`) has :attr:`num_tokens` entries
     (``MicroBatch.__post_init__`` checks that on construction, decoding and ``msgspec.structs.replace``).
-    :func:`~trainer_lib.packing.build_micro_batch` derives :attr:`slots` and :attr:`images` from
+    :func:`~trainer_lib.planning.packing.build_micro_batch` derives :attr:`slots` and :attr:`images` from
     the same analysis it writes the wire struct from. Padding samples sit after the real samples.
     """
 
@@ -144,7 +144,7 @@ class PackedMicroBatch:
 @dataclass(frozen=True)
 class PackedBatch:
     """Samples packed into micro-batches of one capacity, with totals: what :func:`~trainer_lib.pack_samples`
-    returns, and each rank's share of a mini-batch (:mod:`trainer_lib.ranks`).
+    returns, and each rank's share of a mini-batch (:mod:`trainer_lib.planning.ranks`).
 
     Totals are summed over the packed micro-batches (never inferred from one micro-batch's shape).
     """

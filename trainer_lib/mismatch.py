@@ -14,18 +14,18 @@ by precision, and anything well above it (a wrong image: 20-30x) is not (docs/PA
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from protocol.adapters import ImageAdapter
 from protocol.structs import TrainingSample
+from trainer_lib.config import MaterializeConfig
 from trainer_lib.forward import packed_logprobs
-from trainer_lib.materialize import MissingPolicy, materialize_micro_batch
+from trainer_lib.materialize import materialize_micro_batch
 from trainer_lib.model_inputs import packed_inputs
-from trainer_lib.packing import pack_samples
+from trainer_lib.planning.packing import pack_samples
+from trainer_lib.spec import PackingSpec
 
 __all__ = ["BF16_NOISE_FACTOR", "MismatchStats", "logprob_mismatch", "recompute_logprobs"]
 
@@ -68,12 +68,11 @@ def logprob_mismatch(trainer: torch.Tensor, inference: torch.Tensor, mask: torch
 def recompute_logprobs(
     samples: Sequence[TrainingSample],
     model: torch.nn.Module,
-    adapter: ImageAdapter,
-    asset_root: str | os.PathLike[str],
+    spec: PackingSpec,
+    config: MaterializeConfig,
     *,
     seq_len: int,
     micro_batch_max_tokens: int | None = None,
-    policy: MissingPolicy = "placeholder_zero_loss",
     temperature: float = 1.0,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Materialize, pack, run the packed forward; per sample ``(logprobs fp32 [len], loss_mask bool [len])``.
@@ -82,23 +81,19 @@ def recompute_logprobs(
     (0 at t=0), aligned with ``TrainingSample.inference_logprobs``. ``temperature``: the sampling
     temperature for a server run with ``--logprobs-mode processed_logprobs``, 1.0 for vLLM's
     default ``raw_logprobs`` (see :func:`trainer_lib.packed_logprobs`). The loss mask is the sample's,
-    zeroed if one of its images was replaced by a placeholder, without its first token.
-    The model must already be prepared (:func:`trainer_lib.prepare_model_for_packing`).
+    zeroed if one of its images was replaced by a placeholder (``config.missing_policy``), without
+    its first token. ``spec``: the family's facts (``PackingSpec.from_adapter(adapter, model,
+    pad_token_id=...)``; no pad is made here); ``config``: the materialize settings. The model
+    must already be prepared (:func:`trainer_lib.prepare_model_for_packing`).
 
     Raises:
         MMRefError subclasses, PlaceholderMismatch, PackingUnsupported: see the steps.
     """
-    step = pack_samples(
-        samples,
-        placeholder_token_id=adapter.placeholder_token_id(model.config),
-        seq_len=seq_len,
-        micro_batch_max_tokens=micro_batch_max_tokens,
-        num_placeholders=adapter.num_placeholders,
-    )
+    step = pack_samples(samples, spec, seq_len=seq_len, micro_batch_max_tokens=micro_batch_max_tokens)
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
     for packed in step.micro_batches:
-        materialized = materialize_micro_batch(packed, adapter, asset_root, policy=policy)
-        inputs = packed_inputs(materialized.packed, materialized.features, model)
+        materialized = materialize_micro_batch(packed, spec, config)
+        inputs = packed_inputs(materialized.packed, materialized.features, model, spec)
         with torch.no_grad():
             result = packed_logprobs(model, inputs, temperature=temperature)
         for slot in materialized.packed.slots:

@@ -8,7 +8,7 @@ feature rows the model will scatter into them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 
 from trainer_lib.micro_batch import PackedMicroBatch
 from trainer_lib.positions import build_position_ids, cu_seqlens
+from trainer_lib.spec import PackingSpec
 
 __all__ = ["PackedInputs", "check_placeholder_alignment", "packed_inputs"]
 
@@ -72,6 +73,7 @@ def packed_inputs(
     packed: PackedMicroBatch,
     features: Mapping[str, torch.Tensor],
     model_or_config: Any,
+    spec: PackingSpec,
     image_index: torch.Tensor | None = None,
 ) -> PackedInputs:
     """Build the model inputs and run the placeholder tripwire.
@@ -82,8 +84,9 @@ def packed_inputs(
         features: its features in pack order, as :func:`~trainer_lib.materialize_micro_batch`
             returns them (Qwen-VL: ``pixel_values`` float32 ``[sum(t*h*w), C*T*P*P]``,
             ``image_grid_thw`` int64 ``[N, 3]``); ``{}`` without images.
-        model_or_config: the HF model or its config (for ``get_rope_index``, ``image_token_id``
-            and ``vision_config.spatial_merge_size``).
+        model_or_config: the HF model or its config (for ``get_rope_index``).
+        spec: the family's facts: the placeholder id, and the adapter's placeholder count per
+            grid (the feature rows the model scatters).
         image_index: int64 ``[num images]`` with deduplicated features (``dedup=True``): the row of
             ``image_grid_thw`` each image of the micro-batch shows.
 
@@ -92,29 +95,14 @@ def packed_inputs(
 
     Raises:
         ValueError: placeholder tokens != feature rows (:func:`check_placeholder_alignment`),
-            features whose grids differ from the micro-batch's images, or images without features.
+            features whose grids differ from the micro-batch's images, images without features,
+            or images and a spec without an adapter.
     """
-    config = getattr(model_or_config, "config", model_or_config)
     ids = torch.as_tensor(packed.micro_batch.input_ids, dtype=torch.long).unsqueeze(0)
     pixel_values = grid = None
     if packed.images or features:
-        if not features:
-            raise ValueError(f"{len(packed.images)} images in the micro-batch but no features")
-        grid = features["image_grid_thw"]
-        per_image = grid if image_index is None else grid[image_index]
-        if per_image.tolist() != [list(g) for g in packed.image_grids]:
-            raise ValueError(
-                f"feature grids {per_image.tolist()} differ from the micro-batch's images "
-                f"{packed.image_grids}"
-            )
-        check_placeholder_alignment(
-            ids,
-            config.image_token_id,
-            {"image_grid_thw": per_image},
-            mm_token_type_ids=torch.as_tensor(packed.mm_token_type_ids).unsqueeze(0),
-            merge_size=config.vision_config.spatial_merge_size,
-        )
-        pixel_values = features["pixel_values"]
+        _check_features(packed, features, ids, spec, image_index)
+        pixel_values, grid = features["pixel_values"], features["image_grid_thw"]
     starts = torch.zeros(packed.num_tokens, dtype=torch.bool)
     starts[[s.start for s in packed.slots]] = True
     return PackedInputs(
@@ -129,13 +117,41 @@ def packed_inputs(
     )
 
 
+def _check_features(
+    packed: PackedMicroBatch,
+    features: Mapping[str, torch.Tensor],
+    ids: torch.Tensor,
+    spec: PackingSpec,
+    image_index: torch.Tensor | None,
+) -> None:
+    """The features are the micro-batch's images (same grids, in pack order) and their rows match
+    the placeholder tokens (:func:`check_placeholder_alignment`); errors: see :func:`packed_inputs`."""
+    if not features:
+        raise ValueError(f"{len(packed.images)} images in the micro-batch but no features")
+    grid = features["image_grid_thw"]
+    per_image = grid if image_index is None else grid[image_index]
+    if per_image.tolist() != [list(g) for g in packed.image_grids]:
+        raise ValueError(
+            f"feature grids {per_image.tolist()} differ from the micro-batch's images {packed.image_grids}"
+        )
+    if spec.num_placeholders is None:
+        raise ValueError("counting an image's feature rows needs the spec's adapter")
+    check_placeholder_alignment(
+        ids,
+        spec.placeholder_token_id,
+        {"image_grid_thw": per_image},
+        mm_token_type_ids=torch.as_tensor(packed.mm_token_type_ids).unsqueeze(0),
+        num_placeholders=spec.num_placeholders,
+    )
+
+
 def check_placeholder_alignment(
     input_ids: Any,
     placeholder_token_id: int,
     features: Any,
     *,
     mm_token_type_ids: Any = None,
-    merge_size: int | None = None,
+    num_placeholders: Callable[[Sequence[int]], int] | None = None,
 ) -> int:
     """The tripwire before ``masked_scatter``: placeholder tokens must equal feature rows.
 
@@ -148,10 +164,11 @@ def check_placeholder_alignment(
         placeholder_token_id: e.g. the id of ``<|image_pad|>`` (``config.image_token_id``).
         features: the rows that will be scattered: image embeddings ``[N, hidden]`` (a tensor or
             array: ``N = shape[0]``), an int ``N``, or the family's feature mapping with an
-            ``image_grid_thw`` ``[num_images, 3]`` entry (``N = sum(t*h*w) // merge_size**2``).
+            ``image_grid_thw`` ``[num_images, 3]`` entry (``N = sum(num_placeholders(grid))``).
         mm_token_type_ids: optional ``[L]``/``[1, L]``; when given, its image positions must be
             exactly the placeholder-token positions.
-        merge_size: spatial merge size, required with a grid mapping.
+        num_placeholders: ``adapter.num_placeholders`` (placeholder tokens of one image of a
+            grid), required with a grid mapping.
 
     Returns:
         The placeholder count ``N``.
@@ -164,9 +181,9 @@ def check_placeholder_alignment(
     n_tokens = int((ids == placeholder_token_id).sum())
     if isinstance(features, Mapping):
         grid = _as_array(features["image_grid_thw"]) if "image_grid_thw" in features else None
-        if grid is None or merge_size is None:
-            raise ValueError("a feature mapping needs an 'image_grid_thw' entry and merge_size")
-        n_features = int(grid.prod(-1).sum()) // merge_size**2 if len(grid) else 0
+        if grid is None or num_placeholders is None:
+            raise ValueError("a feature mapping needs an 'image_grid_thw' entry and num_placeholders")
+        n_features = sum(num_placeholders([int(g) for g in row]) for row in grid.tolist())
         shapes = ", ".join(f"{k} {tuple(v.shape)}" for k, v in features.items() if hasattr(v, "shape"))
     elif isinstance(features, int):
         n_features, shapes = features, f"{features} rows"

@@ -19,8 +19,7 @@ the video path gives exactly the image positions (temporal index 0, spacing irre
 the result equals vLLM's, which starts the next image at ``max + 1`` of the previous one.
 
 Which families are MRoPE is the adapter registry's fact (``ImageAdapter.rope``); the 1D-RoPE
-families (Kimi) are not packed (:func:`trainer_lib.check_packable`), and
-:func:`text_position_ids` gives their ``[1, L]`` layout.
+families (Kimi) are not packed (:func:`trainer_lib.check_packable`).
 
 ``cu_seqlens``: int32 ``[num_samples + 1]`` cumulative sample boundaries, the varlen-kernel
 layout (``cu_seqlens[i]`` = offset of sample ``i``; last entry = ``L``).
@@ -44,7 +43,6 @@ __all__ = [
     "mrope_model_types",
     "mrope_position_ids",
     "rope_index_fn",
-    "text_position_ids",
 ]
 
 RopeIndexFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -63,11 +61,6 @@ def cu_seqlens(seq_lens: Sequence[int], device: torch.device | str | None = None
     if seq_lens:
         out[1:] = torch.cumsum(torch.as_tensor(seq_lens, dtype=torch.int32, device=device), 0)
     return out
-
-
-def text_position_ids(seq_lens: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
-    """int64 ``[1, L]`` positions restarting at 0 per sample (1D RoPE models, and MRoPE row 0)."""
-    return torch.cat([torch.arange(n, dtype=torch.long, device=device) for n in seq_lens]).unsqueeze(0)
 
 
 def rope_index_fn(model_or_config: Any) -> RopeIndexFn:

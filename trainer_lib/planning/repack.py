@@ -1,6 +1,6 @@
 """Tighter packings for where first fit misses a bound (docs/PACKING.md §3.2, step 4): minimum bin
 slack (:func:`min_slack_bins`) and best fit with one exchange move into existing bins
-(:func:`best_fit_with_exchange`). Slower than :mod:`trainer_lib.bins`' first fit; the
+(:func:`best_fit_with_exchange`). Slower than :mod:`trainer_lib.planning.bins`' first fit; the
 data-parallel partition runs them only on a plan above its slot bound.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trainer_lib.bins import key_groups
+from trainer_lib.planning.bins import key_groups
 
 __all__ = ["best_fit_with_exchange", "min_slack_bins"]
 
@@ -33,7 +33,7 @@ def min_slack_bins(lengths: Sequence[int], cap: int, *, keys: Sequence[Any] | No
     earlier one.
 
     Cost: ``O(n)`` big-integer operations on ``cap`` bits per bin (~2 ms for 256 samples at cap
-    8k, several times :func:`plan_bins`); :func:`~trainer_lib.partition.partition_mini_batch` runs
+    8k, several times :func:`plan_bins`); :func:`~trainer_lib.planning.partition.partition_mini_batch` runs
     it only where first-fit-decreasing misses the slot bound (docs/PACKING.md §3.2).
     """
     out: list[list[int]] = []

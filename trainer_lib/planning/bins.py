@@ -1,6 +1,6 @@
 """Bin capacity and bin planning for packing (docs/PACKING.md): first-fit-decreasing
 (:func:`plan_bins`) and longest-processing-time-first into a given number of bins
-(:func:`lpt_bins`); tighter, slower packings are in :mod:`trainer_lib.repack`.
+(:func:`lpt_bins`); tighter, slower packings are in :mod:`trainer_lib.planning.repack`.
 
 Pure Python + numpy: lengths, isolation keys and compatibility kinds in, bins of indices out.
 """
@@ -187,57 +187,85 @@ def lpt_bins(
         None when an item does not fit (a bin would exceed ``cap`` with another item in it) or
         the keys of ``items`` need more than ``nbins`` bins.
     """
-    length = lengths.__getitem__
-    everyone = [*items, *optional]
-    if not everyone:
+    if not items and not optional:
         return [], []
-    if len(set(map(keys.__getitem__, everyone))) == 1:  # one key (the usual case): no grouping
-        groups = {None: (sorted(items, key=length, reverse=True), sorted(optional, key=length, reverse=True))}
-        alloc = {None: min(nbins, len(everyone))} if nbins or not items else None
-    else:
-        needed: dict[Hashable, list[int]] = {}
-        extra: dict[Hashable, list[int]] = {}
-        for group, chosen in ((needed, items), (extra, optional)):
-            for i in sorted(chosen, key=length, reverse=True):
-                group.setdefault(keys[i], []).append(i)
-        groups = {k: (needed.get(k, []), extra.get(k, [])) for k in {**needed, **extra}}
-        alloc = _bins_per_key(groups, lengths, nbins)
-    if alloc is None:
+    groups = _lpt_groups(items, optional, lengths, keys, nbins)
+    if groups is None:
         return None
     out: list[list[int]] = []
     left: list[int] = []
-    for k, (must, may) in groups.items():
-        heap = [(0, len(out) + j) for j in range(alloc[k])]
-        out.extend([] for _ in range(alloc[k]))
-        for i in must:
-            n = lengths[i]
-            if not heap or (heap[0][0] + n > cap and out[heap[0][1]]):
-                return None
-            load, b = heapq.heappop(heap)
-            out[b].append(i)
-            if load + n <= cap:
-                heapq.heappush(heap, (load + n, b))
-        sizes = [-lengths[i] for i in may]  # ascending: bisect finds the first that fits
-        p = 0
-        while heap and p < len(may):
-            q = bisect.bisect_left(sizes, heap[0][0] - target, p)  # skip what fits no bin any more
-            left += may[p:q]  # (the least load only grows: skipped samples never fit later)
-            if q == len(may):
-                p = q
-                break
-            load, b = heapq.heappop(heap)
-            out[b].append(may[q])
-            if load - sizes[q] <= cap:
-                heapq.heappush(heap, (load - sizes[q], b))
-            p = q + 1
-        left += may[p:]
+    for must, may, nb in groups:
+        heap = [(0, len(out) + j) for j in range(nb)]
+        out.extend([] for _ in range(nb))
+        rest = _lpt_fill(heap, out, must, may, lengths, cap, target)
+        if rest is None:
+            return None
+        left += rest
     return out, left
+
+
+def _lpt_groups(
+    items: list[int], optional: Sequence[int], lengths: Sequence[int], keys: Sequence[Hashable], nbins: int
+) -> list[tuple[list[int], list[int], int]] | None:
+    """Per key (first-seen order): its ``items`` and its ``optional`` items, largest first, and its
+    number of bins (:func:`_bins_per_key`); None when the needed keys need more than ``nbins``."""
+    length = lengths.__getitem__
+    everyone = [*items, *optional]
+    if len(set(map(keys.__getitem__, everyone))) == 1:  # one key (the usual case): no grouping
+        if items and not nbins:
+            return None
+        ordered = (sorted(items, key=length, reverse=True), sorted(optional, key=length, reverse=True))
+        return [(*ordered, min(nbins, len(everyone)))]
+    needed: dict[Hashable, list[int]] = {}
+    extra: dict[Hashable, list[int]] = {}
+    for group, chosen in ((needed, items), (extra, optional)):
+        for i in sorted(chosen, key=length, reverse=True):
+            group.setdefault(keys[i], []).append(i)
+    groups = {k: (needed.get(k, []), extra.get(k, [])) for k in {**needed, **extra}}
+    alloc = _bins_per_key(groups, lengths, nbins)
+    return None if alloc is None else [(must, may, alloc[k]) for k, (must, may) in groups.items()]
+
+
+def _lpt_fill(
+    heap: list[tuple[int, int]],
+    out: list[list[int]],
+    must: list[int],
+    may: list[int],
+    lengths: Sequence[int],
+    cap: int,
+    target: float,
+) -> list[int] | None:
+    """One key's LPT into its bins: ``heap`` holds ``(load, index into out)`` of the bins still open.
+    Returns the optional items left out, or None when a needed item does not fit."""
+    for i in must:
+        n = lengths[i]
+        if not heap or (heap[0][0] + n > cap and out[heap[0][1]]):
+            return None
+        load, b = heapq.heappop(heap)
+        out[b].append(i)
+        if load + n <= cap:
+            heapq.heappush(heap, (load + n, b))
+    left: list[int] = []
+    sizes = [-lengths[i] for i in may]  # ascending: bisect finds the first that fits
+    p = 0
+    while heap and p < len(may):
+        q = bisect.bisect_left(sizes, heap[0][0] - target, p)  # skip what fits no bin any more
+        left += may[p:q]  # (the least load only grows: skipped samples never fit later)
+        if q == len(may):
+            p = q
+            break
+        load, b = heapq.heappop(heap)
+        out[b].append(may[q])
+        if load - sizes[q] <= cap:
+            heapq.heappush(heap, (load - sizes[q], b))
+        p = q + 1
+    return left + may[p:]
 
 
 def _bins_per_key(
     groups: dict[Hashable, tuple[list[int], list[int]]], lengths: Sequence[int], nbins: int
 ) -> dict[Hashable, int] | None:
-    """Bins per key for :func:`_lpt`: one for each key with needed samples, then each next to the
+    """Bins per key for :func:`lpt_bins`: one for each key with needed samples, then each next to the
     key with the most tokens per bin (at most one bin per sample); None if the needed keys
     alone take more than ``nbins``."""
     total = {

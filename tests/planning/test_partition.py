@@ -1,7 +1,7 @@
-"""trainer_lib.partition and trainer_lib.cost: balanced data-parallel slots (every sample once,
-isolation, equal slot counts, the pad rule of vision slots, the micro-batch floor, the token-spread
-guarantee, the long-sample slots), the FLOP cost model and the sync-idle measure; and the same
-through plan_step on bench/pack.py's mix."""
+"""trainer_lib.planning's partition and cost: balanced data-parallel slots (every sample once,
+isolation, equal slot counts, the pad rule of vision slots, the micro-batch floor, the
+token-spread guarantee, the long-sample slots), the FLOP cost model and the sync-idle measure; and
+the same through plan_step on bench/pack.py's mix."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_errors import _isort_style_key, _public_top_level_names
 
-from trainer_lib import cost, partition
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
-from trainer_lib.cost import CostModel, sync_idle
-from trainer_lib.partition import partition_mini_batch
-from trainer_lib.plan import plan_step
-from trainer_lib.repack import min_slack_bins
-from trainer_lib.slot_bound import EITHER, SlotRules, min_micro_batches
+from helpers import REPO
+from trainer_lib.planning import partition
+from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
+from trainer_lib.planning.cost import CostModel, sync_idle
+from trainer_lib.planning.partition import partition_mini_batch
+from trainer_lib.planning.plan import plan_step
+from trainer_lib.planning.repack import min_slack_bins
+from trainer_lib.planning.slot_bound import EITHER, SlotRules, min_micro_batches
 
 
 def slot_spread(part, k: int) -> int:
@@ -194,23 +194,11 @@ def test_sync_idle_counts_each_stage_at_its_slowest_rank():
         sync_idle([[[1], [1]]], [[[1], [1, 2]]])
 
 
-def test_cost_model_of_qwen2_vl_2b_from_its_published_shapes():
+def test_cost_model_of_qwen2_vl_2b_from_its_published_shapes(bench_mix):
     """Hand-counted FLOPs of Qwen2-VL-2B (hidden 1536, MLP 8960, 28 layers, 12 heads of 128, 2 KV
-    heads, vocab 151936; vision 32 layers of width 1280, MLP 5120, patch 14, merge 2)."""
-    from transformers import Qwen2VLConfig
-
-    config = Qwen2VLConfig(
-        text_config={
-            "hidden_size": 1536,
-            "intermediate_size": 8960,
-            "num_hidden_layers": 28,
-            "num_attention_heads": 12,
-            "num_key_value_heads": 2,
-            "vocab_size": 151936,
-        },
-        vision_config={"depth": 32, "embed_dim": 1280, "hidden_size": 1536, "mlp_ratio": 4},
-    )
-    cm = CostModel.from_config(config)
+    heads, vocab 151936; vision 32 layers of width 1280, MLP 5120, patch 14, merge 2): the cost
+    model of ``bench/_models.py``'s config of the published shapes."""
+    _, cm = bench_mix
     layer = 2 * 1536 * (1536 + 256 + 256 + 1536) + 3 * 2 * 1536 * 8960
     assert cm.llm_per_token == 28 * layer + 2 * 1536 * 151936
     assert cm.llm_per_token_sq == 28 * 2 * 1536
@@ -257,9 +245,8 @@ def bench_mix():
     """``bench/pack.py``: the realistic mix and its Qwen2-VL placeholder arithmetic."""
     import importlib
     import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    sys.path.insert(0, str(REPO / "bench"))
     pack = importlib.import_module("pack")
     models = importlib.import_module("_models")
     return pack, CostModel.from_config(models.qwen2_vl_2b_config())
@@ -288,13 +275,11 @@ def test_plan_step_on_the_bench_mix(bench_mix, seed, dp, mbs, cap, stretch):
     )  # fmt: skip
     plan = plan_step(
         samples,
+        pack.SPEC,
         dp_size=dp,
         mini_batch_size=mbs,
         seq_len=16384,
         micro_batch_max_tokens=cap,
-        placeholder_token_id=pack.TOK,
-        pad_token_id=pack.PAD,
-        adapter=pack._QwenCounts(),
         cost_model=cm,
         stretch_cap=stretch,
     )
@@ -340,17 +325,6 @@ def test_long_samples_share_a_slot_and_stretching_fills_it():
     assert [row[0] for row in stretched.tokens] == [1500] * 4
     assert stretched.num_micro_batches == 2  # 6 x 500 left for 4 ranks: LPT, spread one sample
     assert sorted(row[1] for row in stretched.tokens) == [500, 500, 1000, 1000]
-
-
-def test_cost_modules_are_documented_in_all():
-    assert cost.__all__ == sorted(cost.__all__, key=_isort_style_key)
-
-
-def test_dunder_all_sorted_and_complete():
-    assert partition.__all__ == sorted(partition.__all__, key=_isort_style_key)
-    assert (
-        sorted(_public_top_level_names("trainer_lib.partition") - set(partition.__all__) - {"__all__"}) == []
-    )
 
 
 @settings(max_examples=300, deadline=None)

@@ -3,7 +3,7 @@
 
 :func:`places` says which slots a sample may join (vision, text, either); :class:`SlotRules`
 carries one mini-batch's per-sample inputs with its cap, reserve and rank count;
-:func:`min_micro_batches` is the lower bound on the slot count that :mod:`trainer_lib.partition`
+:func:`min_micro_batches` is the lower bound on the slot count that :mod:`trainer_lib.planning.partition`
 plans against (step 4 stops there) and ``bench/pack.py`` prints as the floor.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY
+from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY
 
 __all__ = [
     "EITHER",
@@ -64,7 +64,7 @@ def min_micro_batches(
     reserve: int = 0,
 ) -> int:
     """A lower bound on the micro-batches per rank of any plan under the rules of
-    :func:`~trainer_lib.partition.partition_mini_batch`.
+    :func:`~trainer_lib.planning.partition.partition_mini_batch`.
 
     ``ceil(bins / dp_size)``, where per isolation key a sample above the cap fills a bin alone and
     the others fill bins completely; with images, at least the vision slots plus the text slots
@@ -78,7 +78,8 @@ def min_micro_batches(
 
 
 def places(lengths: Sequence[int], kinds: Sequence[int], cap: int, reserve: int) -> list[int]:
-    """Per sample: :data:`VISION`, :data:`TEXT` or :data:`EITHER` (step 1 of :mod:`trainer_lib.partition`)."""
+    """Per sample: :data:`VISION`, :data:`TEXT` or :data:`EITHER` (step 1 of
+    :mod:`trainer_lib.planning.partition`)."""
     return [
         VISION if k == PIXELS else TEXT if k == STRAY or n > cap - reserve else EITHER
         for n, k in zip(lengths, kinds, strict=True)

@@ -1,25 +1,26 @@
 """One training step's plan: pad, split into mini-batches, deal each to the ranks (docs/PACKING.md §3).
 
-:func:`plan_step` runs the whole chain: pad the sample count (:mod:`trainer_lib.padding`), split
-into mini-batches (real samples spread evenly, so no optimizer step is pads alone), and deal each
-mini-batch to the data-parallel ranks as balanced micro-batches (:mod:`trainer_lib.ranks`, planned
-by :mod:`trainer_lib.partition`). :class:`StepPlan` holds the micro-batches and reports each rank's
-load and the predicted idle share at the synchronisation points (:mod:`trainer_lib.cost`).
+:func:`plan_step` runs the whole chain: pad the sample count and split into mini-batches
+(:func:`mini_batch_entries`: real samples spread evenly, so no optimizer step is pads alone; the
+pads from :mod:`trainer_lib.planning.padding`), and deal each
+mini-batch to the data-parallel ranks as balanced micro-batches (:mod:`trainer_lib.planning.ranks`, planned
+by :mod:`trainer_lib.planning.partition`). :class:`StepPlan` holds the micro-batches and reports each rank's
+load and the predicted idle share at the synchronisation points (:mod:`trainer_lib.planning.cost`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from protocol.structs import TrainingSample
-from trainer_lib.bins import bin_capacity
-from trainer_lib.cost import CostModel, sync_idle
 from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
-from trainer_lib.packing import PackEntry
-from trainer_lib.padding import make_pad_sample, padded_sample_count
-from trainer_lib.ranks import deal_mini_batch
+from trainer_lib.planning.bins import bin_capacity
+from trainer_lib.planning.cost import CostModel, sync_idle
+from trainer_lib.planning.packing import PackEntry
+from trainer_lib.planning.padding import make_pad_sample, pad_key, padded_sample_count
+from trainer_lib.planning.ranks import deal_mini_batch
+from trainer_lib.spec import PackingSpec
 
 __all__ = ["RankLoad", "StepPlan", "mini_batch_entries", "plan_step"]
 
@@ -58,7 +59,7 @@ class StepPlan:
 
     mini_batches: list[list[PackedBatch]]
     num_padding_samples: int
-    """Sample-count pads added by :func:`pad_samples` (micro-batch pads are counted per step)."""
+    """Sample-count pads added by :func:`mini_batch_entries` (micro-batch pads are counted per step)."""
 
     @property
     def num_tokens(self) -> int:
@@ -89,7 +90,7 @@ class StepPlan:
         ``1 - work / (dp * sum over slots of the slowest rank's time)``, where micro-batch ``k``
         of every rank is one slot (FSDP gathers parameters layer by layer, so a slot lasts as long
         as its slowest rank) and work is the real samples' cost; pads take time but do no work.
-        Cost: tokens by default; with a :class:`~trainer_lib.cost.CostModel`, FLOPs, with the
+        Cost: tokens by default; with a :class:`~trainer_lib.planning.cost.CostModel`, FLOPs, with the
         vision tower and the language model synchronised separately. ``mini_batch``: one
         optimizer step's idle share, default the whole step's.
         """
@@ -124,18 +125,14 @@ def _stages(cost_model: CostModel | None) -> list:
 
 def plan_step(
     samples: Sequence[TrainingSample],
+    spec: PackingSpec,
     *,
     dp_size: int,
     mini_batch_size: int,
     seq_len: int,
-    placeholder_token_id: int,
-    pad_token_id: int,
     micro_batch_max_tokens: int | None = None,
     critic_mini_batch_size: int | None = None,
-    adapter: Any = None,
     cost_model: CostModel | None = None,
-    synthetic_image_grid: Sequence[int] | None = None,
-    pad_tokens: int = 2,
     stretch_cap: bool = False,
 ) -> StepPlan:
     """Pad, split into mini-batches, deal each to the ranks as balanced micro-batches.
@@ -145,7 +142,7 @@ def plan_step(
     pads alone unless there are fewer real samples than mini-batches (then
     :attr:`StepPlan.num_loss_tokens_per_mini_batch` shows a 0: skip that ``optimizer.step()``;
     every rank computes the same plan, so they agree). Each mini-batch goes to
-    :func:`~trainer_lib.ranks.deal_mini_batch`: every rank gets the same number of micro-batches,
+    :func:`~trainer_lib.planning.ranks.deal_mini_batch`: every rank gets the same number of micro-batches,
     the fewest the cap allows under the packing rules, with nearly equal tokens in micro-batch
     ``k`` on every rank (docs/PACKING.md §3 states the bound). Sample ``i`` of the input is
     ``slot.sample_index == i`` wherever it lands; pads have indices ``>= len(samples)``
@@ -153,8 +150,9 @@ def plan_step(
     padded count (a critic cuts its own mini-batches from the same padded samples).
 
     Args:
-        adapter: the family's adapter (``num_placeholders``; synthetic-image pads when
-            ``dp_size > 1`` and some micro-batch must run the vision tower without an image).
+        spec: the family's facts: placeholder and pad ids, pad length; its adapter checks every
+            ref's count and makes the synthetic-image pads (needed when ``dp_size > 1`` and some
+            micro-batch must run the vision tower without an image).
         cost_model: e.g. ``CostModel.from_config(model.config)``: vision slots are grouped by
             vision-tower FLOPs (default: by image tokens).
         stretch_cap: off by default. On: in a micro-batch slot where some rank runs a sample
@@ -163,29 +161,20 @@ def plan_step(
             one rank must hold anyway, so peak memory is unchanged; docs/PACKING.md §3).
 
     Raises:
-        ValueError, PlaceholderMismatch, GridMismatch: see :func:`~trainer_lib.ranks.deal_mini_batch`.
+        ValueError, PlaceholderMismatch, GridMismatch: see
+            :func:`~trainer_lib.planning.ranks.deal_mini_batch`.
     """
     cap = bin_capacity(seq_len, micro_batch_max_tokens)
     chunks = mini_batch_entries(
         samples,
+        spec,
         dp_size=dp_size,
         mini_batch_size=mini_batch_size,
         critic_mini_batch_size=critic_mini_batch_size,
-        pad_token_id=pad_token_id,
-        pad_tokens=pad_tokens,
     )
     mini_batches = [
         deal_mini_batch(
-            entries,
-            dp_size=dp_size,
-            cap=cap,
-            placeholder_token_id=placeholder_token_id,
-            pad_token_id=pad_token_id,
-            adapter=adapter,
-            cost_model=cost_model,
-            synthetic_image_grid=synthetic_image_grid,
-            pad_tokens=pad_tokens,
-            stretch_cap=stretch_cap,
+            entries, spec, dp_size=dp_size, cap=cap, cost_model=cost_model, stretch_cap=stretch_cap
         )
         for entries in chunks
     ]
@@ -195,22 +184,22 @@ def plan_step(
 
 def mini_batch_entries(
     samples: Sequence[TrainingSample],
+    spec: PackingSpec,
     *,
     dp_size: int,
     mini_batch_size: int,
-    pad_token_id: int,
     critic_mini_batch_size: int | None = None,
-    pad_tokens: int = 2,
 ) -> list[list[PackEntry]]:
-    """The step's samples padded to :func:`~trainer_lib.padding.padded_sample_count` and cut into
-    mini-batches: the real samples in order, spread as evenly as possible (``floor`` or ``ceil`` of
-    ``N / k`` each), each topped up with text pads keyed like its last real sample (so pads never
-    open a bin just for isolation). ``PackEntry.sample_index`` is the sample's input position;
-    pads have indices ``>= len(samples)``. Only with fewer real samples than mini-batches is one
-    all padding.
+    """The one way a step is padded: its samples padded to
+    :func:`~trainer_lib.planning.padding.padded_sample_count` and cut into mini-batches: the real samples in
+    order, spread as evenly as possible (``floor`` or ``ceil`` of ``N / k`` each), each topped up
+    with text pads (:func:`~trainer_lib.planning.padding.make_pad_sample`) keyed like its last real sample
+    (:func:`~trainer_lib.planning.padding.pad_key`: so pads never open a bin just for isolation).
+    ``PackEntry.sample_index`` is the sample's input position; pads have indices
+    ``>= len(samples)``. Only with fewer real samples than mini-batches is one all padding.
 
     Raises:
-        ValueError: a size below 1 (see :func:`~trainer_lib.padding.padded_sample_count`).
+        ValueError: a size below 1 (see :func:`~trainer_lib.planning.padding.padded_sample_count`).
     """
     n = len(samples)
     total = padded_sample_count(
@@ -221,9 +210,7 @@ def mini_batch_entries(
     out, real, pad_index = [], 0, n
     for j in range(k):
         m = q + (j < r)
-        last = samples[real + m - 1] if m else samples[n - 1] if n else None
-        key = (last.run_id, last.lora_id) if last else ("", None)
-        pad = make_pad_sample(pad_token_id=pad_token_id, num_tokens=pad_tokens, run_id=key[0], lora_id=key[1])
+        pad = make_pad_sample(spec, pad_key(samples[real + m - 1] if real + m else None)).sample
         entries = [PackEntry(samples[i], i) for i in range(real, real + m)]
         entries += [PackEntry(pad, pad_index + i) for i in range(mini_batch_size - m)]
         out.append(entries)

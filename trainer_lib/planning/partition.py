@@ -14,19 +14,20 @@ gathered layer by layer), so the slowest rank of a slot sets its pace. The algor
    cap (no room for an image pad), to *text* slots, topped up with plain text (LPT, up to the
    expected fill). Other text joins the vision slots, whose bins keep ``reserve`` tokens free for
    the synthetic-image pad a bin without images gets there.
-2. **Head.** A section is packed first-fit-decreasing (:func:`~trainer_lib.bins.plan_bins`; in
+2. **Head.** A section is packed first-fit-decreasing (:func:`~trainer_lib.planning.bins.plan_bins`; in
    step 4's second pass, by minimum bin slack). Every bin but the last of its key holds more than
    ``cap - largest sample`` tokens; whole slots of these full bins form the head, grouped by
    descending vision cost.
 3. **Tail.** The other bins' samples are re-dealt to ``dp`` bins per remaining slot by LPT
-   (:func:`~trainer_lib.bins.lpt_bins`); if that overflows a bin, the packer's are kept. A tail sample
-   larger than the tail's mean bin first trades its bin for the head bin of the smallest samples.
+   (:func:`~trainer_lib.planning.bins.lpt_bins`); if that overflows a bin, the packer's are kept. A
+   tail sample larger than the tail's mean bin first trades its bin for the head bin of the smallest
+   samples.
 4. **Fewer slots.** While the plan has more slots than the bound
-   (:func:`~trainer_lib.slot_bound.min_micro_batches`), its lightest slot is emptied into the
+   (:func:`~trainer_lib.planning.slot_bound.min_micro_batches`), its lightest slot is emptied into the
    others (best fit, else one trade between two bins that makes room: Fleszar & Hindi 2002's
    exchange moves), or the plan is kept. No bin loses tokens. If the plan
    is still above the bound, steps 2-4 run again with minimum bin slack for FFD
-   (:func:`~trainer_lib.repack.min_slack_bins`), kept if it has fewer slots.
+   (:func:`~trainer_lib.planning.repack.min_slack_bins`), kept if it has fewer slots.
 5. **Deal.** Slot by slot, the bin with the most tokens goes to the rank with the fewest so far.
 
 Guarantees (proofs in docs/PACKING.md §3): (G1) rank token totals differ by at most the largest
@@ -43,9 +44,9 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
-from trainer_lib.repack import best_fit_with_exchange, min_slack_bins
-from trainer_lib.slot_bound import EITHER, TEXT, VISION, SlotRules, places, slot_floor, slots_needed
+from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
+from trainer_lib.planning.repack import best_fit_with_exchange, min_slack_bins
+from trainer_lib.planning.slot_bound import EITHER, TEXT, VISION, SlotRules, places, slot_floor, slots_needed
 
 __all__ = ["DpPartition", "partition_mini_batch"]
 
@@ -95,7 +96,7 @@ def partition_mini_batch(
         dp_size: data-parallel ranks.
         cap: micro-batch token cap (``micro_batch_max_tokens``); a longer sample runs alone.
         keys: isolation key per sample (``(run_id, lora_id)``); keys never share a micro-batch.
-        kinds: :data:`~trainer_lib.bins.NEUTRAL`, ``PIXELS`` or ``STRAY`` per sample.
+        kinds: :data:`~trainer_lib.planning.bins.NEUTRAL`, ``PIXELS`` or ``STRAY`` per sample.
         vision_cost: vision-tower work per sample, any unit (``CostModel.vision`` of its images'
             placeholder counts); groups the vision slots. Default: all equal.
         reserve: tokens a vision-slot bin keeps free for a synthetic-image pad (``[pad] +
@@ -141,7 +142,7 @@ def partition_mini_batch(
 
 def _planned(mb: SlotRules, build: Callable[[Callable], list[_Bins]]) -> list[_Bins]:
     """Steps 2-4 on ``build(pack)``'s slots (a section packed by ``pack``): with first-fit-decreasing,
-    then, if step 4 leaves more slots than the bound (:func:`~trainer_lib.slot_bound.slot_floor`),
+    then, if step 4 leaves more slots than the bound (:func:`~trainer_lib.planning.slot_bound.slot_floor`),
     with minimum bin slack."""
     floor = slot_floor(mb, range(mb.n))
     slots = _drop_slots(mb, build(plan_bins), floor)
@@ -220,8 +221,9 @@ def _section(
 ) -> list[_Bins]:
     """Slots of ``dp`` ``(tokens, bin)`` pairs (empty bins included) holding ``items``, each bin at
     most ``cap`` tokens unless it is one longer sample: head of ``pack``'s full bins
-    (:func:`~trainer_lib.bins.plan_bins` or :func:`~trainer_lib.repack.min_slack_bins`; a section
-    never holds both ``PIXELS`` and ``STRAY``), LPT tail."""
+    (:func:`~trainer_lib.planning.bins.plan_bins` or
+    :func:`~trainer_lib.planning.repack.min_slack_bins`; a section never holds both ``PIXELS`` and
+    ``STRAY``), LPT tail."""
     if not items:
         return []
     lengths, keys, dp = mb.lengths, mb.keys, mb.dp
@@ -297,7 +299,7 @@ def _limit(mb: SlotRules, slot: _Bins, vision: bool) -> int:
 
 
 def _relocate(mb: SlotRules, items: list[int], bins: list[list]) -> bool:
-    """:func:`~trainer_lib.repack.best_fit_with_exchange` where a sample may go only where its key
+    """:func:`~trainer_lib.planning.repack.best_fit_with_exchange` where a sample may go only where its key
     and its side (``place``: vision, text or either) allow."""
 
     keys, place = mb.keys, mb.place

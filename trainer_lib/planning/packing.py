@@ -22,7 +22,8 @@ rank comes back whole with :func:`rebuild_micro_batch`. Pure Python + numpy; no 
 
 Example::
 
-    step = pack_samples(samples, placeholder_token_id=261, seq_len=8192)
+    spec = PackingSpec.from_adapter(adapter, model.config, pad_token_id=tokenizer.pad_token_id)
+    step = pack_samples(samples, spec, seq_len=8192)
     for mb in step.micro_batches:
         mb.micro_batch.seq_lens, mb.num_tokens, mb.num_loss_tokens, mb.images
 """
@@ -31,14 +32,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from protocol.errors import PlaceholderMismatch
 from protocol.placeholders import check_placeholder_counts, grid_placeholder_count, locate_image_runs
 from protocol.structs import MicroBatch, MMRefs, RawMMRef, TrainingSample
-from trainer_lib.bins import NEUTRAL, PIXELS, STRAY, bin_capacity, plan_bins
 from trainer_lib.micro_batch import ImageSpan, PackedBatch, PackedMicroBatch, SampleSlot
+from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, bin_capacity, plan_bins
+from trainer_lib.spec import PackingSpec
 
 __all__ = [
     "PackEntry",
@@ -66,7 +68,7 @@ class SampleAnalysis:
     length: int
     """Tokens (``len(input_ids)``)."""
     kind: int
-    """:data:`~trainer_lib.bins.PIXELS` (images, real or synthetic), ``STRAY`` (text holding the
+    """:data:`~trainer_lib.planning.bins.PIXELS` (images, real or synthetic), ``STRAY`` (text holding the
     placeholder token) or ``NEUTRAL``."""
     spans: list[tuple[int, int, tuple[int, ...], RawMMRef | None]]
     """(start in sample, length, grid, ref) per image, in prompt order."""
@@ -77,19 +79,16 @@ class SampleAnalysis:
         return [span[1] for span in self.spans]
 
 
-def analyze_entry(
-    entry: PackEntry,
-    placeholder_token_id: int,
-    num_placeholders: Callable[[Sequence[int]], int] | None,
-    position: int | None,
-) -> SampleAnalysis:
-    """Check one sample and locate its image runs (``position`` names it in errors).
+def analyze_entry(entry: PackEntry, spec: PackingSpec, position: int | None) -> SampleAnalysis:
+    """Check one sample and locate its image runs (``position`` names it in errors); with the
+    spec's adapter, every ref's ``num_placeholders`` is checked against its grid.
 
     Raises:
-        ValueError: an empty sample, a loss on its first token, or a synthetic pad without
-            ``num_placeholders`` or with refs.
+        ValueError: an empty sample, a loss on its first token, or a synthetic pad without the
+            spec's adapter or with refs.
         PlaceholderMismatch: image tokens that do not match the refs (see :func:`locate_image_runs`).
     """
+    placeholder_token_id, num_placeholders = spec.placeholder_token_id, spec.num_placeholders
     s = entry.sample
     n = len(s.input_ids)
     if not n:
@@ -106,7 +105,7 @@ def analyze_entry(
             raise ValueError("a synthetic pad image cannot be combined with refs")
         grid = tuple(entry.synthetic_grid)
         if num_placeholders is None:
-            raise ValueError("a synthetic pad image needs num_placeholders (the adapter's)")
+            raise ValueError("a synthetic pad image needs the spec's adapter (num_placeholders)")
         count = grid_placeholder_count(num_placeholders, grid, sample=position)
         runs = locate_image_runs(s.input_ids, [], placeholder_token_id, counts=[count], sample=position)
         return SampleAnalysis(n, PIXELS, [(runs[0][0], runs[0][1], grid, None)])
@@ -128,13 +127,10 @@ def analyze_entry(
 
 
 def build_micro_batch(
-    entries: Sequence[PackEntry],
-    analyses: Sequence[SampleAnalysis] | None = None,
-    *,
-    placeholder_token_id: int,
-    num_placeholders: Callable[[Sequence[int]], int] | None = None,
+    entries: Sequence[PackEntry], spec: PackingSpec, analyses: Sequence[SampleAnalysis] | None = None
 ) -> PackedMicroBatch:
-    """Concatenate entries (in the given order) into one :class:`PackedMicroBatch`.
+    """Concatenate entries (in the given order) into one :class:`PackedMicroBatch` (``analyses``:
+    the entries', when already made by :func:`analyze_entry`).
 
     Raises:
         ValueError: entries of different ``(run_id, lora_id)``, pixels mixed with a stray
@@ -145,15 +141,15 @@ def build_micro_batch(
     if not entries:
         raise ValueError("a micro-batch needs at least one sample")
     if analyses is None:
-        analyses = [analyze_entry(e, placeholder_token_id, num_placeholders, e.sample_index) for e in entries]
-    keys = {(e.sample.run_id, e.sample.lora_id) for e in entries}
+        analyses = [analyze_entry(e, spec, e.sample_index) for e in entries]
+    keys = {e.sample.isolation_key for e in entries}
     if len(keys) != 1:
         raise ValueError(
             f"samples of different (run_id, lora_id) in one micro-batch: {sorted(keys, key=str)}"
         )
     if {PIXELS, STRAY} <= {a.kind for a in analyses}:
         raise ValueError(
-            f"a text sample containing the placeholder token {placeholder_token_id} cannot share a "
+            f"a text sample containing the placeholder token {spec.placeholder_token_id} cannot share a "
             f"micro-batch with image features"
         )
     slots, images = _layout(entries, analyses)
@@ -223,11 +219,10 @@ def _concatenate(
 
 def pack_samples(
     samples: Sequence[TrainingSample | PackEntry],
+    spec: PackingSpec,
     *,
-    placeholder_token_id: int,
     seq_len: int,
     micro_batch_max_tokens: int | None = None,
-    num_placeholders: Callable[[Sequence[int]], int] | None = None,
 ) -> PackedBatch:
     """Pack samples into micro-batches, first-fit-decreasing (see the module docstring).
 
@@ -235,11 +230,10 @@ def pack_samples(
         samples: training samples (or :class:`PackEntry`, e.g. synthetic-image pads); padding
             samples (``is_padding``) are packed like any other and placed after the real samples
             of their bin.
-        placeholder_token_id: the image placeholder id (``adapter.placeholder_token_id(config)``).
+        spec: the family's facts (the placeholder id; with its adapter, every ref's
+            ``num_placeholders`` is checked against its grid and synthetic pads are counted).
         seq_len: the trainer's sequence length.
         micro_batch_max_tokens: bin size; default ``seq_len``; must be ``<= seq_len``.
-        num_placeholders: ``adapter.num_placeholders``; when given, every ref's
-            ``num_placeholders`` is checked against its grid (and synthetic pads are counted).
 
     Returns:
         A :class:`PackedBatch`; each sample lands in exactly one micro-batch.
@@ -252,36 +246,24 @@ def pack_samples(
     cap = bin_capacity(seq_len, micro_batch_max_tokens)
     entries = [e if isinstance(e, PackEntry) else PackEntry(e, i) for i, e in enumerate(samples)]
     analyses = [
-        analyze_entry(
-            e, placeholder_token_id, num_placeholders, i if e.sample_index is None else e.sample_index
-        )
-        for i, e in enumerate(entries)
+        analyze_entry(e, spec, i if e.sample_index is None else e.sample_index) for i, e in enumerate(entries)
     ]
     lengths = [a.length for a in analyses]
-    keys = [(e.sample.run_id, e.sample.lora_id) for e in entries]
+    keys = [e.sample.isolation_key for e in entries]
     kinds = [a.kind for a in analyses]
     bins = plan_bins(lengths, cap, keys=keys, kinds=kinds)
     micro_batches = []
     for b in bins:
         b = sorted(b, key=lambda i: (entries[i].sample.is_padding, i))
-        micro_batches.append(
-            build_micro_batch(
-                [entries[i] for i in b], [analyses[i] for i in b], placeholder_token_id=placeholder_token_id
-            )
-        )
+        micro_batches.append(build_micro_batch([entries[i] for i in b], spec, [analyses[i] for i in b]))
     return PackedBatch(micro_batches=micro_batches, micro_batch_max_tokens=cap)
 
 
-def rebuild_micro_batch(
-    micro_batch: MicroBatch,
-    *,
-    placeholder_token_id: int,
-    num_placeholders: Callable[[Sequence[int]], int] | None = None,
-) -> PackedMicroBatch:
+def rebuild_micro_batch(micro_batch: MicroBatch, spec: PackingSpec) -> PackedMicroBatch:
     """The :class:`PackedMicroBatch` of a micro-batch that crossed the wire.
 
     A packer (one process, or rank 0) ships ``encode(packed.micro_batch)``; the rank that runs
-    it calls ``rebuild_micro_batch(decode_microbatch(data), ...)`` and gets the slots, image spans
+    it calls ``rebuild_micro_batch(decode_microbatch(data), spec)`` and gets the slots, image spans
     and accounting back. The samples are re-cut from the per-token arrays by ``seq_lens`` and
     re-packed with :func:`build_micro_batch`, so every packing check runs again, and the result
     must encode to the very micro-batch received. ``SampleSlot.sample_index`` becomes the sample's
@@ -290,8 +272,7 @@ def rebuild_micro_batch(
     Args:
         micro_batch: as built by :func:`build_micro_batch` (``mm_token_type_ids``,
             ``images_per_sample`` and ``is_padding`` set; ``synthetic_grids`` for pad images).
-        placeholder_token_id: the image placeholder id.
-        num_placeholders: ``adapter.num_placeholders``; required when ``synthetic_grids`` is set.
+        spec: the family's facts; its adapter is required when ``synthetic_grids`` is set.
 
     Raises:
         ValueError: a field :func:`build_micro_batch` always sets is missing, a sample mixes ref'd
@@ -301,9 +282,7 @@ def rebuild_micro_batch(
             :func:`locate_image_runs`).
     """
     entries = _recut(micro_batch)
-    packed = build_micro_batch(
-        entries, placeholder_token_id=placeholder_token_id, num_placeholders=num_placeholders
-    )
+    packed = build_micro_batch(entries, spec)
     for name in MicroBatch.__struct_fields__:
         if getattr(packed.micro_batch, name) != getattr(micro_batch, name):
             raise ValueError(f"the micro-batch does not rebuild to itself: {name} differs")

@@ -1,0 +1,114 @@
+"""Deal one mini-batch to the data-parallel ranks as balanced micro-batches (docs/PACKING.md §3).
+
+Every rank must run the same number of forward/backward passes, and with a sharded model (FSDP)
+micro-batch ``k`` ("slot ``k``") is synchronous: parameters are gathered layer by layer, so the
+slot lasts as long as its slowest rank, and it must run the vision tower on every rank or on
+none. :func:`deal_mini_batch` analyses the mini-batch's samples once, plans the slots with
+:func:`trainer_lib.planning.partition.partition_mini_batch` (tokens balanced inside every slot, vision
+work grouped by slot) and builds each rank's micro-batches:
+
+- a bin in a vision slot that holds no image gets a **synthetic-image pad** (placeholder tokens of
+  ``spec.image_pad_grid``, zero features from ``adapter.synthesize_placeholder``); the partition
+  kept room for it (``reserve``);
+- an empty bin (a rank with nothing left for that slot) becomes a lone pad: a synthetic-image pad
+  in a vision slot, a text pad otherwise, keyed like the mini-batch's last entry (its
+  sample-count pads' key).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
+from trainer_lib.planning.bins import PIXELS
+from trainer_lib.planning.cost import CostModel
+from trainer_lib.planning.packing import PackEntry, SampleAnalysis, analyze_entry, build_micro_batch
+from trainer_lib.planning.padding import make_pad_sample, pad_key
+from trainer_lib.planning.partition import partition_mini_batch
+from trainer_lib.spec import PackingSpec
+
+__all__ = ["deal_mini_batch"]
+
+
+def deal_mini_batch(
+    entries: Sequence[PackEntry],
+    spec: PackingSpec,
+    *,
+    dp_size: int,
+    cap: int,
+    cost_model: CostModel | None = None,
+    stretch_cap: bool = False,
+) -> list[PackedBatch]:
+    """One mini-batch's samples as ``dp_size`` ranks' micro-batches, the same count on every rank.
+
+    Args:
+        entries: the mini-batch's samples (sample-count pads included), each with its
+            ``sample_index``.
+        spec: the family's facts; its adapter checks every ref's count, and the synthetic-image
+            pads need it (required when ``dp_size > 1`` and there are images).
+        cap: ``micro_batch_max_tokens``: a micro-batch holds at most ``cap`` tokens, pads
+            included, unless it is one longer sample (or ``stretch_cap``).
+        cost_model: vision-tower cost per sample, to group vision slots by (default: the
+            samples' image placeholder tokens).
+        stretch_cap: in a slot where some rank runs a sample longer than ``cap``, the other
+            ranks' micro-batches may hold up to that sample's length (see
+            :func:`~trainer_lib.planning.partition.partition_mini_batch`).
+
+    Returns:
+        ``dp_size`` :class:`~trainer_lib.PackedBatch` es in rank order: micro-batch ``k`` runs the
+        vision tower on every rank or on none; vision slots come first.
+
+    Raises:
+        ValueError: a bad ``dp_size`` or cap, a pad's room not below the cap, images to align
+            without an adapter, and what :func:`~trainer_lib.planning.packing.build_micro_batch` raises.
+        PlaceholderMismatch: a sample whose image tokens do not match its refs.
+        GridMismatch: a ``spec.synthetic_grid`` the processor cannot produce.
+    """
+    analyses = [analyze_entry(e, spec, e.sample_index) for e in entries]
+    kinds = [a.kind for a in analyses]
+    aligned = dp_size > 1 and PIXELS in kinds and spec.adapter is not None
+    part = partition_mini_batch(
+        [a.length for a in analyses],
+        dp_size=dp_size,
+        cap=cap,
+        keys=[e.sample.isolation_key for e in entries],
+        kinds=kinds,
+        vision_cost=[
+            cost_model.vision(a.image_tokens) if cost_model is not None else sum(a.image_tokens)
+            for a in analyses
+        ],
+        reserve=spec.image_pad_length if aligned else 0,
+        stretch_cap=stretch_cap,
+    )
+    last_key = pad_key(entries[-1].sample if entries else None)  # the sample-count pads' key
+    build = functools.partial(_micro_batch, entries, analyses, spec, last_key)
+    return [
+        PackedBatch(
+            micro_batches=[build(b, pix) for b, pix in zip(row, part.slot_has_pixels, strict=True)],
+            micro_batch_max_tokens=cap,
+        )
+        for row in part.ranks
+    ]
+
+
+def _micro_batch(
+    entries: Sequence[PackEntry],
+    analyses: Sequence[SampleAnalysis],
+    spec: PackingSpec,
+    last_key: tuple[str, str | None],
+    indices: Sequence[int],
+    vision_slot: bool,
+) -> PackedMicroBatch:
+    """The bin's samples (padding samples last), plus a synthetic-image pad in a vision slot
+    without an image, or a lone text pad for an empty bin of a text slot."""
+    order = sorted(indices, key=lambda i: (entries[i].sample.is_padding, i))
+    chosen = [entries[i] for i in order]
+    found = [analyses[i] for i in order]
+    key = chosen[0].sample.isolation_key if chosen else last_key
+    if vision_slot and all(a.kind != PIXELS for a in found):
+        chosen.append(make_pad_sample(spec, key, grid=spec.image_pad_grid))
+    elif not chosen:
+        chosen.append(make_pad_sample(spec, key))
+    found += [analyze_entry(pad, spec, None) for pad in chosen[len(found) :]]
+    return build_micro_batch(chosen, spec, found)
