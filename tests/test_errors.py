@@ -257,3 +257,21 @@ def test_isort_style_key_matches_ruff_examples():
         "a10",
         "b",
     ]
+
+
+@pytest.mark.parametrize("cls", all_error_types(), ids=lambda c: c.__name__)
+def test_error_from_body_rebuilds_the_plugin_refusal(cls):
+    """The server's body (``vllm_plugin.protocol.error_body``) back into the same typed error."""
+    from vllm_plugin.protocol import error_body
+
+    body = error_body(cls("the message", ref="mmraw:eyJ9"), "the message")
+    rebuilt = errors.error_from_body(body)
+    assert type(rebuilt) is cls and rebuilt.message == "the message" and rebuilt.ref == "mmraw:eyJ9"
+
+
+def test_error_from_body_without_mmref_code():
+    stock = {"error": {"message": "too long", "type": "BadRequestError", "param": None, "code": 400}}
+    assert errors.error_from_body(stock) is None
+    assert errors.error_from_body({"detail": "x"}) is None and errors.error_from_body(None) is None
+    unknown = errors.error_from_body({"error": {"message": "m", "mmref_code": "from_the_future"}})
+    assert type(unknown) is MMRefError and unknown.message == "m" and unknown.ref is None
