@@ -7,11 +7,12 @@
    ``VLLM_SERVER_DEV_MODE=1`` (vLLM's weight-update routes);
 4. checks greedy output by ref against ``/v1/chat/completions`` with data URLs, and the trainer's
    rematerialized pixels bit for bit against what the server fed the model;
-5. runs ``--steps`` RL steps (default 3), each: rollouts by ref (2 prompts x 8, each group sharing
-   its images), a toy reward, GRPO advantages, ``plan_step`` + ``materialize_micro_batch`` + the
-   packed forward/backward of a clipped GRPO-style loss, an optimizer step, then the new weights
-   pushed to the running server (safetensors + ``reload_weights`` + ``/update_weight_version``, no
-   cache reset: README "RL loop");
+5. runs ``--steps`` RL steps (default 3), each: rollouts by ref through ``rollout_client`` (2 prompts
+   x 8, each group sharing its images and one ``X-Session-ID``; the sampler never emits the image
+   placeholder, and the trainer removes the same token from its softmax), a toy reward, GRPO
+   advantages, ``plan_step`` + ``materialize_micro_batch`` + the packed forward/backward of a
+   clipped GRPO-style loss, an optimizer step, then the new weights pushed to the running server
+   (safetensors + ``reload_weights`` + ``/update_weight_version``, no cache reset: README "RL loop");
 6. per step, the server-vs-trainer logprob mismatch on the step's rollouts (the server must serve
    the trainer's current weights: within 1e-4 mean against float32, within ``BF16_NOISE_FACTOR``
    x the trainer's own bf16 noise against bfloat16) and the stale control's (the same image every
@@ -40,12 +41,13 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from demo_rl import data_url, grpo_advantages, sample_group, stale_control, train_step
+from demo_rl import data_url, grpo_advantages, stale_control, train_step
 from make_tiny_models import ensure_tiny_model
 from protocol.adapters import load_adapter, offload_image
 from protocol.placeholders import expand_image_placeholders
 from protocol.structs import TrainingSample
 from rl_server import prefix_cache_hits, push_weights, save_weights, weight_version
+from rollout_client import ChatTemplate, Offloader, PreparedPrompt, RolloutClient, Sampling, mask_in_trainer
 from tiny_models import SERVE_DTYPES
 from trainer_lib import materialize
 from trainer_lib.positions import mrope_model_types
@@ -76,13 +78,11 @@ def reward(tokenizer, sample: TrainingSample) -> float:
     return sum(tokenizer.decode([t]).isalpha() for t in completion) / max(len(completion), 1)
 
 
-def greedy_refs_vs_urls(client, model: Path, prompt: list[int], images, text: str) -> tuple[int, int]:
-    """Greedy tokens by ref and by data URL (the standard OpenAI path) must agree; request bytes."""
-    by_ref = {
-        "token_ids": prompt,
-        "mm_refs": [msgspec.to_builtins(r) for r in images],
-        "sampling_params": {"temperature": 0, "max_tokens": MAX_TOKENS},
-    }
+def greedy_refs_vs_urls(ctx: dict, client, prompt: list[int], images, text: str) -> tuple[int, int]:
+    """Greedy tokens by ref (the rollout client) and by data URL (the standard OpenAI path, the same
+    placeholder suppression) must agree; request bytes."""
+    model, rollouts = ctx["model_dir"], ctx["rollouts"]
+    greedy = Sampling(temperature=0, max_tokens=MAX_TOKENS)
     content = [{"type": "image_url", "image_url": {"url": data_url(r)}} for r in images]
     by_url = {
         "model": str(model),
@@ -90,14 +90,15 @@ def greedy_refs_vs_urls(client, model: Path, prompt: list[int], images, text: st
         "temperature": 0,
         "max_tokens": MAX_TOKENS,
         "return_token_ids": True,
+        "logit_bias": {str(t): -100 for t in rollouts.suppressed_token_ids()},
     }
-    via_refs = client.post("/inference/v1/generate", json=by_ref).json()["choices"][0]["token_ids"]
+    via_refs = rollouts.generate_tokens(prompt, images, greedy).completion_ids
     via_urls = client.post("/v1/chat/completions", json=by_url).json()["choices"][0]["token_ids"]
     same = "same tokens" if via_refs == via_urls else "DIFFERENT TOKENS"
     print(f"[demo] greedy via refs {via_refs[:6]}... vs data URLs {via_urls[:6]}...: {same}")
     if via_refs != via_urls:
         raise SystemExit("greedy outputs differ")
-    return len(json.dumps(by_ref)), len(json.dumps(by_url))
+    return len(rollouts.body(PreparedPrompt(prompt, tuple(images)), greedy)), len(json.dumps(by_url))
 
 
 def control_prompt(ctx: dict, client) -> tuple[list[int], str]:
@@ -168,12 +169,11 @@ def pixel_check(samples, adapter, output_root, resolved) -> tuple[float, object,
 def rl_step(ctx: dict, client, step: int) -> dict:
     """Rollouts by ref, the stale control, the trainer's step, the weights pushed; one report row."""
     version = weight_version(client)
-    samples, redrawn = [], 0
-    for images, prompt in ctx["prompts"]:  # one RL group per prompt: the same images 8 times
-        group, dropped = sample_group(
-            client, prompt, images, ctx["pad_id"], group=GROUP, max_tokens=MAX_TOKENS
-        )
-        samples, redrawn = samples + group, redrawn + dropped
+    sampling = Sampling(temperature=1.0, max_tokens=MAX_TOKENS)
+    groups = [ctx["rollouts"].sample_group(m, GROUP, sampling) for m in ctx["messages"]]  # one per prompt
+    rollouts = [r for group in groups for r in group]
+    samples = [r.to_training_sample() for r in rollouts]
+    placeholders = sum(r.completion_ids.count(ctx["pad_id"]) for r in rollouts)
     rewards = [reward(ctx["tokenizer"], s) for s in samples]
     samples = grpo_advantages(samples, rewards, GROUP)
     control = stale_control(client, ctx["model_dir"], *ctx["control"])
@@ -186,7 +186,7 @@ def rl_step(ctx: dict, client, step: int) -> dict:
     row = {
         "version": version,
         "samples": samples,
-        "redrawn": redrawn,
+        "placeholders": placeholders,
         "reward": sum(rewards) / len(rewards),
         "result": result,
         "bound": bound,
@@ -206,7 +206,7 @@ def rl_step(ctx: dict, client, step: int) -> dict:
 
 def setup(args) -> dict:
     """Model, photos, prompts, the control and the trainer (model + optimizer)."""
-    from transformers import AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoModelForImageTextToText
 
     from trainer_lib import prepare_model_for_packing
 
@@ -218,8 +218,10 @@ def setup(args) -> dict:
     control_ref = offload_image(jpeg("coffee", size=(112, 112)), asset_root, adapter)
     print(f"[demo] tiny {args.family} at {model_dir}; {len(refs) + 1} photos offloaded to {asset_root}")
     print(f"[demo] layout fingerprint {adapter.fingerprint} ({adapter.backend} backend)")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    template = ChatTemplate(model_dir)
+    tokenizer = template.tokenizer
     pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    offloader = Offloader(model_dir, asset_root, adapter=adapter)
 
     def chat(n_images: int, text: str) -> list[int]:
         content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
@@ -232,7 +234,14 @@ def setup(args) -> dict:
         ([refs["astronaut"], refs["coffee"]], "Compare the two pictures."),
         ([refs["chelsea"], refs["rocket"]], "What do you see?"),
     ]
+    photos = [("astronaut", "coffee"), ("chelsea", "rocket")]
+    messages = [  # what rollout code holds: the photos' bytes (offloaded once, by content)
+        [{"role": "user", "content": [*({"type": "image", "image": jpeg(n)} for n in names),
+                                      {"type": "text", "text": text}]}]
+        for names, (_, text) in zip(photos, texts, strict=True)
+    ]  # fmt: skip
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    mask_in_trainer(model, [pad_id])  # the server samples without <|image_pad|>: so does the trainer
     backend = prepare_model_for_packing(model)
     return {
         "args": args,
@@ -241,6 +250,9 @@ def setup(args) -> dict:
         "model_dir": model_dir,
         "adapter": adapter,
         "tokenizer": tokenizer,
+        "template": template,
+        "offloader": offloader,
+        "messages": messages,
         "pad_id": pad_id,
         "chat": chat,
         "texts": texts,
@@ -267,10 +279,15 @@ def serve_and_train(ctx: dict) -> tuple[list[dict], list[tuple[int, int]], dict]
         ),
         extra_env={"VLLM_SERVER_DEV_MODE": "1"},
     )
+    offloader = ctx["offloader"]
+    rollouts = RolloutClient(
+        server.url, ctx["model_dir"], offloader.asset_root, template=ctx["template"], offloader=offloader
+    )
+    ctx["rollouts"] = rollouts
     try:
         with server.client() as client:
             request_bytes = [
-                greedy_refs_vs_urls(client, ctx["model_dir"], prompt, images, text)
+                greedy_refs_vs_urls(ctx, client, prompt, images, text)
                 for (images, prompt), (_, text) in zip(ctx["prompts"], ctx["texts"], strict=True)
             ]
             images, prompt = ctx["prompts"][0]
@@ -280,6 +297,7 @@ def serve_and_train(ctx: dict) -> tuple[list[dict], list[tuple[int, int]], dict]
             ctx["control"] = (prompt, ctx["control_ref"], text, ctx["pad_id"])
             rows = [rl_step(ctx, client, step) for step in range(ctx["steps"])]
     finally:
+        rollouts.close()
         server.stop()
     return rows, request_bytes, resolved
 
@@ -310,7 +328,8 @@ def main() -> None:
         report.append(
             (
                 f"step {k} (served weights {row['version']!r})",
-                f"{len(row['samples'])} rollouts ({row['redrawn']} redrawn), reward {row['reward']:.3f}, "
+                f"{len(row['samples'])} rollouts (placeholder sampled {row['placeholders']} times), "
+                f"reward {row['reward']:.3f}, "
                 f"loss {r.loss:+.4f}, {r.micro_batches} micro-batch(es), {r.seconds:.1f} s; pushed "
                 f"{row['pushed'][0]!r} in {row['pushed'][1]:.2f} s",
             )
@@ -329,6 +348,8 @@ def main() -> None:
         print(f"{label:<40} : {value}")
     if diff != 0:
         raise SystemExit("trainer pixels differ from the server's")
+    if any(row["placeholders"] for row in rows):
+        raise SystemExit("a completion sampled the image placeholder")
     if any(row["result"].mismatch.mean_abs > row["bound"] for row in rows):
         raise SystemExit("the server's logprobs are not the trainer's weights'")
 
