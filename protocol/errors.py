@@ -20,7 +20,9 @@ not know this module::
     ├── CorruptFeature(MMRefError, ValueError)               422    corrupt_feature
     ├── GridMismatch(MMRefError, ValueError)                 422    grid_mismatch
     ├── PlaceholderMismatch(MMRefError, ValueError)          422    placeholder_mismatch
-    └── SeedUnsupported(MMRefError, ValueError)              400    seed_unsupported
+    ├── SeedUnsupported(MMRefError, ValueError)              400    seed_unsupported
+    ├── UpdateConflict(MMRefError, RuntimeError)             409    update_conflict
+    └── DrainTimeout(MMRefError, TimeoutError)               503    drain_timeout
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "AssetOutsideRoot",
     "AssetTooLarge",
     "CorruptFeature",
+    "DrainTimeout",
     "FingerprintMismatch",
     "GridMismatch",
     "HashMismatch",
@@ -44,6 +47,7 @@ __all__ = [
     "PlaceholderMismatch",
     "SeedUnsupported",
     "UnsupportedFamily",
+    "UpdateConflict",
     "all_error_types",
     "error_from_body",
 ]
@@ -174,6 +178,22 @@ class SeedUnsupported(MMRefError, ValueError):
     http_status = 400
 
 
+class UpdateConflict(MMRefError, RuntimeError):
+    """A weight-update call that does not fit the server's state: a hold while another holds the
+    server, a release without a hold (``vllm_plugin/updates.py``)."""
+
+    code = "update_conflict"
+    http_status = 409
+
+
+class DrainTimeout(MMRefError, TimeoutError):
+    """Requests admitted before a weight update did not finish within its timeout; nothing was
+    changed and the server admits requests again (retryable)."""
+
+    code = "drain_timeout"
+    http_status = 503
+
+
 def all_error_types() -> list[type[MMRefError]]:
     """Every concrete error class, in declaration order (codes are unique; tested)."""
     return [
@@ -191,6 +211,8 @@ def all_error_types() -> list[type[MMRefError]]:
         GridMismatch,
         PlaceholderMismatch,
         SeedUnsupported,
+        UpdateConflict,
+        DrainTimeout,
     ]
 
 

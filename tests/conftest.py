@@ -13,6 +13,7 @@ from helpers import (
     SERVER_CACHE_BUDGET,
     VLLMServer,
     ensure_tiny_model,
+    jittered_weights,
     photo_bytes,
     start_server,
     warm_up,
@@ -74,3 +75,20 @@ def server(qwen2_vl_dir, output_root, photo_refs, tmp_path_factory) -> Iterator[
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def weight_sets(qwen2_vl_dir, tmp_path_factory) -> dict:
+    """``{"A": (folder, model), "B": (folder, model)}``: the tiny model and its jittered twin
+    (``helpers.jittered_weights``), as served checkpoints and as the trainer's models."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from trainer_lib import prepare_model_for_packing
+
+    a = AutoModelForImageTextToText.from_pretrained(qwen2_vl_dir, dtype=torch.float32).eval()
+    prepare_model_for_packing(a)
+    return {
+        "A": (qwen2_vl_dir, a),
+        "B": jittered_weights(qwen2_vl_dir, tmp_path_factory.mktemp("weights") / "B"),
+    }

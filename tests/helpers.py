@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from PIL import Image
@@ -14,6 +15,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from make_tiny_models import ensure_tiny_model  # noqa: E402
 from vllm_server import VLLMServer, start_server  # noqa: E402
+
+if TYPE_CHECKING:
+    from protocol.structs import TrainingSample
 
 SERVER_CACHE_BUDGET = 8 << 20
 """Resolve-cache budget of the test server: small, so the suite exercises eviction."""
@@ -30,9 +34,12 @@ __all__ = [
     "SERVER_CACHE_BUDGET",
     "VLLMServer",
     "ensure_tiny_model",
+    "jittered_weights",
     "photo_array",
     "photo_bytes",
     "refusal",
+    "rollout_sample",
+    "server_mismatch",
     "start_server",
     "warm_up",
 ]
@@ -81,3 +88,59 @@ def warm_up(server: VLLMServer) -> None:
         c.post(
             "/v1/completions", json={"model": str(server.model), "prompt": "hi", "max_tokens": 1}
         ).raise_for_status()
+
+
+# --- weight updates (test_weight_updates.py, test_weight_pushes.py) ----------------------------
+
+
+def rollout_sample(prompt: list[int], completion: list[int], logprobs: list, refs) -> TrainingSample:
+    """A rollout as the trainer sees it: ``prompt + completion``, loss on the completion, the
+    server's logprobs (``{"logprob": x}`` entries or bare floats) as ``inference_logprobs``."""
+    from protocol.structs import MMRefs, TrainingSample
+
+    values = [c["logprob"] if isinstance(c, dict) else c for c in logprobs]
+    n, m = len(prompt), len(completion)
+    return TrainingSample(
+        input_ids=prompt + completion,
+        loss_mask=[False] * n + [True] * m,
+        advantages=[0.0] * (n + m),
+        inference_logprobs=[0.0] * n + values,
+        mm_refs=MMRefs(items=list(refs)) if refs else None,
+    )
+
+
+def server_mismatch(samples: list, model, adapter, output_root, *, per_sample: bool = False):
+    """The trainer's recompute of the sampled tokens (packed forward) vs the server's logprobs:
+    one ``MismatchStats`` over all samples, or (``per_sample``) one per sample."""
+    import torch
+
+    from trainer_lib.mismatch import logprob_mismatch, recompute_logprobs
+
+    results = recompute_logprobs(samples, model, adapter, output_root, seq_len=2048)
+    served = [torch.tensor(s.inference_logprobs) for s in samples]
+    if per_sample:
+        return [logprob_mismatch(lp, sv, m) for (lp, m), sv in zip(results, served, strict=True)]
+    return logprob_mismatch(
+        torch.cat([lp for lp, _ in results]), torch.cat(served), torch.cat([m for _, m in results])
+    )
+
+
+def jittered_weights(model_dir: Path, out: Path):
+    """Weight set ``B`` for update tests: the tiny model with its vision tower x4 and every other
+    weight jittered (seeded). Returns ``(folder, model)``, the model float32, eval, packing-ready."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from rl_server import save_weights
+    from trainer_lib import prepare_model_for_packing
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                p.mul_(4.0)
+            else:
+                p.add_(0.3 * p.std() * torch.randn(p.shape, generator=gen))
+    prepare_model_for_packing(model)
+    return save_weights(model, out), model

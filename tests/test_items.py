@@ -136,3 +136,68 @@ def test_a_broken_vllm_install_is_not_a_client_error(monkeypatch, photo_item):
     thread.start()
     thread.join()
     assert isinstance(outcome[0], ImportError) and not isinstance(outcome[0], InvalidRequest)
+
+
+def test_pixel_values_the_processor_never_emits_are_refused(layout, photo_item, qwen2_vl_adapter):
+    """The value check (``items.PixelRange``): uint8, or float32 finite and within the processor's
+    output range (measured by processing black and white images) or vLLM's raw 0-255; every other
+    dtype, NaN, inf and huge values are refused before anything reaches the engine."""
+    from PIL import Image
+
+    low, high = layout.pixel_range.low, layout.pixel_range.high
+    normalized = qwen2_vl_adapter.process(Image.fromarray(photo_array("coffee")).resize((200, 140))).tensors
+    assert low <= float(normalized["pixel_values"].min()) and float(normalized["pixel_values"].max()) <= 3
+    assert low < -1.5 and high == pytest.approx(255.001)  # CLIP mean/std: (0 - 0.48) / 0.27
+    pixels = photo_item["pixel_values"].data
+    accepted = {
+        "uint8": pixels,
+        "raw float32": pixels.float(),
+        "normalized float32": normalized["pixel_values"],
+        "the lowest normalized value": pixels.float().fill_(low + 1e-4),
+    }
+    for data in accepted.values():
+        layout.check(replaced(photo_item, "pixel_values", data), InvalidRequest, "item")
+    floats = pixels.float()
+    refused = {
+        "NaN": (floats.clone().fill_(float("nan")), "span"),
+        "one NaN": (torch.cat([floats[:-1], floats[-1:].fill_(float("nan"))]), "span"),
+        "+inf": (floats.clone().fill_(float("inf")), "span"),
+        "-inf": (floats.clone().fill_(float("-inf")), "span"),
+        "3e38": (floats.clone().fill_(3e38), "span"),
+        "below the normalized range": (floats.clone().fill_(low - 0.01), "span"),
+        "above 255": (floats.clone().fill_(255.5), "span"),
+        "float64": (floats.double(), "float64"),
+        "float16": (floats.half(), "float16"),
+        "bfloat16": (floats.bfloat16(), "bfloat16"),
+        "bool": (pixels > 100, "bool"),
+        "complex64": (floats.to(torch.complex64), "complex64"),
+        "int8": (pixels.to(torch.int8), "int8"),
+        "int64": (pixels.long(), "int64"),
+    }
+    for name, (data, says) in refused.items():
+        with pytest.raises(CorruptFeature) as info:
+            layout.check(replaced(photo_item, "pixel_values", data), CorruptFeature, "payload")
+        assert says in info.value.message, name
+
+
+def test_flat_fields_need_int_dims_and_slices(layout, photo_item):
+    """vLLM's decoder takes any msgpack values for a flat field's ``dim`` and slices and slices
+    with them inside the engine (an empty 500); the check refuses them first."""
+    from vllm.multimodal.inputs import MultiModalFlatField
+
+    field = photo_item["pixel_values"].field
+    rows = int(photo_item["pixel_values"].data.shape[0])
+    cases = {
+        "string slices": MultiModalFlatField(slices=[[slice("0", str(rows), None)]], dim=0),
+        "float slices": MultiModalFlatField(slices=[[slice(0.0, float(rows), None)]], dim=0),
+        "a step": MultiModalFlatField(slices=[[slice(0, rows, 2)]], dim=0),
+        "a string dim": MultiModalFlatField(slices=field.slices, dim="0"),
+        "a float dim": MultiModalFlatField(slices=field.slices, dim=0.0),
+        "a dim past the tensor": MultiModalFlatField(slices=field.slices, dim=5),
+    }
+    for name, bad in cases.items():
+        with pytest.raises(InvalidRequest) as info:
+            layout.check(replaced(photo_item, "pixel_values", field=bad), InvalidRequest, "item")
+        assert "dim or slices are not ints" in info.value.message, name
+    ints = MultiModalFlatField(slices=[[slice(0, rows, None)]], dim=0)
+    layout.check(replaced(photo_item, "pixel_values", field=ints), InvalidRequest, "item")

@@ -1,4 +1,4 @@
-"""Placeholder arithmetic: ``vllm_plugin.serving.locate_placeholders`` / ``check_range`` and
+"""Placeholder arithmetic: ``protocol.placeholders.locate_image_runs`` / ``check_range`` and
 ``protocol.placeholders.expand_image_placeholders``."""
 
 from __future__ import annotations
@@ -207,3 +207,25 @@ def test_expand_then_locate_round_trips(counts, texts):
     for (offset, n), count in zip(ranges, counts, strict=True):
         assert expanded[offset : offset + n] == [P] * n
         check_range(expanded, {"offset": offset, "length": n}, P, count, "r")
+
+
+@pytest.mark.parametrize("big", [2**63, 2**64 + 5, -(2**63) - 1])
+def test_an_id_beyond_64_bits_is_a_typed_refusal(big):
+    """A JSON integer beyond int64 inside a placeholder run (numpy cannot hold it): a typed 400,
+    never the interpreter's ``OverflowError`` text."""
+    ids = [T, P, P, big, P, T]
+    with pytest.raises(InvalidRequest, match="outside the 64-bit integer range"):
+        locate_image_runs(ids, [], P, counts=[4])
+
+
+def test_a_refusal_body_escapes_lone_surrogates():
+    """A ref with a lone surrogate (valid in a JSON string, not in UTF-8) is echoed escaped, so the
+    error body can be encoded (it was a 400 with the encoder's exception text)."""
+    import json
+
+    from protocol.errors import InvalidRef
+    from vllm_plugin.protocol import error_body
+
+    body = error_body(InvalidRef("bad ref \ud800", ref="mmraw:x\ud800"), "bad ref \ud800")
+    encoded = json.dumps(body, ensure_ascii=False).encode("utf-8")
+    assert body["error"]["ref"] == "mmraw:x\\ud800" and b"\\\\ud800" in encoded

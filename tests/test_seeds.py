@@ -1,82 +1,180 @@
-"""Which seeded requests a vLLM CPU server refuses (``vllm_plugin/seeds.py``); the refusal on a real
-server is in test_route_attacks.py and test_route_parity.py."""
+"""Which seeded requests a vLLM CPU server refuses (``vllm_plugin/seeds.py``), from the request's
+size and vLLM's own scheduler settings; on real servers, every route: test_route_parity.py (stock as
+the control: the refused request kills it), test_weight_pushes.py (a server where text cannot split)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
 from protocol.errors import SeedUnsupported
+from vllm_plugin.admission import rule_check
 from vllm_plugin.protocol import MMRefGenerateRequest
-from vllm_plugin.seeds import SeedGuard
+from vllm_plugin.seeds import SplitRule
 
-RANGE = {"offset": 0, "length": 3}
-
-
-def request(seed: int | None, **extra) -> MMRefGenerateRequest:
-    sampling = {"max_tokens": 2} if seed is None else {"max_tokens": 2, "seed": seed}
-    return MMRefGenerateRequest.model_validate({"token_ids": [1, 2, 3], "sampling_params": sampling, **extra})
+PAD = 261
 
 
-def test_unseeded_requests_always_pass():
-    SeedGuard(("chunked prefill is on",)).check(request(None))
+def rule(**overrides) -> SplitRule:
+    settings = {
+        "token_budget": 2048,
+        "chunked_prefill": True,
+        "long_prefill_threshold": 0,
+        "max_num_seqs": 4,
+        "max_model_len": 2048,
+        "encoder_budget": 2048,
+        "mamba_block": None,
+        "default_temperature": 1.0,
+    }
+    return SplitRule(**{**settings, **overrides})
 
 
-def test_seeded_text_passes_only_where_no_setting_splits_prefills():
-    SeedGuard(()).check(request(7))
+def check(r: SplitRule, **request) -> None:
+    r.check(
+        **{"seed": 7, "temperature": 1.0, "prompt_tokens": 10, "max_tokens": 4, "image_tokens": 0, **request}
+    )
+
+
+def test_unseeded_greedy_and_invalid_requests_pass_on_any_server():
+    r = rule()
+    check(r, seed=None)
+    check(r, temperature=0.0)  # greedy: vLLM gives it no generator, split or not
+    check(r, temperature=5e-6)  # below vLLM's _SAMPLING_EPS: still greedy
+    check(r, seed="7")  # not an int: vLLM refuses it itself
+    check(r, seed=True)
+    check(rule(default_temperature=0.0), temperature=None)  # the model's default is greedy
+
+
+def test_chunked_prefill_splits_a_request_when_other_requests_can_fill_the_step():
+    # 4 seqs of up to 2048 tokens: any request can be split in a 2048-token step
     with pytest.raises(SeedUnsupported, match="chunked prefill is on") as e:
-        SeedGuard(("chunked prefill is on",)).check(request(7))
+        check(rule())
     assert e.value.code == "seed_unsupported" and e.value.http_status == 400
+    # one sequence at a time: nothing else shares the step
+    check(rule(max_num_seqs=1))
+    # the exact boundary: L + 3 * 100 <= budget (other requests' chunks capped by the threshold)
+    check(rule(token_budget=400, long_prefill_threshold=100), prompt_tokens=90, max_tokens=10)
+    with pytest.raises(SeedUnsupported, match="chunked"):
+        check(rule(token_budget=399, long_prefill_threshold=100), prompt_tokens=90, max_tokens=10)
+    # without chunked prefill a prompt is scheduled whole or not at all
+    check(rule(chunked_prefill=False), prompt_tokens=2000, max_tokens=48)
+
+
+def test_output_tokens_count_and_an_unknown_length_is_the_longest():
+    """A preempted request is recomputed with its output tokens; no ``max_tokens`` or no known
+    prompt length means up to ``max_model_len``."""
+    r = rule(max_num_seqs=1, chunked_prefill=True, token_budget=512, max_model_len=2048)
+    check(r, prompt_tokens=500, max_tokens=12)
+    for request in ({"prompt_tokens": 500, "max_tokens": 13}, {"max_tokens": None}, {"prompt_tokens": None}):
+        with pytest.raises(SeedUnsupported):
+            check(r, **request)
+
+
+def test_threshold_mamba_blocks_and_images():
+    with pytest.raises(SeedUnsupported, match="long-prefill-token-threshold 64"):
+        check(rule(chunked_prefill=False, long_prefill_threshold=64), prompt_tokens=61, max_tokens=4)
+    check(rule(chunked_prefill=False, long_prefill_threshold=64), prompt_tokens=60, max_tokens=4)
+    with pytest.raises(SeedUnsupported, match="hybrid"):
+        check(rule(chunked_prefill=False, mamba_block=16), prompt_tokens=17)
+    check(rule(chunked_prefill=False, mamba_block=16), prompt_tokens=12)
+    # images: other requests' images can spend the encoder budget, chunked prefill or not
+    with pytest.raises(SeedUnsupported, match="encoder budget"):
+        check(rule(chunked_prefill=False), image_tokens=64)
+    check(rule(chunked_prefill=False, max_num_seqs=1), image_tokens=64)
+
+
+def test_the_generate_route_uses_the_exact_size():
+    def generate(**extra) -> MMRefGenerateRequest:
+        body = {"token_ids": [1, PAD, PAD, 2], "sampling_params": {"max_tokens": 4, "seed": 7}, **extra}
+        return MMRefGenerateRequest.model_validate(body)
+
+    loose = rule(chunked_prefill=False)
+    loose.check_generate(generate(), PAD)  # text, no split
+    with pytest.raises(SeedUnsupported, match="encoder budget"):
+        loose.check_generate(generate(mm_refs=["mmraw:x"]), PAD)  # two image tokens
+    part = {"type": "image_url", "url": "data:image/png;base64,AA=="}
+    with pytest.raises(SeedUnsupported, match="encoder budget"):
+        loose.check_generate(generate(content_parts=[part]), PAD)
+    features = {
+        "mm_hashes": {"image": ["a" * 64]},
+        "mm_placeholders": {"image": [{"offset": 1, "length": 2}]},
+    }
+    with pytest.raises(SeedUnsupported, match="encoder budget"):
+        loose.check_generate(generate(features=features), PAD)
+    greedy = {"token_ids": [1, 2], "sampling_params": {"temperature": 0, "seed": 7}}
+    rule().check_generate(MMRefGenerateRequest.model_validate(greedy), PAD)
+
+
+def test_openai_bodies_on_vllms_own_routes():
+    """``admission.rule_check``: completions with token ids (exact), text or chat (longest),
+    chat with an image part (an image)."""
+    loose = rule(chunked_prefill=False)
+    rule_check(loose, {"prompt": [1, 2, 3], "seed": 7, "max_tokens": 4})
+    rule_check(loose, {"messages": [{"role": "user", "content": "hi"}], "seed": 7})
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    chat = {"messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}], "seed": 7}
+    with pytest.raises(SeedUnsupported, match="encoder budget"):
+        rule_check(loose, chat)
+    rule_check(loose, {**chat, "temperature": 0})
+    with pytest.raises(SeedUnsupported, match="chunked"):
+        rule_check(rule(), {"prompt": "hi", "seed": 7, "max_tokens": 4})
+    tight = rule(max_num_seqs=1, token_budget=100, max_model_len=2048)
+    rule_check(tight, {"prompt": [1] * 90, "seed": 7, "max_tokens": 10})
+    with pytest.raises(SeedUnsupported):
+        rule_check(tight, {"prompt": "x" * 90, "seed": 7, "max_tokens": 10})  # length unknown
+    for not_a_request in ([1], "x", None, {"seed": 7, "max_tokens": "many"}):
+        try:
+            rule_check(loose, not_a_request)
+        except SeedUnsupported:
+            assert isinstance(not_a_request, dict)
 
 
 @pytest.mark.parametrize(
-    "extra",
+    ("family", "scheduler", "cache", "is_cpu", "refuses_text"),
     [
-        {"content_parts": [{"type": "image_url", "url": "data:image/png;base64,AA=="}]},
-        {
-            "features": {
-                "mm_hashes": {"image": ["a" * 64]},
-                "mm_placeholders": {"image": [{"offset": 0, "length": 3}]},
-            }
-        },
+        ("qwen2_vl", {}, {}, True, True),
+        ("qwen2_vl", {"enable_chunked_prefill": False}, {}, True, False),
+        ("qwen2_vl", {"enable_chunked_prefill": False, "long_prefill_token_threshold": 8}, {}, True, True),
+        ("qwen3_5", {"enable_chunked_prefill": False}, {"mamba_cache_mode": "align"}, True, True),
+        ("qwen3_5", {"enable_chunked_prefill": False}, {}, True, False),
+        ("qwen2_vl", {}, {}, False, False),
     ],
 )
-def test_seeded_requests_with_images_are_refused_even_without_split_settings(extra):
-    with pytest.raises(SeedUnsupported, match="carries images"):
-        SeedGuard(()).check(request(7, **extra))
-
-
-@pytest.mark.parametrize(
-    ("family", "scheduler", "cache", "expected"),
-    [
-        ("qwen2_vl", {}, {}, ["chunked prefill"]),
-        ("qwen2_vl", {"enable_chunked_prefill": False}, {}, []),
-        (
-            "qwen2_vl",
-            {"enable_chunked_prefill": False, "long_prefill_token_threshold": 64},
-            {},
-            ["threshold"],
-        ),
-        ("qwen3_5", {"enable_chunked_prefill": False}, {"mamba_cache_mode": "align"}, ["hybrid"]),
-        ("qwen3_5", {"enable_chunked_prefill": False}, {}, []),
-    ],
-)
-def test_seed_guard_reads_vllms_own_configs(family, scheduler, cache, expected):
-    """``for_engine`` on vLLM's own config objects for the tiny models (what ``engine_client.vllm_config``
-    holds); only a CPU server refuses anything."""
-    from types import SimpleNamespace
-
+def test_for_engine_reads_vllms_own_configs(family, scheduler, cache, is_cpu, refuses_text):
+    """``for_engine`` on vLLM's own config objects for the tiny models (what
+    ``engine_client.vllm_config`` holds); a GPU server refuses nothing."""
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig
 
     from helpers import ensure_tiny_model
 
     config = SimpleNamespace(
-        model_config=ModelConfig(model=str(ensure_tiny_model(family))),
+        model_config=ModelConfig(model=str(ensure_tiny_model(family)), max_model_len=4096),
         scheduler_config=SchedulerConfig(
-            max_model_len=4096, max_num_batched_tokens=4096, is_encoder_decoder=False, **scheduler
+            max_model_len=4096,
+            max_num_batched_tokens=4096,
+            max_num_seqs=4,
+            is_encoder_decoder=False,
+            **scheduler,
         ),
-        cache_config=CacheConfig(**cache),
+        cache_config=CacheConfig(block_size=16, **cache),
     )
-    guard = SeedGuard.for_engine(config, is_cpu=True)
-    assert len(guard.split_settings) == len(expected)
-    assert all(word in setting for word, setting in zip(expected, guard.split_settings, strict=True))
-    assert SeedGuard.for_engine(config, is_cpu=False) is None
+    r = SplitRule.for_engine(config, is_cpu=is_cpu)
+    if not is_cpu:
+        assert r is None
+        return
+    assert r.token_budget == 4096 and r.max_num_seqs == 4 and r.max_model_len == 4096
+    refused = bool(r.split_reasons(100, 0))
+    assert refused == refuses_text, r.split_reasons(100, 0)
+
+
+def test_the_middleware_parses_only_bodies_that_name_a_seed():
+    """``admission._mentions_seed``: the bytes ``"seed"`` found across chunk boundaries without
+    joining the body; only then is it parsed (a 90 MB data-URL body costs a scan, not a copy)."""
+    from vllm_plugin.admission import _mentions_seed
+
+    assert _mentions_seed([b'{"seed": 7}'])
+    assert _mentions_seed([b'{"se', b'ed": 7}'])
+    assert _mentions_seed([b'x"', b"s", b"e", b"e", b'd"'])
+    assert not _mentions_seed([b'{"sed": 7, "text": "seed"}'])
+    assert not _mentions_seed([])

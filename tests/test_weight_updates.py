@@ -3,7 +3,9 @@ from old weights, while the same sequence goes stale or kills the engine on vLLM
 
 One plugin server for the module (``VLLM_SERVER_DEV_MODE=1``, ``--enable-prefix-caching``,
 processed logprobs, tiny Qwen2-VL in float32). Weights change through ``reload_weights`` with
-``weights_path`` plus ``/update_weight_version`` (``scripts/rl_server.py``), no cache reset.
+``weights_path`` plus ``/update_weight_version`` (``rl_server.reload_and_version``), no cache reset:
+vLLM's bare calls, to show what its caches do; the procedure users run under traffic is
+tests/test_weight_pushes.py.
 Two weight sets: ``A`` (the tiny model) and ``B`` (vision tower x4, language-model weights
 jittered): every check recomputes the server's sampled tokens with ``trainer_lib`` under the
 weights the server should be serving.
@@ -27,16 +29,13 @@ from dataclasses import dataclass
 
 import msgspec
 import pytest
-import torch
-from transformers import AutoModelForImageTextToText, AutoTokenizer
+from transformers import AutoTokenizer
 
-from helpers import SERVER_ARGS, photo_bytes, start_server, warm_up
+from helpers import SERVER_ARGS, photo_bytes, rollout_sample, server_mismatch, start_server, warm_up
 from protocol.adapters import offload_image
 from protocol.placeholders import expand_image_placeholders
-from protocol.structs import MMRefs, TrainingSample
-from rl_server import prefix_cache_hits, push_weights, reset_stock_caches, save_weights, weight_version
-from trainer_lib import prepare_model_for_packing
-from trainer_lib.mismatch import MismatchStats, logprob_mismatch, recompute_logprobs
+from protocol.structs import TrainingSample
+from rl_server import prefix_cache_hits, reload_and_version, reset_stock_caches, weight_version
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
@@ -63,24 +62,6 @@ def dev_server(qwen2_vl_dir, output_root, photo_refs, tmp_path_factory):
         yield srv
     finally:
         srv.stop()
-
-
-@pytest.fixture(scope="module")
-def weight_sets(qwen2_vl_dir, tmp_path_factory):
-    """``{"A": (dir, model), "B": (dir, model)}``: the served checkpoints and the trainer's models."""
-    a = AutoModelForImageTextToText.from_pretrained(qwen2_vl_dir, dtype=torch.float32).eval()
-    b = AutoModelForImageTextToText.from_pretrained(qwen2_vl_dir, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in b.named_parameters():
-            if "visual" in name:
-                p.mul_(4.0)
-            else:
-                p.add_(0.3 * p.std() * torch.randn(p.shape, generator=gen))
-    for model in (a, b):
-        prepare_model_for_packing(model)
-    root = tmp_path_factory.mktemp("weights")
-    return {"A": (qwen2_vl_dir, a), "B": (save_weights(b, root / "B"), b)}
 
 
 @dataclass(frozen=True)
@@ -136,7 +117,7 @@ def by_ref(client, shape: Shape) -> tuple[TrainingSample, str]:
         choice = r.json()["choices"][0]
         if shape.pad not in choice["token_ids"]:
             break
-    return sample(prompt, choice["token_ids"], choice["logprobs"]["content"], refs), r.headers[HEADER]
+    return rollout_sample(prompt, choice["token_ids"], choice["logprobs"]["content"], refs), r.headers[HEADER]
 
 
 def by_stock_route(client, model_dir, shape: Shape) -> TrainingSample:
@@ -147,7 +128,7 @@ def by_stock_route(client, model_dir, shape: Shape) -> TrainingSample:
     if not shape.images:
         body = {**sampling, "prompt": prompt, "return_token_ids": True}
         choice = _draw(client, "/v1/completions", body, shape.pad)
-        return sample(prompt, choice["token_ids"], choice["logprobs"]["token_logprobs"], refs)
+        return rollout_sample(prompt, choice["token_ids"], choice["logprobs"]["token_logprobs"], refs)
     content = [
         {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{base64.b64encode(b).decode()}"}}
         for b in shape.images
@@ -156,7 +137,7 @@ def by_stock_route(client, model_dir, shape: Shape) -> TrainingSample:
     body = {**sampling, "messages": [{"role": "user", "content": content}], "return_token_ids": True}
     choice = _draw(client, "/v1/chat/completions", body, shape.pad)
     assert choice["prompt_token_ids"] == prompt, "vLLM rendered another prompt than the plugin's"
-    return sample(prompt, choice["token_ids"], choice["logprobs"]["content"], refs)
+    return rollout_sample(prompt, choice["token_ids"], choice["logprobs"]["content"], refs)
 
 
 def _draw(client, path: str, body: dict, pad: int) -> dict:
@@ -171,44 +152,23 @@ def _draw(client, path: str, body: dict, pad: int) -> dict:
     return choice
 
 
-def sample(prompt: list[int], completion: list[int], logprobs: list, refs) -> TrainingSample:
-    values = [c["logprob"] if isinstance(c, dict) else c for c in logprobs]
-    n, m = len(prompt), len(completion)
-    return TrainingSample(
-        input_ids=prompt + completion,
-        loss_mask=[False] * n + [True] * m,
-        advantages=[0.0] * (n + m),
-        inference_logprobs=[0.0] * n + values,
-        mm_refs=MMRefs(items=list(refs)) if refs else None,
-    )
-
-
-def mismatch(samples: list[TrainingSample], model, adapter, output_root) -> MismatchStats:
-    """The trainer's recompute of the sampled tokens (packed forward) vs the server's logprobs."""
-    results = recompute_logprobs(samples, model, adapter, output_root, seq_len=2048)
-    inference = torch.cat([torch.tensor(s.inference_logprobs) for s in samples])
-    return logprob_mismatch(
-        torch.cat([lp for lp, _ in results]), inference, torch.cat([m for _, m in results])
-    )
-
-
 def test_refs_after_a_weight_update_get_the_new_weights(
     dev_server, weight_sets, shapes, qwen2_vl_adapter, output_root
 ):
     (a_dir, a), (b_dir, b) = weight_sets["A"], weight_sets["B"]
     with dev_server.client() as c:
-        push_weights(c, a_dir, "refs-A")
+        reload_and_version(c, a_dir, "refs-A")
         before = [by_ref(c, shapes[s]) for s in shapes]
         hits = prefix_cache_hits(c)
         again = [by_ref(c, shapes[s]) for s in shapes]
         assert prefix_cache_hits(c) - hits >= 3 * 128, "repeats under one version must hit the prefix cache"
-        push_weights(c, b_dir, "refs-B")
+        reload_and_version(c, b_dir, "refs-B")
         assert weight_version(c) == "refs-B"
         after = [by_ref(c, shapes[s]) for s in shapes]
     assert {v for _, v in before + again} == {"refs-A"} and {v for _, v in after} == {"refs-B"}
-    old = mismatch([s for s, _ in before + again], a, qwen2_vl_adapter, output_root)
-    new = mismatch([s for s, _ in after], b, qwen2_vl_adapter, output_root)
-    stale = mismatch([s for s, _ in after], a, qwen2_vl_adapter, output_root)
+    old = server_mismatch([s for s, _ in before + again], a, qwen2_vl_adapter, output_root)
+    new = server_mismatch([s for s, _ in after], b, qwen2_vl_adapter, output_root)
+    stale = server_mismatch([s for s, _ in after], a, qwen2_vl_adapter, output_root)
     print(f"refs under A vs trainer A: {old}\nrefs after the update vs trainer B: {new}\n  vs A: {stale}")
     assert old.mean_abs <= FRESH and new.mean_abs <= FRESH and new.max_abs <= 1e-3
     assert stale.mean_abs > STALE  # the update is visible: B's answers are not A's
@@ -223,9 +183,9 @@ def test_stock_routes_stay_stale_until_both_caches_are_reset(
     (a_dir, a), (b_dir, b) = weight_sets["A"], weight_sets["B"]
     stock = [shapes["covered"], shapes["text"]]
     with dev_server.client() as c:
-        push_weights(c, a_dir, "stock-A")
+        reload_and_version(c, a_dir, "stock-A")
         before = [by_stock_route(c, qwen2_vl_dir, s) for s in stock]
-        push_weights(c, b_dir, "stock-B")
+        reload_and_version(c, b_dir, "stock-B")
         stale = [by_stock_route(c, qwen2_vl_dir, s) for s in stock]
         c.post("/reset_encoder_cache").raise_for_status()
         still = by_stock_route(c, qwen2_vl_dir, shapes["covered"])
@@ -233,15 +193,15 @@ def test_stock_routes_stay_stale_until_both_caches_are_reset(
         fresh = [by_stock_route(c, qwen2_vl_dir, s) for s in stock]
         by_refs = by_ref(c, shapes["covered"])[0]
     stats = {
-        "before the update vs A": mismatch(before, a, qwen2_vl_adapter, output_root),
-        "after, no reset vs B": mismatch(stale, b, qwen2_vl_adapter, output_root),
-        "image, encoder cache reset vs B": mismatch([still], b, qwen2_vl_adapter, output_root),
-        "both caches reset vs B": mismatch(fresh, b, qwen2_vl_adapter, output_root),
-        "by ref vs B": mismatch([by_refs], b, qwen2_vl_adapter, output_root),
+        "before the update vs A": server_mismatch(before, a, qwen2_vl_adapter, output_root),
+        "after, no reset vs B": server_mismatch(stale, b, qwen2_vl_adapter, output_root),
+        "image, encoder cache reset vs B": server_mismatch([still], b, qwen2_vl_adapter, output_root),
+        "both caches reset vs B": server_mismatch(fresh, b, qwen2_vl_adapter, output_root),
+        "by ref vs B": server_mismatch([by_refs], b, qwen2_vl_adapter, output_root),
     }
     for label, s in stats.items():
         print(f"stock route, {label}: {s}")
-    per_shape = [mismatch([s], b, qwen2_vl_adapter, output_root).mean_abs for s in stale]
+    per_shape = [server_mismatch([s], b, qwen2_vl_adapter, output_root).mean_abs for s in stale]
     assert all(d > STALE for d in per_shape), per_shape  # image (KV of old embeddings) and text
     assert stats["image, encoder cache reset vs B"].mean_abs > STALE
     for label in ("before the update vs A", "both caches reset vs B", "by ref vs B"):
@@ -257,7 +217,7 @@ def test_a_request_prepared_before_an_update_is_generated_again(
     (a_dir, _), (b_dir, b) = weight_sets["A"], weight_sets["B"]
     shape = shapes["covered"]
     with dev_server.client() as c, ThreadPoolExecutor(1) as pool:
-        push_weights(c, a_dir, "paused-A")
+        reload_and_version(c, a_dir, "paused-A")
         by_ref(c, shape)  # caches under paused-A
         c.post("/pause", params={"mode": "keep", "clear_cache": "false"}).raise_for_status()
         try:
@@ -265,13 +225,13 @@ def test_a_request_prepared_before_an_update_is_generated_again(
             deadline = time.monotonic() + 60
             while "vllm:num_requests_waiting{" not in _waiting(c) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            push_weights(c, b_dir, "paused-B")
+            reload_and_version(c, b_dir, "paused-B")
         finally:
             c.post("/resume").raise_for_status()
         retried, version = pending.result(timeout=120)
     assert version == "paused-B"
     assert "weights changed from 'paused-A' before prefill" in dev_server.log()
-    stats = mismatch([retried], b, qwen2_vl_adapter, output_root)
+    stats = server_mismatch([retried], b, qwen2_vl_adapter, output_root)
     print(f"request sent while paused, after the update vs B: {stats}")
     assert stats.mean_abs <= FRESH
 
@@ -291,10 +251,10 @@ def test_refs_survive_the_sequence_that_kills_stock(dev_server, weight_sets, sha
     (a_dir, _), (b_dir, _) = weight_sets["A"], weight_sets["B"]
     shape = shapes["crossing"]
     with dev_server.client() as c:
-        push_weights(c, a_dir, "crash-A")
+        reload_and_version(c, a_dir, "crash-A")
         by_ref(c, shape)
         by_stock_route(c, qwen2_vl_dir, shape)
-        push_weights(c, b_dir, "crash-B")
+        reload_and_version(c, b_dir, "crash-B")
         _, version = by_ref(c, shape)
         assert version == "crash-B"
         with pytest.raises(Exception):  # noqa: B017 - the engine dies: a 500 or a dropped connection

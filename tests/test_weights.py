@@ -1,4 +1,4 @@
-"""``vllm_plugin.weights`` and ``resolver.engine_hash`` without a server: what binds a request to
+"""``vllm_plugin.weights`` without a server: what binds a request to
 the served weights (docs/WEIGHT-UPDATES.md). The real-server behaviour: tests/test_weight_updates.py."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
 )
 from vllm.outputs import WeightVersionSpan
 
-from vllm_plugin.resolver import ENGINE_HASH_PREFIX, engine_hash
-from vllm_plugin.weights import served_by, version_salt
+from vllm_plugin.weights import ENGINE_HASH_PREFIX, engine_hash, served_by, version_salt
 
 KEY = "mmref:v1:" + "ab" * 32 + ":fp:raw"
 
@@ -39,20 +38,22 @@ def test_version_salt_keeps_client_salts_apart():
     assert len(salts) == 5
 
 
-def _response(*first_versions: str | None) -> GenerateTokensResponse:
+def _response(*spans: tuple[str, ...] | None) -> GenerateTokensResponse:
+    """One choice per argument, with one ``weight_versions`` span per version named."""
     choices = [
         GenerateTokensChoice(
             index=i,
             token_ids=[1, 2],
-            weight_versions=[WeightVersionSpan(v, 0, 1), WeightVersionSpan("later", 1, 2)] if v else None,
+            weight_versions=[WeightVersionSpan(v, k, k + 1) for k, v in enumerate(s)] if s else None,
         )
-        for i, v in enumerate(first_versions)
+        for i, s in enumerate(spans)
     ]
     return GenerateTokensResponse(choices=choices)
 
 
-def test_served_by_reads_the_first_span_of_every_choice():
-    assert served_by(_response("v1", "v1"), "v1")
-    assert not served_by(_response("v1", "v0"), "v1")  # one choice prefilled under other weights
+def test_served_by_needs_every_span_of_every_choice_under_the_version():
+    assert served_by(_response(("v1",), ("v1", "v1")), "v1")
+    assert not served_by(_response(("v1",), ("v0",)), "v1")  # one choice prefilled under other weights
+    assert not served_by(_response(("v1", "v2")), "v1")  # weights changed mid-generation: a mix
     assert served_by(_response(None), "v1")  # no token sampled: nothing to compare
     assert served_by(_response(), "v1")

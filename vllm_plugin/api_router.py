@@ -12,7 +12,6 @@ registered on the app. Only refusals this plugin adds are answered here (:func:`
 
 from __future__ import annotations
 
-import asyncio
 import email.message
 import json
 import logging
@@ -23,28 +22,30 @@ import msgspec
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.entrypoints.serve.utils.api_utils import load_aware_call, with_cancellation
 
 from protocol.errors import AssetTooLarge, HashMismatch, InvalidRequest, MMRefError
 from vllm_plugin import metrics
-from vllm_plugin.items import encode_item
-from vllm_plugin.protocol import MMRefGenerateRequest, error_body
+from vllm_plugin.protocol import error_body, parse_request
 from vllm_plugin.serving import MMRefServing
-from vllm_plugin.serving_tokens import pending_items
-from vllm_plugin.weights import WEIGHT_VERSION_HEADER, served_by
+from vllm_plugin.weights import WEIGHT_VERSION_HEADER
 
 __all__ = [
+    "WeightsRequest",
     "attach_router",
     "error_response",
     "generate",
+    "hold_weights",
     "mmref_serving",
     "parse_request",
     "read_body",
+    "release_weights",
     "resolve",
     "router",
+    "update_weights",
+    "weights_router",
 ]
 
 logger = logging.getLogger("vllm.mmref")  # a child of vLLM's configured logger
@@ -150,38 +151,6 @@ def _decode_json(raw: bytearray) -> Any:
         raise HTTPException(status_code=400, detail="There was an error parsing the body") from e
 
 
-def parse_request(body: Any) -> MMRefGenerateRequest:
-    """Validate the body the way FastAPI validates stock's ``GenerateRequest`` parameter.
-
-    Raises:
-        RequestValidationError: what stock vLLM refuses (its handler builds stock's body).
-        MMRefError: ``mm_refs`` errors (stock has no such field).
-    """
-    if body is None:
-        missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
-        raise RequestValidationError([missing])
-    try:
-        return MMRefGenerateRequest.model_validate(body, from_attributes=True)  # as FastAPI
-    except ValidationError as e:
-        errors = e.errors(include_url=False)
-        stock = [err for err in errors if not _is_mm_refs_error(err)]
-        if stock:
-            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in stock]) from e
-        ours = next((err["ctx"]["error"] for err in errors if _ctx_error(err) is not None), None)
-        if ours is not None:
-            raise ours from e
-        raise InvalidRequest(f"mm_refs must be a list of refs: {errors[0]['msg']}") from e
-
-
-def _ctx_error(err: dict[str, Any]) -> MMRefError | None:
-    error = err.get("ctx", {}).get("error")
-    return error if isinstance(error, MMRefError) else None
-
-
-def _is_mm_refs_error(err: dict[str, Any]) -> bool:
-    return (err.get("loc") or ("",))[0] == "mm_refs" or _ctx_error(err) is not None
-
-
 @router.post(
     "/inference/v1/generate",
     responses={
@@ -205,30 +174,21 @@ async def generate(raw_request: Request) -> Response:
 @with_cancellation  # as vLLM's own route: a client that hangs up aborts its generation
 @load_aware_call
 async def _generate(body: Any, raw_request: Request) -> Response:
-    """Validate, check, resolve, then vLLM's ``serve_tokens`` (its errors are stock's).
+    """:meth:`MMRefServing.serve` (its errors are stock's, or the plugin's typed refusals).
 
     The body is read before this runs: ``with_cancellation`` listens to the request's remaining
     messages for a disconnect (vllm/entrypoints/serve/utils/api_utils.py).
     """
     from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateResponseBase
 
-    serving = mmref_serving(raw_request)
-    for attempt in (1, 2):  # once more if the weights changed between prepare and prefill
-        try:
-            prepared = await serving.prepare(parse_request(body))
-        except MMRefError as e:
-            logger.info("mmref refused a generate request: %s %s", e.code, e.message[:300])
-            return error_response(e)
-        with pending_items(prepared.slots):
-            result = await serving.serving_tokens.serve_tokens(prepared.request, raw_request)
-        if isinstance(result, ErrorResponse):
-            return JSONResponse(content=result.model_dump(), status_code=result.error.code)
-        serving.record(prepared.sent)
-        done = not isinstance(result, GenerateResponseBase) or served_by(result, prepared.version)
-        if done or attempt == 2:
-            break
-        logger.info("mmref: weights changed from %r before prefill; generating again", prepared.version)
-    headers = {WEIGHT_VERSION_HEADER: prepared.version}
+    try:
+        result, version = await mmref_serving(raw_request).serve(body, raw_request)
+    except MMRefError as e:
+        logger.info("mmref refused a generate request: %s %s", e.code, e.message[:300])
+        return error_response(e)
+    if isinstance(result, ErrorResponse):
+        return JSONResponse(content=result.model_dump(), status_code=result.error.code)
+    headers = {WEIGHT_VERSION_HEADER: version}
     if isinstance(result, GenerateResponseBase):
         return JSONResponse(content=result.model_dump(), headers=headers)
     return StreamingResponse(content=result, media_type="text/event-stream", headers=headers)
@@ -245,28 +205,88 @@ async def resolve(raw_request: Request) -> Response:
     try:
         serving = mmref_serving(raw_request)
         body = await read_body(raw_request, serving.max_body_bytes)
-        if isinstance(body, dict):  # resolving needs no sampling parameters
-            body.setdefault("sampling_params", {})
-        prepared = await serving.prepare(parse_request(body))
+        content, version = await serving.resolved_features(body)
     except MMRefError as e:
         return error_response(e)
-    features = prepared.request.features.model_dump() if prepared.request.features is not None else None
-    if prepared.slots:
-        loop = asyncio.get_running_loop()
-        encoded = await asyncio.gather(
-            *(loop.run_in_executor(serving.resolver.pool, encode_item, s.item) for s in prepared.slots)
+    return JSONResponse(content=content, headers={WEIGHT_VERSION_HEADER: version})
+
+
+weights_router = APIRouter()
+"""The weight-update routes (``updates.py``), attached only with ``VLLM_SERVER_DEV_MODE=1``, as vLLM's own
+weight routes: they reload weights from a path on the server."""
+
+
+class WeightsRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Body of ``/mmref/v1/weights/{update,hold,release}`` (fields each route does not use: refused)."""
+
+    weights_path: str | None = None
+    """``update``: the checkpoint folder ``reload_weights`` reads (on the server)."""
+    version: str | None = None
+    """``update`` (required), ``release`` (optional): the new weights' version, new for every set."""
+    timeout_s: float | None = None
+    """``update``, ``hold``: how long requests in flight may take to finish (None: no limit)."""
+
+
+async def _weights_request(raw_request: Request, allowed: set[str]) -> WeightsRequest:
+    raw = await raw_request.body()
+    try:
+        request = msgspec.json.decode(raw or b"{}", type=WeightsRequest)
+    except msgspec.DecodeError as e:
+        raise InvalidRequest(f"weights request body: {e}") from e
+    given = {f for f in WeightsRequest.__struct_fields__ if getattr(request, f) is not None}
+    if given - allowed:
+        raise InvalidRequest(f"fields {sorted(given - allowed)} do not apply to this route")
+    return request
+
+
+def _updates(raw_request: Request) -> Any:
+    from vllm_plugin.updates import WeightUpdates
+
+    updates = getattr(raw_request.app.state, "mmref_updates", None)
+    if not isinstance(updates, WeightUpdates):
+        raise InvalidRequest("this server has no engine: mmref routes need `vllm serve`")
+    return updates
+
+
+@weights_router.post("/mmref/v1/weights/update")
+async def update_weights(raw_request: Request) -> Response:
+    """Drain, ``reload_weights`` from ``weights_path``, bind ``version``, resume (``updates.py``)."""
+    try:
+        body = await _weights_request(raw_request, {"weights_path", "version", "timeout_s"})
+        if body.weights_path is None or body.version is None:
+            raise InvalidRequest("weights_path and version are required")
+        result = await _updates(raw_request).update(
+            weights_path=body.weights_path, version=body.version, timeout_s=body.timeout_s
         )
-        for slot, data in zip(prepared.slots, encoded, strict=True):
-            features["kwargs_data"][slot.modality][slot.index] = data
-    return JSONResponse(
-        content={
-            "features": features,
-            "fingerprint": serving.adapter.fingerprint,
-            "pixel_mode": serving.resolver.pixel_mode,
-        },
-        headers={WEIGHT_VERSION_HEADER: prepared.version},
-    )
+    except MMRefError as e:
+        return error_response(e)
+    return JSONResponse(content=result)
 
 
-def attach_router(app: FastAPI) -> None:
+@weights_router.post("/mmref/v1/weights/hold")
+async def hold_weights(raw_request: Request) -> Response:
+    """Drain and pause: the weights may then change through any of vLLM's weight routes."""
+    try:
+        body = await _weights_request(raw_request, {"timeout_s"})
+        result = await _updates(raw_request).hold(timeout_s=body.timeout_s)
+    except MMRefError as e:
+        return error_response(e)
+    return JSONResponse(content=result)
+
+
+@weights_router.post("/mmref/v1/weights/release")
+async def release_weights(raw_request: Request) -> Response:
+    """Reset the caches, bind ``version`` (if given), resume."""
+    try:
+        body = await _weights_request(raw_request, {"version"})
+        result = await _updates(raw_request).release(version=body.version)
+    except MMRefError as e:
+        return error_response(e)
+    return JSONResponse(content=result)
+
+
+def attach_router(app: FastAPI, *, dev_mode: bool) -> None:
+    """Attach the generate and resolve routes, and, in dev mode, the weight-update routes."""
     app.include_router(router)
+    if dev_mode:
+        app.include_router(weights_router)

@@ -54,6 +54,11 @@ hash. The API process can know:
   (:class:`EngineItems` remembers every hash it sent with data, up to :data:`SEEN_HASHES`). A hash
   in neither was never sent: the engine lacks it.
 
+A ``null`` slot's range must be as long as the item's embeddings: the route's own record
+(:meth:`EngineItems.sent`), or, for an item vLLM's own processor sent (``content_parts``, chat
+routes), P0's record of its prompt updates (:meth:`EngineItems.recorded_by_vllm`); a wrong length
+is a 422 (stock: HTTP 500).
+
 Residuals: a remembered inline item the engine has since evicted reaches the engine and gets
 stock's answer (HTTP 500 "Internal server error"; the engine keeps serving); inline items are not
 recorded in P0 (stock does not record them), so under a full cache P1 can evict earlier than P0.
@@ -68,6 +73,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+
+from vllm_plugin.weights import NAMESPACE
 
 __all__ = ["IN_STEP_MARKER", "SEEN_HASHES", "CacheMode", "EngineItems", "RecordedItem", "Release"]
 
@@ -112,7 +119,7 @@ SEEN_HASHES = 1 << 18
 More than the engine's processor cache holds of real images (4 GiB by default: ~40k items of
 100 kB)."""
 
-IN_STEP_MARKER = "mmref-in-step"
+IN_STEP_MARKER = NAMESPACE + "in-step"
 """Key of the zero-byte item kept in P0 only, to see a clear (in the reserved ``mmref-`` namespace,
 never a resolved ref's ``mmref-`` + 64 hex)."""
 
@@ -287,6 +294,30 @@ class EngineItems:
             return False, None
         recorded = self._sent.get(mm_hash) if self.mode is CacheMode.LRU else None
         return recorded is not None or bool(self.sender_cache.is_cached_item(mm_hash)), recorded
+
+    async def recorded_by_vllm(self, mm_hash: str) -> RecordedItem | None:
+        """The placeholder count vLLM's own processor recorded in P0 for an item it sent the
+        engine (a ``content_parts`` or chat-route image, under vLLM's hash or the client's uuid):
+        the embeddings its prompt updates assign (``PromptUpdateDetails.is_embed``, else every
+        token of the update). None where P0 has no such record (``lru`` mode only)."""
+        if not self.mirrors or self.mode is not CacheMode.LRU:
+            return None
+        release = await self.exclusive()
+        try:
+            if not self.sender_cache.is_cached_item(mm_hash):
+                return None
+            _, updates = self.sender_cache.get_and_update_item(None, mm_hash)
+        finally:
+            release()
+        counts = [_embeds(update.content) for update in updates or ()]
+        return RecordedItem(sum(counts)) if counts else None
+
+
+def _embeds(details: Any) -> int:
+    """Embedding positions of a vLLM ``PromptUpdateDetails``."""
+    if details.is_embed is None:
+        return len(details.full)
+    return int(details.is_embed(details.full).sum())
 
 
 def _zero_byte_item() -> Any:

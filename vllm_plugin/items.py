@@ -7,12 +7,17 @@ engine (the process exits) or silently misaligns features. :class:`ItemLayout` c
 before the engine sees it, with the served model's own field config and without allocating for
 what the item claims:
 
-- exactly the fields, field kinds and (but for ``pixel_values``, whose dtype follows the pixel mode
-  or the client) dtypes of the served model's item, and the same per-row shape;
+- exactly the fields, field kinds and dtypes of the served model's item, and the same per-row
+  shape; a flat field's ``dim`` an int within the tensor, its slices ints (vLLM slices with them
+  inside the engine);
 - rebuilt through the model's field config (``_get_mm_fields_config``, the layout vLLM declares
   once per model), the item is exactly one item and every flat field's rows are exactly the rows
   its grid implies (``Qwen2-VL``: ``pixel_values`` ``[t*h*w, C*T*P*P]`` for ``image_grid_thw``
-  ``[t, h, w]``).
+  ``[t, h, w]``);
+- ``pixel_values`` holds what the model's own processor can produce (:class:`PixelRange`): uint8
+  (vLLM's device normalization) or float32, finite and within the processor's output range. One
+  request's NaN, inf or 3e38 pixels otherwise change the answers of other requests batched with
+  it (measured on vLLM 0.32, stock too). The check reads every value once (``torch.aminmax``).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 from protocol.adapters import ImageAdapter
 from protocol.errors import MMRefError
 
-__all__ = ["CheckedItem", "ItemLayout", "decode_item", "encode_item"]
+__all__ = ["CheckedItem", "ItemLayout", "PixelRange", "decode_item", "encode_item"]
 
 _codecs = threading.local()
 
@@ -80,6 +85,59 @@ class CheckedItem:
     """Placeholder tokens (embeddings) the item takes in the prompt."""
 
 
+@dataclass(frozen=True)
+class PixelRange:
+    """The ``pixel_values`` the served model's processor can produce: uint8 (vLLM's device
+    normalization: raw 0-255, ``mm_device_do_normalize``), or float32 within ``[low, high]``, the
+    union of the processor's normalized output range (measured by processing an all-black and an
+    all-white image through it: its rescale and per-channel normalization are monotone) and the
+    raw range 0-255 vLLM's device normalization takes in float too."""
+
+    low: float
+    high: float
+
+    TOLERANCE = 1e-3
+    """Slack for float rounding across processor backends and devices (normalized units)."""
+
+    @classmethod
+    def of(cls, adapter: ImageAdapter) -> PixelRange:
+        from PIL import Image
+
+        lows, highs = [], []
+        for value in (0, 255):
+            image = Image.new("RGB", (64, 64), (value, value, value))
+            pixels = adapter.process(image).tensors["pixel_values"]
+            lows.append(float(pixels.min()))
+            highs.append(float(pixels.max()))
+        return cls(min(min(lows), 0.0) - cls.TOLERANCE, max(max(highs), 255.0) + cls.TOLERANCE)
+
+    def check(self, pixels: Any, error: type[MMRefError], what: str, ref: str | None) -> None:
+        """Refuse a dtype the processor never emits, and non-finite or out-of-range values.
+
+        Raises:
+            ``error``: naming the dtype, or the range found and the range allowed.
+        """
+        import torch
+
+        if pixels.dtype == torch.uint8:
+            return
+        if pixels.dtype != torch.float32:
+            raise error(
+                f"{what} pixel_values are {pixels.dtype}; the served model's processor emits uint8 "
+                "or float32",
+                ref=ref,
+            )
+        if pixels.numel() == 0:
+            return
+        low, high = (float(v) for v in torch.aminmax(pixels))
+        if not (self.low <= low and high <= self.high):  # NaN fails both comparisons
+            raise error(
+                f"{what} pixel_values span [{low:.6g}, {high:.6g}]; the served model's processor emits "
+                f"finite values in [{self.low:.6g}, {self.high:.6g}]",
+                ref=ref,
+            )
+
+
 class ItemLayout:
     """The served model's item layout: checks an item against it and reads its grid.
 
@@ -103,6 +161,7 @@ class ItemLayout:
             t.numel() * t.element_size() for t in tensors.values()
         ) / adapter.num_placeholders(small)
         """Tensor bytes of a float32 item per placeholder token it takes (sizes request bodies)."""
+        self.pixel_range = PixelRange.of(adapter)
 
     def _rebuild(self, hf_inputs: Mapping[str, Any]) -> Any:
         """The one item vLLM builds from per-field tensors with the model's own field config.
@@ -158,6 +217,8 @@ class ItemLayout:
                         f"{sorted(self.reference)}", ref=ref)  # fmt: skip
         for key, (kind, dtype, row_shape) in self.reference.items():
             elem = item[key]
+            if type(elem.field) is kind and not _well_formed(elem):
+                raise error(f"{what} field {key!r}: its flat dim or slices are not ints", ref=ref)
             if type(elem.field) is not kind or _row_shape(elem) != row_shape:
                 raise error(
                     f"{what} field {key!r} is {type(elem.field).__name__} {list(elem.data.shape)}; "
@@ -166,6 +227,7 @@ class ItemLayout:
                 )
             if key != "pixel_values" and elem.data.dtype != dtype:
                 raise error(f"{what} field {key!r} is {elem.data.dtype}, not {dtype}", ref=ref)
+        self.pixel_range.check(item["pixel_values"].data, error, what, ref)
         grid = self.grid_of(item, error, what, ref)
         try:
             rebuilt = self._rebuild({key: elem.field.reduce_data([elem]) for key, elem in item.items()})
@@ -181,6 +243,36 @@ def _is_flat(field: Any) -> bool:
     from vllm.multimodal.inputs import MultiModalFlatField
 
     return isinstance(field, MultiModalFlatField)
+
+
+def _well_formed(elem: Any) -> bool:
+    """A flat field's ``dim`` is an int within its tensor and its slices are ``slice`` s of ints
+    (or None; vLLM's own items hold 0-d integer tensors) with step 1: vLLM's decoder takes any
+    msgpack values there and slices with them in the engine."""
+    if not _is_flat(elem.field):
+        return True
+    dim, ndim = elem.field.dim, elem.data.ndim
+    if type(dim) is not int or not -ndim <= dim < ndim:
+        return False
+    specs = [x for s in elem.field.slices for x in (s if isinstance(s, tuple | list) else (s,))]
+    return all(
+        isinstance(s, slice) and s.step in (None, 1) and _index(s.start) and _index(s.stop) for s in specs
+    )
+
+
+def _index(value: Any) -> bool:
+    """None, an int, or a 0-d integer tensor."""
+    import torch
+
+    if value is None or type(value) is int:
+        return True
+    return (
+        isinstance(value, torch.Tensor)
+        and value.ndim == 0
+        and not value.is_floating_point()
+        and not value.is_complex()
+        and value.dtype != torch.bool
+    )
 
 
 def _row_shape(elem: Any) -> tuple[int, ...]:

@@ -50,16 +50,27 @@ class MMRefEndpointPlugin:
     required_tasks = ("generate",)
 
     def attach_router(self, app: Any) -> None:
-        """Check the vLLM version, then attach the routes (an exception here stops the server).
+        """Check the vLLM version, then attach the routes and the admission middleware (an
+        exception here stops the server).
 
         Raises:
             RuntimeError: unsupported vLLM (see :func:`check_vllm_version`).
         """
         version = check_vllm_version()
-        from vllm_plugin import api_router
+        import vllm.envs as envs
 
-        api_router.attach_router(app)
-        logger.info("mmref: routes attached (vLLM %s, supported %s)", version, SUPPORTED_VLLM)
+        from vllm_plugin import api_router
+        from vllm_plugin.admission import AdmissionMiddleware
+
+        dev_mode = bool(envs.VLLM_SERVER_DEV_MODE)
+        api_router.attach_router(app, dev_mode=dev_mode)
+        app.add_middleware(AdmissionMiddleware)
+        logger.info(
+            "mmref: routes attached (vLLM %s, supported %s; weight-update routes: %s)",
+            version,
+            SUPPORTED_VLLM,
+            "on" if dev_mode else "off (VLLM_SERVER_DEV_MODE unset)",
+        )
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         """Build the serving object from the served model: its adapter wraps vLLM's own image processor.
@@ -73,13 +84,18 @@ class MMRefEndpointPlugin:
         if engine_client is None:  # vLLM's CPU-only render server: no engine, no route
             state.mmref_serving = None
             return
+        from vllm_plugin.admission import Admission
         from vllm_plugin.startup import build_serving
+        from vllm_plugin.updates import WeightUpdates
 
         serving = build_serving(engine_client, state, args)
+        admission = Admission(serving.weight_version, serving.split_rule)
         # cached by vLLM's engine client: no request's hand-off then waits on the engine before
         # its send (``engine_items.py``: the send follows the hand-off in the same step)
         await engine_client.get_supported_tasks()
         state.mmref_serving = serving
+        state.mmref_admission = admission
+        state.mmref_updates = WeightUpdates(engine_client, admission, serving.weight_version)
         resolver = serving.resolver
         logger.info(
             "mmref: serving refs for %s (fingerprint %s, %s pixels, backend %s) from %s; body limit %d "

@@ -18,13 +18,14 @@ from http import HTTPStatus
 from typing import Annotated, Any
 
 import msgspec
-from pydantic import PlainSerializer, PlainValidator, model_validator
+from fastapi.exceptions import RequestValidationError
+from pydantic import PlainSerializer, PlainValidator, ValidationError, model_validator
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 
 from protocol.errors import InvalidRef, InvalidRequest, MMRefError
 from protocol.structs import RawMMRef
 
-__all__ = ["ERROR_TYPES", "MMRefEntry", "MMRefGenerateRequest", "error_body"]
+__all__ = ["ERROR_TYPES", "MMRefEntry", "MMRefGenerateRequest", "error_body", "parse_request"]
 
 
 def _ref_entry(value: Any) -> str | RawMMRef:
@@ -82,6 +83,7 @@ ERROR_TYPES = {
     409: "ConflictError",
     413: "RequestTooLargeError",
     422: "UnprocessableEntityError",
+    503: "ServiceUnavailableError",
 }
 """``error.type`` by HTTP status, the OpenAI client's exception names (vLLM uses the same)."""
 
@@ -96,11 +98,49 @@ def error_body(error: MMRefError, message: str) -> dict[str, Any]:
     status = HTTPStatus(error.http_status)
     return {
         "error": {
-            "message": message,
+            "message": _printable(message),
             "type": ERROR_TYPES.get(status.value, status.phrase),
             "param": None,
             "code": status.value,
             "mmref_code": error.code,
-            "ref": error.ref[:512] if isinstance(error.ref, str) else None,
+            "ref": _printable(error.ref[:512]) if isinstance(error.ref, str) else None,
         }
     }
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates (valid in a JSON string, not in UTF-8) escaped, so the body
+    can be encoded."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def parse_request(body: Any) -> MMRefGenerateRequest:
+    """Validate the body the way FastAPI validates stock's ``GenerateRequest`` parameter.
+
+    Raises:
+        RequestValidationError: what stock vLLM refuses (its handler builds stock's body).
+        MMRefError: ``mm_refs`` errors (stock has no such field).
+    """
+    if body is None:
+        missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
+        raise RequestValidationError([missing])
+    try:
+        return MMRefGenerateRequest.model_validate(body, from_attributes=True)  # as FastAPI
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        stock = [err for err in errors if not _is_mm_refs_error(err)]
+        if stock:
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in stock]) from e
+        ours = next((err["ctx"]["error"] for err in errors if _ctx_error(err) is not None), None)
+        if ours is not None:
+            raise ours from e
+        raise InvalidRequest(f"mm_refs must be a list of refs: {errors[0]['msg']}") from e
+
+
+def _ctx_error(err: dict[str, Any]) -> MMRefError | None:
+    error = err.get("ctx", {}).get("error")
+    return error if isinstance(error, MMRefError) else None
+
+
+def _is_mm_refs_error(err: dict[str, Any]) -> bool:
+    return (err.get("loc") or ("",))[0] == "mm_refs" or _ctx_error(err) is not None

@@ -10,12 +10,10 @@
   (``serving_tokens.py``), never through vLLM's base64/msgpack wire format.
 - A grid a ref or a feature file claims is bounded by the served processor's limits
   (``ImageAdapter.check_grid``) before anything is sized from it.
-- The item's hash for vLLM's caches (:func:`engine_hash`, the one place it is computed) is
-  ``"mmref-" + sha256(content key + NUL + weight version)``, the content key ``"mmref:v1:" +
-  sha256(image bytes) + ":" + fingerprint + ":" + pixel mode`` (``"mmref:v1:file:" + payload
-  sha256 + ":" + fingerprint`` for feature files): content-, processing- and weights-bound, never
-  a client uuid. The ``mmref-`` namespace is reserved (``serving.py`` refuses client items
-  claiming it).
+- A resolved item's content key is ``"mmref:v1:" + sha256(image bytes) + ":" + fingerprint + ":" +
+  pixel mode`` (``"mmref:v1:file:" + payload sha256 + ":" + fingerprint`` for feature files):
+  content- and processing-bound, never a client uuid; ``weights.engine_hash`` binds it to the
+  weight version for vLLM's caches.
 - Results are cached by the sha256 of the whole ref string (byte-bounded LRU, single-flight,
   failures never cached).
 """
@@ -39,22 +37,7 @@ from vllm_plugin.cache import ByteBudgetLRU
 from vllm_plugin.config import PluginConfig
 from vllm_plugin.items import ItemLayout, decode_item
 
-__all__ = ["ENGINE_HASH_PREFIX", "MMRefResolver", "ResolvedItem", "engine_hash"]
-
-ENGINE_HASH_PREFIX = "mmref-"
-"""Namespace of the hashes this server gives vLLM for resolved refs (reserved)."""
-
-
-def engine_hash(content_key: str, weight_version: str) -> str:
-    """The hash vLLM caches a resolved ref under (``mm_hashes``): ``"mmref-"`` + 64 hex.
-
-    vLLM keys its encoder cache (vision embeddings) by this hash and mixes it into the prefix-cache
-    hashes of the blocks the item's placeholders fall in; binding it to the served weights'
-    version means an embedding or KV block computed under other weights can never match
-    (docs/WEIGHT-UPDATES.md). ``content_key`` contains no NUL.
-    """
-    key = f"{content_key}\0{weight_version}".encode("utf-8", "surrogatepass")
-    return ENGINE_HASH_PREFIX + hashlib.sha256(key).hexdigest()
+__all__ = ["MMRefResolver", "ResolvedItem"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +45,7 @@ class ResolvedItem:
     """One ref, resolved: what takes a ``features`` slot of the engine input."""
 
     content_key: str
-    """What the item's engine hash binds besides the weight version (:func:`engine_hash`)."""
+    """What the item's engine hash binds besides the weight version (``weights.engine_hash``)."""
     item: Any
     """vLLM's ``MultiModalKwargsItem`` (shared by every request that uses the ref: never mutated)."""
     grid: tuple[int, ...]

