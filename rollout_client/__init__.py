@@ -13,7 +13,7 @@ image processor config, for grids) are loaded on first use.
 """
 
 from rollout_client.checks import check_trainer_temperature
-from rollout_client.client import AsyncRolloutClient, RolloutClient, Sampling
+from rollout_client.client import AsyncRolloutClient, RolloutClient
 from rollout_client.conversation import Conversation, PreparedPrompt, PromptBuilder
 from rollout_client.errors import (
     RetriesExhausted,
@@ -25,6 +25,7 @@ from rollout_client.errors import (
 from rollout_client.images import Offloader
 from rollout_client.result import Rollout
 from rollout_client.retry import RetryPolicy
+from rollout_client.sampling import Sampling
 from rollout_client.suppression import mask_in_trainer
 from rollout_client.template import ChatTemplate
 

@@ -183,3 +183,92 @@ def test_trainer_mask_removes_the_ids_from_the_softmax(qwen2_vl_dir):
     shift = masked[:, keep] - plain[:, keep]
     expected = -torch.log1p(-plain[:, 261].exp())
     assert torch.allclose(shift, expected[:, None].expand_as(shift), atol=1e-6)
+
+
+# --- the calls' logic, both transports, against scripted answers (httpx.MockTransport) -------------
+
+
+def _scripted(script: list):
+    """An httpx handler answering ``script``'s items in order (then the last one): a weight version
+    (a 200 with one token), or an ``(HTTP status, error body)``."""
+    import httpx
+
+    seen = []
+
+    def handler(request):
+        item = script[min(len(seen), len(script) - 1)]
+        seen.append(request)
+        if isinstance(item, tuple):
+            return httpx.Response(item[0], json=item[1])
+        choice = {"token_ids": [7], "logprobs": {"content": [{"logprob": -0.5}]}, "finish_reason": "length"}
+        body = {"request_id": f"r{len(seen)}", "choices": [choice]}
+        return httpx.Response(200, json=body, headers={"x-mmref-weight-version": item})
+
+    return handler, seen
+
+
+def _run(mode: str, handler, call, model_dir="unused"):
+    """``call(client)`` on a RolloutClient (sync) or an AsyncRolloutClient (awaited) over ``handler``."""
+    import asyncio
+
+    import httpx
+
+    from rollout_client import AsyncRolloutClient, RolloutClient
+
+    fast = RetryPolicy(max_attempts=4, initial_backoff_s=0.0, max_backoff_s=0.0)
+    kwargs = {"retry": fast, "suppress_placeholders": False, "max_concurrency": 1}
+    if mode == "sync":
+        http = httpx.Client(transport=httpx.MockTransport(handler))
+        return call(RolloutClient("http://x", model_dir, "unused", http_client=http, **kwargs))
+
+    async def run():
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        async with http:
+            return await call(AsyncRolloutClient("http://x", model_dir, "unused", http_client=http, **kwargs))
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_drain_timeout_is_retried_and_other_refusals_are_not(mode):
+    from protocol.errors import DrainTimeout, HashMismatch
+    from rollout_client import RetriesExhausted
+    from vllm_plugin.protocol import error_body
+
+    drain = (503, error_body(DrainTimeout("still running"), "still running"))
+    handler, seen = _scripted([drain, drain, "v1"])
+    rollout = _run(mode, handler, lambda c: c.generate_tokens([1, 2], (), Sampling(max_tokens=1)))
+    assert rollout.attempts == 3 == len(seen) and rollout.weight_version == "v1"
+    handler, seen = _scripted([drain])
+    with pytest.raises(RetriesExhausted) as info:
+        _run(mode, handler, lambda c: c.generate_tokens([1, 2]))
+    assert len(seen) == 4 and isinstance(info.value.__cause__, DrainTimeout)
+    handler, seen = _scripted([(409, error_body(HashMismatch("other bytes"), "other bytes"))])
+    with pytest.raises(HashMismatch):
+        _run(mode, handler, lambda c: c.generate_tokens([1, 2]))
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_group_straddling_an_update_is_drawn_again_under_the_new_version(mode, qwen2_vl_dir):
+    """Two answers under ``old`` then ``new`` (a push between them): the two old samples are drawn
+    again; an expected version is waited for."""
+    handler, seen = _scripted(["old", "old", "new"])
+    text = [{"role": "user", "content": "Hi."}]
+    group = _run(mode, handler, lambda c: c.sample_group(text, 4, one_version=True), qwen2_vl_dir)
+    assert [r.weight_version for r in group] == ["new"] * 4 and len(seen) == 6
+    assert {r.session_id for r in group} == {seen[0].headers["x-session-id"]}
+    handler, seen = _scripted(["old", "old", "new"])
+    rollout = _run(mode, handler, lambda c: c.generate_tokens([1], expected_weight_version="new"))
+    assert rollout.attempts == 3 and rollout.weight_version == "new"
+
+
+def test_version_clock_orders_by_receipt_not_by_recording():
+    from rollout_client.versions import VersionClock
+
+    clock = VersionClock()
+    clock.observe("new", received_at=2.0)
+    clock.observe("old", received_at=1.0)  # received first, recorded late
+    assert clock.latest == "new"
+    group = [Rollout([1], [2], [-0.1], "length", None, v) for v in ("old", "new", "old")]
+    assert clock.stale(group) == [0, 2] and clock.stale(group[1:2]) == []
