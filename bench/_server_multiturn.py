@@ -115,14 +115,9 @@ class _Agents:
                 "return_token_ids": True,
                 "logit_bias": {str(self.pad): -100},
             }
-            request = http.build_request("POST", "/v1/chat/completions", json=body)
-            r = await http.send(request)
-            if r.status_code != 200:
-                raise RuntimeError(f"data URLs: HTTP {r.status_code}: {r.text[:500]}")
-            choice = r.json()["choices"][0]
-            _check(choice["token_ids"])
+            choice, size = await _post(http, "/v1/chat/completions", body, self.path)
             self.chats[i].append({"role": "assistant", "content": choice["message"]["content"] or ""})
-            return len(request.content)
+            return size
         # floor: the refs prompt, earlier images' placeholders as text, the new image only
         conv = self.convs[i].add_user(TEXT, images=[jpeg])
         prepared = conv.prepare()
@@ -137,22 +132,65 @@ class _Agents:
             "mm_refs": [prepared.images[-1].ref],
             "sampling_params": sampling.params(self.client.suppressed_token_ids()),
         }
-        request = http.build_request("POST", "/inference/v1/generate", json=body)
-        r = await http.send(request)
-        if r.status_code != 200:
-            raise RuntimeError(f"floor: HTTP {r.status_code}: {r.text[:500]}")
-        choice = r.json()["choices"][0]
-        _check(choice["token_ids"])
+        choice, size = await _post(http, "/inference/v1/generate", body, self.path)
         logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
         conv.record(
             Rollout(prepared.prompt_ids, choice["token_ids"], logprobs, "length", None, None, prepared.images)
         )
-        return len(request.content)
+        return size
+
+
+async def _post(http, route: str, body: dict, path: str) -> tuple[dict, int]:
+    """POST ``body`` to ``route``; the answer's first choice (its tokens checked) and the request bytes."""
+    request = http.build_request("POST", route, json=body)
+    r = await http.send(request)
+    if r.status_code != 200:
+        raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text[:500]}")
+    choice = r.json()["choices"][0]
+    _check(choice["token_ids"])
+    return choice, len(request.content)
 
 
 def _check(tokens: list[int]) -> None:
     if len(tokens) != MAX_TOKENS:
         raise RuntimeError(f"{len(tokens)} tokens, expected {MAX_TOKENS}")
+
+
+def _photos(rounds: int, offloader) -> tuple[list[list[bytes]], list[dict[str, list[list[bytes]]]]]:
+    """Distinct photos: two warm-up turns per conversation, and per round, path and conversation one
+    per turn; those of the refs paths offloaded now (the client's work is then a lookup)."""
+    total = rounds * len(PATHS) * CONVERSATIONS * TURNS + CONVERSATIONS * 2
+    print(
+        f"\n[multi-turn] preparing {total} distinct 1024x768 photos; offloading the refs paths' ...",
+        flush=True,
+    )
+    jpegs: Iterator[bytes] = iter(unique_photos(total))
+    warm_photos = [[next(jpegs) for _ in range(2)] for _ in range(CONVERSATIONS)]
+    plan: list[dict[str, list[list[bytes]]]] = []
+    for _ in range(rounds):
+        plan.append({})
+        for p in PATHS:
+            plan[-1][p] = [[next(jpegs) for _ in range(TURNS)] for _ in range(CONVERSATIONS)]
+    offloaded = [photos for round_ in plan for p, photos in round_.items() if p != "data URLs"]
+    for photos in [*offloaded, warm_photos]:
+        for conv in photos:
+            for jpeg in conv:
+                offloader.offload(jpeg)
+    return warm_photos, plan
+
+
+async def _timed_turn(agents: _Agents, http, k: int, pid: int, results: dict) -> None:
+    """Turn ``k`` of one path's conversations; adds its bytes and per-process CPU to ``results``."""
+    cpu0 = server_cpu(pid)
+    sent = await agents.turn(http, k)
+    cpu1 = server_cpu(pid)
+    res = results.setdefault((agents.path, k), TurnResult())
+    res.requests += CONVERSATIONS
+    res.bytes += sent
+    for role, t in cpu1.items():
+        res.cpu[role] = res.cpu.get(role, 0.0) + t - cpu0.get(role, 0.0)
+    api = cpu1.get("api server", 0.0) - cpu0.get("api server", 0.0)
+    res.api_ms.append(api / CONVERSATIONS * 1000)
 
 
 def part_d(model: Path, rounds: int, server_args: tuple[str, ...] = ()) -> tuple[list[tuple], list[tuple]]:
@@ -165,26 +203,7 @@ def part_d(model: Path, rounds: int, server_args: tuple[str, ...] = ()) -> tuple
     template, offloader = ChatTemplate(model), Offloader(model, bench_asset_root())
     pad = template.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     text_id = template.tokenizer.convert_tokens_to_ids("a")
-    total = rounds * len(PATHS) * CONVERSATIONS * TURNS + CONVERSATIONS * 2
-    print(
-        f"\n[multi-turn] preparing {total} distinct 1024x768 photos; offloading the refs paths' ...",
-        flush=True,
-    )
-    jpegs: Iterator[bytes] = iter(unique_photos(total))
-    warm_photos = [[next(jpegs) for _ in range(2)] for _ in range(CONVERSATIONS)]
-    plan: list[dict[str, list[list[bytes]]]] = []
-    for _ in range(rounds):
-        plan.append({})
-        for p in PATHS:
-            photos = [[next(jpegs) for _ in range(TURNS)] for _ in range(CONVERSATIONS)]
-            if p != "data URLs":  # offloaded before any phase: the client's work is then a lookup
-                for conv in photos:
-                    for jpeg in conv:
-                        offloader.offload(jpeg)
-            plan[-1][p] = photos
-    for conv in warm_photos:
-        for jpeg in conv:
-            offloader.offload(jpeg)
+    warm_photos, plan = _photos(rounds, offloader)
     log_dir = Path(tempfile.mkdtemp(prefix="mmref-bench-multiturn-"))
     limit = f'{{"image": {{"count": {TURNS}, "width": 1024, "height": 768}}, "video": 0}}'
     extra = (
@@ -212,16 +231,7 @@ def part_d(model: Path, rounds: int, server_args: tuple[str, ...] = ()) -> tuple
                 t0 = time.monotonic()
                 for k in range(TURNS):
                     for p in order:
-                        cpu0 = server_cpu(server.process.pid)
-                        sent = await agents[p].turn(http, k)
-                        cpu1 = server_cpu(server.process.pid)
-                        res = results.setdefault((p, k), TurnResult())
-                        res.requests += CONVERSATIONS
-                        res.bytes += sent
-                        for role, t in cpu1.items():
-                            res.cpu[role] = res.cpu.get(role, 0.0) + t - cpu0.get(role, 0.0)
-                        api = cpu1.get("api server", 0.0) - cpu0.get("api server", 0.0)
-                        res.api_ms.append(api / CONVERSATIONS * 1000)
+                        await _timed_turn(agents[p], http, k, server.process.pid, results)
                 print(
                     f"[multi-turn] round {rnd + 1}/{len(plan)}: {len(order)} paths x {CONVERSATIONS} "
                     f"conversations x {TURNS} turns in {time.monotonic() - t0:.1f} s",

@@ -39,42 +39,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
 
-    import httpx
-
     from make_tiny_models import ensure_tiny_model
     from rollout_client import ChatTemplate, Offloader, PromptBuilder
     from vllm_server import start_server
 
     model = ensure_tiny_model("qwen2_vl")
     out = Path(tempfile.mkdtemp(prefix="mmref-bench-suppression-"))
-    asset_root = out / "run_1" / "assets"
-    builder = PromptBuilder(ChatTemplate(model), Offloader(model, asset_root))
+    builder = PromptBuilder(ChatTemplate(model), Offloader(model, out / "run_1" / "assets"))
     print_facts(builder.offloader.adapter.backend)
     pad = builder.placeholder_token_id
-    vocab = builder.template.hf_config().text_config["vocab_size"]
-    messages = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image", "image": photo_jpeg("astronaut")},
-                {"type": "text", "text": "What is it?"},
-            ],
-        }
-    ]
-    prepared = builder.first_turn(messages)
-    variants = {
-        "none": {},
-        "bad_words": {"bad_words": ["<|image_pad|>"]},
-        "logit_bias": {"logit_bias": {str(pad): -100.0}},
-        "allowed_token_ids": {"allowed_token_ids": [t for t in range(vocab) if t != pad]},
-    }
-    real_size = {
-        "none": 0,
-        "bad_words": 0,
-        "logit_bias": 0,
-        "allowed_token_ids": wire_bytes({"allowed_token_ids": list(range(1, QWEN2_VL_VOCAB))})
-        - wire_bytes({}),
-    }
+    image = {"type": "image", "image": photo_jpeg("astronaut")}
+    text = {"type": "text", "text": "What is it?"}
+    prepared = builder.first_turn([{"role": "user", "content": [image, text]}])
+    variants = _variants(pad, builder.template.hf_config().text_config["vocab_size"])
 
     def body(sampling: dict, temperature: float) -> dict:
         params = {"temperature": temperature, "max_tokens": args.max_tokens, "logprobs": 0, **sampling}
@@ -87,58 +64,11 @@ def main() -> None:
     server = start_server(
         model, out, out / "server.log", extra_args=("--logprobs-mode", "processed_logprobs"),
     )  # fmt: skip
-    rows, shift_rows = [], []
     try:
-        stats = {k: {"pads": 0, "tokens": 0, "with_pad": 0, "lat": []} for k in variants}
-        with httpx.Client(base_url=server.url, timeout=300) as c:
-            c.post("/inference/v1/generate", json=body({}, 1.0)).raise_for_status()  # warm-up
-            for i in range(args.samples):
-                for name, sampling in variants.items():
-                    t0 = time.perf_counter()
-                    r = c.post("/inference/v1/generate", json=body(sampling, 1.0))
-                    dt = time.perf_counter() - t0
-                    r.raise_for_status()
-                    tokens = r.json()["choices"][0]["token_ids"]
-                    s = stats[name]
-                    s["pads"] += tokens.count(pad)
-                    s["tokens"] += len(tokens)
-                    s["with_pad"] += pad in tokens
-                    s["lat"].append(dt)
-                if (i + 1) % 64 == 0:
-                    print(f"[suppression] {i + 1}/{args.samples} rounds", flush=True)
-            greedy = {}
-            for name, sampling in variants.items():
-                choice = c.post("/inference/v1/generate", json=body(sampling, 0.0)).json()["choices"][0]
-                greedy[name] = (choice["token_ids"], [x["logprob"] for x in choice["logprobs"]["content"]])
+        stats, greedy = _measure(server.url, body, variants, pad, args.samples)
     finally:
         server.stop()
-    base_lat = statistics.median(stats["none"]["lat"])
-    for name, s in stats.items():
-        extra = wire_bytes(body(variants[name], 1.0)) - wire_bytes(body({}, 1.0))
-        p50 = statistics.median(s["lat"])
-        rows.append(
-            (
-                name,
-                f"{s['pads']} in {s['tokens']} tokens",
-                f"{s['with_pad']}/{args.samples}",
-                f"{p50 * 1000:.1f} ({p50 / base_lat - 1:+.1%})",
-                f"{percentile(s['lat'], 95) * 1000:.1f}",
-                f"+{extra} B"
-                + (f" (Qwen2-VL vocabulary: +{real_size[name] / 1024:.0f} KiB)" if real_size[name] else ""),
-            )
-        )
-    base_tokens, base_lp = greedy["none"]
-    for name, (tokens, lp) in greedy.items():
-        same = tokens == base_tokens
-        d = [b - a for a, b in zip(base_lp, lp, strict=True)] if same else []
-        shift_rows.append(
-            (
-                name,
-                "same" if same else "differ",
-                f"{statistics.mean(d):+.2e}" if d else "-",
-                f"{max(map(abs, d)):.2e}" if d else "-",
-            )
-        )
+    extra = {name: wire_bytes(body(v, 1.0)) - wire_bytes(body({}, 1.0)) for name, v in variants.items()}
     print_table(
         f"placeholder suppression at temperature 1, {args.samples} requests per variant, "
         f"max_tokens {args.max_tokens}",
@@ -150,13 +80,93 @@ def main() -> None:
             "p95 ms",
             "request bytes",
         ),
-        rows,
+        _rows(stats, extra, args.samples),
     )
     print_table(
         "greedy logprobs of the same tokens, each variant minus none (the renormalization)",
         ("variant", "greedy tokens", "mean shift", "max |shift|"),
-        shift_rows,
+        _shift_rows(greedy),
     )
+
+
+def _variants(pad: int, vocab: int) -> dict[str, dict]:
+    """The sampling controls compared, as ``sampling_params`` fields."""
+    return {
+        "none": {},
+        "bad_words": {"bad_words": ["<|image_pad|>"]},
+        "logit_bias": {"logit_bias": {str(pad): -100.0}},
+        "allowed_token_ids": {"allowed_token_ids": [t for t in range(vocab) if t != pad]},
+    }
+
+
+def _measure(url: str, body, variants: dict[str, dict], pad: int, samples: int) -> tuple[dict, dict]:
+    """``samples`` rounds of one request per variant at temperature 1 (placeholders sampled,
+    latency), then one greedy request per variant (tokens, logprobs)."""
+    import httpx
+
+    stats = {k: {"pads": 0, "tokens": 0, "with_pad": 0, "lat": []} for k in variants}
+    with httpx.Client(base_url=url, timeout=300) as c:
+        c.post("/inference/v1/generate", json=body({}, 1.0)).raise_for_status()  # warm-up
+        for i in range(samples):
+            for name, sampling in variants.items():
+                t0 = time.perf_counter()
+                r = c.post("/inference/v1/generate", json=body(sampling, 1.0))
+                dt = time.perf_counter() - t0
+                r.raise_for_status()
+                tokens = r.json()["choices"][0]["token_ids"]
+                s = stats[name]
+                s["pads"] += tokens.count(pad)
+                s["tokens"] += len(tokens)
+                s["with_pad"] += pad in tokens
+                s["lat"].append(dt)
+            if (i + 1) % 64 == 0:
+                print(f"[suppression] {i + 1}/{samples} rounds", flush=True)
+        greedy = {}
+        for name, sampling in variants.items():
+            choice = c.post("/inference/v1/generate", json=body(sampling, 0.0)).json()["choices"][0]
+            greedy[name] = (choice["token_ids"], [x["logprob"] for x in choice["logprobs"]["content"]])
+    return stats, greedy
+
+
+def _rows(stats: dict, extra: dict[str, int], samples: int) -> list[tuple]:
+    """One row per variant: placeholders, completions with one, latency, request bytes."""
+    real = wire_bytes({"allowed_token_ids": list(range(1, QWEN2_VL_VOCAB))}) - wire_bytes({})
+    base_lat = statistics.median(stats["none"]["lat"])
+    rows = []
+    for name, s in stats.items():
+        p50 = statistics.median(s["lat"])
+        size = f"+{extra[name]} B"
+        if name == "allowed_token_ids":
+            size += f" (Qwen2-VL vocabulary: +{real / 1024:.0f} KiB)"
+        rows.append(
+            (
+                name,
+                f"{s['pads']} in {s['tokens']} tokens",
+                f"{s['with_pad']}/{samples}",
+                f"{p50 * 1000:.1f} ({p50 / base_lat - 1:+.1%})",
+                f"{percentile(s['lat'], 95) * 1000:.1f}",
+                size,
+            )
+        )
+    return rows
+
+
+def _shift_rows(greedy: dict) -> list[tuple]:
+    """Each variant's greedy logprobs minus the uncontrolled ones (same tokens: the renormalization)."""
+    base_tokens, base_lp = greedy["none"]
+    rows = []
+    for name, (tokens, lp) in greedy.items():
+        same = tokens == base_tokens
+        d = [b - a for a, b in zip(base_lp, lp, strict=True)] if same else []
+        rows.append(
+            (
+                name,
+                "same" if same else "differ",
+                f"{statistics.mean(d):+.2e}" if d else "-",
+                f"{max(map(abs, d)):.2e}" if d else "-",
+            )
+        )
+    return rows
 
 
 if __name__ == "__main__":
