@@ -275,3 +275,13 @@ def test_error_from_body_without_mmref_code():
     assert errors.error_from_body({"detail": "x"}) is None and errors.error_from_body(None) is None
     unknown = errors.error_from_body({"error": {"message": "m", "mmref_code": "from_the_future"}})
     assert type(unknown) is MMRefError and unknown.message == "m" and unknown.ref is None
+
+
+@pytest.mark.parametrize(
+    ("code", "cls", "status"),
+    [("update_conflict", errors.UpdateConflict, 409), ("drain_timeout", errors.DrainTimeout, 503)],
+)
+def test_error_from_body_maps_the_weight_update_codes(code, cls, status):
+    """Issue 26's two codes (the weight-update routes) come back as their types and statuses."""
+    rebuilt = errors.error_from_body({"error": {"message": "m", "code": status, "mmref_code": code}})
+    assert type(rebuilt) is cls and rebuilt.http_status == status and rebuilt.code == code
