@@ -6,7 +6,9 @@ processor's size limits to the released Qwen2-VL-*-Instruct ``preprocessor_confi
 (``min_pixels`` 3136 = 56*56, ``max_pixels`` 12845056 = 28*28*16384; patch 14, merge 2,
 temporal patch 2, CLIP mean/std, bicubic). A 1024x768 photo then becomes grid ``[1, 54, 74]``:
 3996 patches of 1176 values, 999 placeholder tokens, exactly as for the real model. The
-language model stays tiny (2 layers, hidden 64).
+language model stays tiny (2 layers, hidden 64), with the released model's 32768 positions
+(``max_position_embeddings``; the tiny recipe's 4096 would not fit a multi-turn prompt of six
+1024x768 images).
 
 Cached under ``<repo>/.cache/bench_models/qwen2_vl_realsize`` (rebuilt when the source model's
 recipe or the limits change). :func:`qwen2_vl_2b_config` is the full-size Qwen2-VL-2B config
@@ -24,11 +26,19 @@ from pathlib import Path
 
 from _common import REPO
 
-__all__ = ["REAL_MAX_PIXELS", "REAL_MIN_PIXELS", "ensure_bench_model", "qwen2_vl_2b_config"]
+__all__ = [
+    "REAL_MAX_PIXELS",
+    "REAL_MAX_POSITIONS",
+    "REAL_MIN_PIXELS",
+    "ensure_bench_model",
+    "qwen2_vl_2b_config",
+]
 
 REAL_MIN_PIXELS = 56 * 56
 REAL_MAX_PIXELS = 28 * 28 * 16384
 """Qwen2-VL-*-Instruct ``preprocessor_config.json``: min_pixels 3136, max_pixels 12845056."""
+REAL_MAX_POSITIONS = 32768
+"""Qwen2-VL-*-Instruct ``config.json``: ``max_position_embeddings``."""
 
 ROOT = REPO / ".cache" / "bench_models"
 MARKER = "bench_model.json"
@@ -50,6 +60,7 @@ def ensure_bench_model() -> Path:
         "source_recipe": recipe["recipe_hash"],
         "min_pixels": REAL_MIN_PIXELS,
         "max_pixels": REAL_MAX_PIXELS,
+        "max_position_embeddings": REAL_MAX_POSITIONS,
     }
     target = ROOT / "qwen2_vl_realsize"
     marker = target / MARKER
@@ -68,6 +79,9 @@ def ensure_bench_model() -> Path:
             proc = json.loads((tmp / "processor_config.json").read_text())
             proc["image_processor"] = _real_size(proc["image_processor"])
             (tmp / "processor_config.json").write_text(json.dumps(proc, indent=2) + "\n")
+            config = json.loads((tmp / "config.json").read_text())
+            config["text_config"]["max_position_embeddings"] = REAL_MAX_POSITIONS
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             (tmp / MARKER).write_text(json.dumps(want, indent=2) + "\n")
             tmp.chmod(0o755)
             if target.exists():

@@ -12,9 +12,14 @@
 (c) A real vLLM server under load: refs vs data URLs vs feature refs (``mmfile:v1``, processed
     beforehand) vs a tokens-only request of the same size (the floor of the route), unique
     images and RL groups (``bench/_server_load.py``).
+(d) Multi-turn agent conversations (6 turns, 8 concurrent conversations, one new 1024x768 photo
+    per turn, every earlier one re-sent): API-server CPU per request and its slope per earlier
+    image, refs (``rollout_client``) vs data URLs vs the new image alone (the floor), request
+    bytes (``bench/_server_multiturn.py``).
 
-Usage: ``.venv/bin/python bench/server.py [--parts a,b,c] [--requests 64] [--group-requests 128]
-[--rounds 2] [--profile DIR] [--server-arg=ARG ...]`` (a+b about 1 min; c about 6 min). ``--profile``
+Usage: ``.venv/bin/python bench/server.py [--parts a,b,c,d] [--requests 64] [--group-requests 128]
+[--rounds 2] [--turn-rounds 3] [--profile DIR] [--server-arg=ARG ...]`` (a+b about 1 min; c about
+6 min; d about 5 min). ``--profile``
 records the server's processes with py-spy during (c): raw collapsed stacks and a text summary per
 phase (``bench/_profile.py``). ``--server-arg`` appends vLLM arguments, e.g.
 ``--server-arg=--mm-processor-cache-gb --server-arg=0``.
@@ -42,7 +47,8 @@ from _common import (
     vllm_processor,
 )
 from _models import ensure_bench_model
-from _server_load import CONCURRENCY, GROUP, MAX_TOKENS, part_c, write_feature
+from _server_load import CONCURRENCY, GROUP, MAX_TOKENS, ROLES, part_c, write_feature
+from _server_multiturn import CONVERSATIONS, TURNS, part_d
 
 HIT_TARGET_S = 0.05e-3
 MISS_OVERHEAD_TARGET = 0.10
@@ -312,7 +318,7 @@ def part_b_profile(model: Path, photos: int) -> tuple[list[tuple], list[tuple]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="a,b,c", help="comma list of a, b, c")
+    parser.add_argument("--parts", default="a,b,c,d", help="comma list of a, b, c, d")
     parser.add_argument(
         "--requests", type=int, default=64, help="(c) unique images: requests per path and round"
     )
@@ -320,6 +326,7 @@ def main() -> None:
         "--group-requests", type=int, default=128, help="(c) RL groups: requests per path and round"
     )
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per scenario")
+    parser.add_argument("--turn-rounds", type=int, default=3, help="(d): rounds of every path")
     parser.add_argument("--photos", type=int, default=4, help="(b): distinct photos")
     parser.add_argument("--repeat", type=int, default=5, help="(b): interleaved repeats per photo")
     parser.add_argument("--profile", type=Path, help="(c): py-spy profiles of the server processes here")
@@ -327,7 +334,7 @@ def main() -> None:
         "--server-arg",
         action="append",
         default=[],
-        help="(c): extra vLLM argument (repeat), e.g. --server-arg=--mm-processor-cache-gb --server-arg=0",
+        help="(c, d): extra vLLM argument (repeat), e.g. --server-arg=--mm-processor-cache-gb --server-arg=0",
     )
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -375,6 +382,15 @@ def main() -> None:
                 "engine core",
                 "model worker",
             ),
+            rows,
+        )
+    if "d" in parts:
+        t, rows = part_d(model, args.turn_rounds, tuple(args.server_arg))
+        targets += t
+        print_table(
+            f"(d) multi-turn: {CONVERSATIONS} concurrent conversations x {TURNS} turns, one new "
+            f"1024x768 photo per turn, max_tokens 4; per request, {args.turn_rounds} rounds",
+            ("path", "turn", "earlier images", "requests", "bytes/req", *(f"CPU ms/req: {r}" for r in ROLES)),
             rows,
         )
     print_table("targets", ("measure", "value", "target", "verdict"), targets)

@@ -27,7 +27,8 @@ not know this module::
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 __all__ = [
     "AssetNotFound",
@@ -48,6 +49,7 @@ __all__ = [
     "UnsupportedFamily",
     "UpdateConflict",
     "all_error_types",
+    "error_from_body",
 ]
 
 
@@ -212,3 +214,28 @@ def all_error_types() -> list[type[MMRefError]]:
         UpdateConflict,
         DrainTimeout,
     ]
+
+
+def error_from_body(body: Any) -> MMRefError | None:
+    """The typed error of a plugin refusal, rebuilt from its HTTP body (docs/PROTOCOL.md §6).
+
+    Args:
+        body: the decoded JSON body of an error answer, ``{"error": {"message", "code",
+            "mmref_code", "ref", ...}}``.
+
+    Returns:
+        An instance of the class whose ``code`` is ``error.mmref_code`` (its message and ``ref``
+        from the body); a plain :class:`MMRefError` for a code this version does not know; None
+        where the body has no ``mmref_code`` (stock vLLM's own refusal, or not an error body).
+    """
+    error = body.get("error") if isinstance(body, Mapping) else None
+    code = error.get("mmref_code") if isinstance(error, Mapping) else None
+    if not isinstance(code, str):
+        return None
+    message = error.get("message")
+    message = message if isinstance(message, str) else code
+    ref = error.get("ref")
+    ref = ref if isinstance(ref, str) else None
+    by_code = {cls.code: cls for cls in all_error_types()}
+    cls = by_code.get(code, MMRefError)
+    return cls(message, ref=ref)

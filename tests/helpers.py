@@ -5,10 +5,12 @@ packed forward on tiny models."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import io
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -80,6 +82,7 @@ __all__ = [
     "rollout",
     "rollout_sample",
     "run_packed",
+    "served",
     "server_mismatch",
     "start_server",
     "vllm_positions",
@@ -130,6 +133,17 @@ def warm_up(server: VLLMServer) -> None:
         c.post(
             "/v1/completions", json={"model": str(server.model), "prompt": "hi", "max_tokens": 1}
         ).raise_for_status()
+
+
+@contextlib.contextmanager
+def served(model_dir: Path, output_root: Path, log: Path, **kwargs) -> Iterator[VLLMServer]:
+    """``start_server(model_dir, output_root, log, **kwargs)``, warmed up; stopped on exit."""
+    server = start_server(model_dir, output_root, log, **kwargs)
+    try:
+        warm_up(server)
+        yield server
+    finally:
+        server.stop()
 
 
 # --- weight updates (test_weight_updates.py, test_weight_pushes.py) ----------------------------

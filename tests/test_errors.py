@@ -113,3 +113,31 @@ def test_errors_are_caught_by_their_builtin():
 
 def test_ref_defaults_to_none():
     assert errors.HashMismatch("x").ref is None
+
+
+@pytest.mark.parametrize("cls", all_error_types(), ids=lambda c: c.__name__)
+def test_error_from_body_rebuilds_the_plugin_refusal(cls):
+    """The server's body (``vllm_plugin.protocol.error_body``) back into the same typed error."""
+    from vllm_plugin.protocol import error_body
+
+    body = error_body(cls("the message", ref="mmraw:eyJ9"), "the message")
+    rebuilt = errors.error_from_body(body)
+    assert type(rebuilt) is cls and rebuilt.message == "the message" and rebuilt.ref == "mmraw:eyJ9"
+
+
+def test_error_from_body_without_mmref_code():
+    stock = {"error": {"message": "too long", "type": "BadRequestError", "param": None, "code": 400}}
+    assert errors.error_from_body(stock) is None
+    assert errors.error_from_body({"detail": "x"}) is None and errors.error_from_body(None) is None
+    unknown = errors.error_from_body({"error": {"message": "m", "mmref_code": "from_the_future"}})
+    assert type(unknown) is MMRefError and unknown.message == "m" and unknown.ref is None
+
+
+@pytest.mark.parametrize(
+    ("code", "cls", "status"),
+    [("update_conflict", errors.UpdateConflict, 409), ("drain_timeout", errors.DrainTimeout, 503)],
+)
+def test_error_from_body_maps_the_weight_update_codes(code, cls, status):
+    """Issue 26's two codes (the weight-update routes) come back as their types and statuses."""
+    rebuilt = errors.error_from_body({"error": {"message": "m", "code": status, "mmref_code": code}})
+    assert type(rebuilt) is cls and rebuilt.http_status == status and rebuilt.code == code

@@ -18,7 +18,7 @@ def wheel(tmp_path_factory):
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    for package in ("protocol", "trainer_lib", "vllm_plugin"):
+    for package in ("protocol", "trainer_lib", "vllm_plugin", "rollout_client"):
         shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
     build = subprocess.run(
@@ -44,7 +44,7 @@ def test_wheel_metadata_and_contents(wheel):
     assert "[vllm.endpoint_plugins]" in entry_points
     assert "mmref = vllm_plugin.plugin:MMRefEndpointPlugin" in entry_points
     packages = {n.split("/")[0] for n in whl.namelist() if n.endswith(".py")}
-    assert packages == {"protocol", "trainer_lib", "vllm_plugin"}
+    assert packages == {"protocol", "trainer_lib", "vllm_plugin", "rollout_client"}
     assert (
         "protocol/adapters/registry.py" in whl.namelist() and "trainer_lib/planning/plan.py" in whl.namelist()
     )

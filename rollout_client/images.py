@@ -1,0 +1,137 @@
+"""Images as rollout code holds them (bytes, PIL images, paths), offloaded once per content.
+
+:class:`Offloader` turns an image into its ``mmraw`` :class:`~protocol.structs.RawMMRef`: the
+bytes' sha256 is looked up first, and only a content it has not seen goes through
+:func:`protocol.adapters.offload_image` (decode for the grid, atomic write into the asset store).
+The adapter runs the model's HF image processor config and imports torch, so it is loaded on the
+first offload, not at import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Union
+
+from protocol.structs import RawMMRef
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+    from protocol.adapters import ImageAdapter
+
+__all__ = ["ImageInput", "OffloadStats", "Offloader", "image_bytes"]
+
+ImageInput = Union[bytes, bytearray, memoryview, "Image", str, os.PathLike]
+"""An image as rollout code holds it: encoded bytes (JPEG, PNG, WebP, GIF, BMP, TIFF), a PIL
+image (stored as lossless PNG), or a path to an image file."""
+
+
+def image_bytes(image: ImageInput) -> bytes:
+    """The encoded bytes the store will hold for ``image``.
+
+    Bytes are taken as they are; a path is read once; a PIL image is encoded as PNG (lossless: the
+    server and the trainer decode the same pixels; PIL's PNG encoder is deterministic, so the same
+    image gives the same bytes and the same ref).
+
+    Raises:
+        TypeError: anything else.
+        OSError: a path that cannot be read.
+    """
+    if isinstance(image, bytes | bytearray | memoryview):
+        return bytes(image)
+    if isinstance(image, str | os.PathLike):
+        return Path(image).read_bytes()
+    if hasattr(image, "save") and hasattr(image, "mode"):  # a PIL image, without importing PIL here
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return buf.getvalue()
+    raise TypeError(f"an image must be bytes, a PIL image or a path, got {type(image).__name__}")
+
+
+@dataclass
+class OffloadStats:
+    """Counters of one :class:`Offloader`."""
+
+    offloaded: int = 0
+    """Images written (or found already written) through ``offload_image``."""
+    hits: int = 0
+    """Images whose content was already offloaded by this offloader (nothing decoded or written)."""
+
+
+class Offloader:
+    """Puts images into the asset store at ``asset_root``, once per content (sha256 of the bytes).
+
+    Thread-safe. The ref of a content stays cached (LRU, ``cache_size`` entries: a ref is ~350
+    bytes) for the offloader's life; the store itself is idempotent too, so a miss after an
+    eviction writes nothing new.
+
+    Args:
+        model_dir: the served model's folder (its image processor config gives grids).
+        asset_root: the run's asset store, e.g. ``<output_root>/run_1/assets``, inside the server's
+            ``MMREF_ASSET_ROOT`` and readable by the trainer.
+        adapter: an adapter already loaded (default: :func:`protocol.adapters.load_adapter` of
+            ``model_dir`` on first use).
+        cache_size: refs kept by content.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        asset_root: str | os.PathLike[str],
+        *,
+        adapter: ImageAdapter | None = None,
+        cache_size: int = 65536,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.asset_root = Path(asset_root)
+        self._adapter = adapter
+        self._cache: OrderedDict[str, RawMMRef] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self.stats = OffloadStats()
+
+    @property
+    def adapter(self) -> ImageAdapter:
+        """The model family's adapter (loaded on first use: imports torch and transformers)."""
+        with self._lock:
+            if self._adapter is None:
+                from protocol.adapters import load_adapter
+
+                self._adapter = load_adapter(self.model_dir)
+            return self._adapter
+
+    def offload(self, image: ImageInput) -> RawMMRef:
+        """The image's ref; decoded and written only if this content was not offloaded before.
+
+        Raises:
+            ImageUnreadable, AssetTooLarge: see :func:`protocol.adapters.offload_image`.
+            TypeError, OSError: see :func:`image_bytes`.
+        """
+        data = image_bytes(image)
+        key = hashlib.sha256(data).hexdigest()
+        with self._lock:
+            ref = self._cache.get(key)
+            if ref is not None:
+                self._cache.move_to_end(key)
+                self.stats.hits += 1
+                return ref
+        from protocol.adapters import offload_image
+
+        ref = offload_image(data, self.asset_root, self.adapter)
+        with self._lock:
+            self._cache[key] = ref
+            self.stats.offloaded += 1
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return ref
+
+    def lookup(self, sha256: str) -> RawMMRef | None:
+        """The ref of an already offloaded content, by the full hex sha256 of its bytes."""
+        with self._lock:
+            return self._cache.get(sha256)

@@ -1,0 +1,274 @@
+"""rollout_client without a server: import weight, prompts (single and multi-turn) against the chat
+template, sampling parameters, retry policy, offloading once per content, the temperature check."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO, photo_array, photo_bytes
+from protocol.errors import PlaceholderMismatch
+from rollout_client import (
+    ChatTemplate,
+    Offloader,
+    PromptBuilder,
+    RetryPolicy,
+    Rollout,
+    Sampling,
+    check_trainer_temperature,
+)
+from rollout_client.retry import parse_retry_after
+from rollout_client.suppression import MASKED_LOGIT, logit_bias
+
+
+def test_import_is_torch_free():
+    code = (
+        "import sys, rollout_client, rollout_client.client, rollout_client.conversation;"
+        "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.fixture(scope="module")
+def builder(qwen2_vl_dir, tmp_path_factory):
+    return PromptBuilder(
+        ChatTemplate(qwen2_vl_dir), Offloader(qwen2_vl_dir, tmp_path_factory.mktemp("assets"))
+    )
+
+
+def _full(builder, messages) -> list[int]:
+    """The template's tokens for the whole conversation at once, placeholders expanded in order."""
+    from protocol.placeholders import expand_image_placeholders
+
+    refs = builder.offload_images([dict(m) for m in messages])
+    ids = builder.template.encode(builder.template.render(messages, add_generation_prompt=True))
+    return expand_image_placeholders(ids, refs, builder.placeholder_token_id)
+
+
+def _turn(prepared, completion: list[int], finish: str) -> Rollout:
+    return Rollout(
+        prepared.prompt_ids, completion, [-1.0] * len(completion), finish, None, "v0", prepared.images
+    )
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_next_turn_is_the_template_of_the_whole_conversation(builder, finish):
+    """A completion that round-trips through text: turn 2's token-appended prompt equals the template's
+    rendering of the whole conversation (with the end-of-turn the model sampled, or the template's)."""
+    from rollout_client import Conversation
+
+    tok = builder.template
+    answer = tok.encode("A cat on a sofa.")
+    eos = tok.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    conv = Conversation(builder, [{"role": "system", "content": "Be brief."}])
+    conv.add_user("What is it?", images=[photo_bytes("chelsea")])
+    first = conv.prepare()
+    conv.record(_turn(first, answer + ([eos] if finish == "stop" else []), finish))
+    conv.add_user("And this one?", images=[photo_bytes("coffee")])
+    second = conv.prepare()
+    whole = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": photo_bytes("chelsea")},
+                {"type": "text", "text": "What is it?"},
+            ],
+        },
+        {"role": "assistant", "content": "A cat on a sofa."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": photo_bytes("coffee")},
+                {"type": "text", "text": "And this one?"},
+            ],
+        },
+    ]
+    assert second.prompt_ids == _full(builder, whole)
+    assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
+    assert [r.sha256 for r in second.images] == [r.sha256 for r in _refs(builder, whole)]
+    conv.record(_turn(second, answer, "length"))
+    sample = conv.training_sample()
+    assert sum(sample.loss_mask) == len(answer) * 2 + (finish == "stop")
+    assert sample.input_ids == second.prompt_ids + answer
+
+
+def _refs(builder, messages):
+    return builder.offload_images([dict(m) for m in messages])
+
+
+def test_placeholder_text_in_a_message_is_refused(builder):
+    from rollout_client import Conversation
+
+    conv = Conversation(builder)
+    conv.add_user("look: <|image_pad|>", images=[photo_bytes("rocket")])
+    with pytest.raises(PlaceholderMismatch):
+        conv.prepare()
+
+
+def test_offloads_once_per_content(qwen2_vl_dir, tmp_path):
+    from PIL import Image
+
+    off = Offloader(qwen2_vl_dir, tmp_path / "assets")
+    jpeg = photo_bytes("astronaut", size=(200, 150))
+    path = tmp_path / "a.jpg"
+    path.write_bytes(jpeg)
+    a, b, c = off.offload(jpeg), off.offload(path), off.offload(bytearray(jpeg))
+    assert a == b == c and off.stats.offloaded == 1 and off.stats.hits == 2
+    pil = Image.fromarray(photo_array("coffee")).resize((200, 150))
+    assert off.offload(pil) == off.offload(pil.copy()) and off.stats.offloaded == 2
+    assert off.offload(pil).media_type == "image/png"
+    with pytest.raises(TypeError):
+        off.offload(3)  # type: ignore[arg-type]
+
+
+def test_sampling_params_carry_the_suppression():
+    p = Sampling(temperature=0.7, max_tokens=5, extra={"min_p": 0.1, "logit_bias": {7: 2.0}}).params([261])
+    assert p == {
+        "temperature": 0.7,
+        "max_tokens": 5,
+        "top_p": 1.0,
+        "top_k": 0,
+        "logprobs": 0,
+        "logit_bias": {"261": -100.0, "7": 2.0},
+        "min_p": 0.1,
+    }
+    assert "logit_bias" not in Sampling().params([])
+    assert logit_bias([5, 3, 5]) == {"3": -100.0, "5": -100.0}
+
+
+def test_retry_policy_backoff_is_bounded_full_jitter():
+    import random
+
+    policy = RetryPolicy(initial_backoff_s=0.5, max_backoff_s=4.0)
+    rng = random.Random(0)
+    for attempt, cap in ((1, 0.5), (2, 1.0), (3, 2.0), (4, 4.0), (9, 4.0)):
+        delays = [policy.delay(attempt, rng=rng) for _ in range(200)]
+        assert 0 <= min(delays) and max(delays) <= cap and max(delays) > cap * 0.8
+    assert policy.delay(3, retry_after=1.5) == 1.5 and policy.delay(3, retry_after=60) == 4.0
+    assert parse_retry_after("2") == 2.0 and parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") is None
+    with pytest.raises(ValueError):
+        RetryPolicy(max_attempts=0)
+
+
+def test_temperature_check_warns(caplog):
+    rollouts = [Rollout([1], [2], [-0.1], "length", None, "v", temperature=t) for t in (1.0, 1.0, 0.0)]
+    with caplog.at_level(logging.WARNING, logger="rollout_client"):
+        assert check_trainer_temperature(rollouts, 1.0)
+        assert not caplog.records
+        assert not check_trainer_temperature(rollouts, 0.7)
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING and "3 rollout(s)" in record.getMessage()
+
+
+def test_trainer_mask_removes_the_ids_from_the_softmax(qwen2_vl_dir):
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from rollout_client import mask_in_trainer
+
+    model = AutoModelForImageTextToText.from_pretrained(qwen2_vl_dir, dtype=torch.float32)
+    hidden = torch.randn(3, model.config.text_config.hidden_size)
+    head = model.get_output_embeddings()
+    plain = torch.log_softmax(head(hidden), -1)
+    handle = mask_in_trainer(model, [261])
+    masked = torch.log_softmax(head(hidden), -1)
+    handle.remove()
+    assert torch.all(masked[:, 261] < MASKED_LOGIT / 2)
+    keep = [t for t in range(plain.shape[-1]) if t != 261]
+    shift = masked[:, keep] - plain[:, keep]
+    expected = -torch.log1p(-plain[:, 261].exp())
+    assert torch.allclose(shift, expected[:, None].expand_as(shift), atol=1e-6)
+
+
+# --- the calls' logic, both transports, against scripted answers (httpx.MockTransport) -------------
+
+
+def _scripted(script: list):
+    """An httpx handler answering ``script``'s items in order (then the last one): a weight version
+    (a 200 with one token), or an ``(HTTP status, error body)``."""
+    import httpx
+
+    seen = []
+
+    def handler(request):
+        item = script[min(len(seen), len(script) - 1)]
+        seen.append(request)
+        if isinstance(item, tuple):
+            return httpx.Response(item[0], json=item[1])
+        choice = {"token_ids": [7], "logprobs": {"content": [{"logprob": -0.5}]}, "finish_reason": "length"}
+        body = {"request_id": f"r{len(seen)}", "choices": [choice]}
+        return httpx.Response(200, json=body, headers={"x-mmref-weight-version": item})
+
+    return handler, seen
+
+
+def _run(mode: str, handler, call, model_dir="unused"):
+    """``call(client)`` on a RolloutClient (sync) or an AsyncRolloutClient (awaited) over ``handler``."""
+    import asyncio
+
+    import httpx
+
+    from rollout_client import AsyncRolloutClient, RolloutClient
+
+    fast = RetryPolicy(max_attempts=4, initial_backoff_s=0.0, max_backoff_s=0.0)
+    kwargs = {"retry": fast, "suppress_placeholders": False, "max_concurrency": 1}
+    if mode == "sync":
+        http = httpx.Client(transport=httpx.MockTransport(handler))
+        return call(RolloutClient("http://x", model_dir, "unused", http_client=http, **kwargs))
+
+    async def run():
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        async with http:
+            return await call(AsyncRolloutClient("http://x", model_dir, "unused", http_client=http, **kwargs))
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_drain_timeout_is_retried_and_other_refusals_are_not(mode):
+    from protocol.errors import DrainTimeout, HashMismatch
+    from rollout_client import RetriesExhausted
+    from vllm_plugin.protocol import error_body
+
+    drain = (503, error_body(DrainTimeout("still running"), "still running"))
+    handler, seen = _scripted([drain, drain, "v1"])
+    rollout = _run(mode, handler, lambda c: c.generate_tokens([1, 2], (), Sampling(max_tokens=1)))
+    assert rollout.attempts == 3 == len(seen) and rollout.weight_version == "v1"
+    handler, seen = _scripted([drain])
+    with pytest.raises(RetriesExhausted) as info:
+        _run(mode, handler, lambda c: c.generate_tokens([1, 2]))
+    assert len(seen) == 4 and isinstance(info.value.__cause__, DrainTimeout)
+    handler, seen = _scripted([(409, error_body(HashMismatch("other bytes"), "other bytes"))])
+    with pytest.raises(HashMismatch):
+        _run(mode, handler, lambda c: c.generate_tokens([1, 2]))
+    assert len(seen) == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_group_straddling_an_update_is_drawn_again_under_the_new_version(mode, qwen2_vl_dir):
+    """Two answers under ``old`` then ``new`` (a push between them): the two old samples are drawn
+    again; an expected version is waited for."""
+    handler, seen = _scripted(["old", "old", "new"])
+    text = [{"role": "user", "content": "Hi."}]
+    group = _run(mode, handler, lambda c: c.sample_group(text, 4, one_version=True), qwen2_vl_dir)
+    assert [r.weight_version for r in group] == ["new"] * 4 and len(seen) == 6
+    assert {r.session_id for r in group} == {seen[0].headers["x-session-id"]}
+    handler, seen = _scripted(["old", "old", "new"])
+    rollout = _run(mode, handler, lambda c: c.generate_tokens([1], expected_weight_version="new"))
+    assert rollout.attempts == 3 and rollout.weight_version == "new"
+
+
+def test_version_clock_orders_by_receipt_not_by_recording():
+    from rollout_client.versions import VersionClock
+
+    clock = VersionClock()
+    clock.observe("new", received_at=2.0)
+    clock.observe("old", received_at=1.0)  # received first, recorded late
+    assert clock.latest == "new"
+    group = [Rollout([1], [2], [-0.1], "length", None, v) for v in ("old", "new", "old")]
+    assert clock.stale(group) == [0, 2] and clock.stale(group[1:2]) == []
