@@ -263,3 +263,28 @@ def test_a_v2_ref_sent_where_feature_files_are_read_is_invalid_not_a_crash(tmp_p
     ref = content_ref(jpeg)
     with pytest.raises(InvalidRef):
         read_feature_item(tmp_path, ref, fingerprint="a" * 32, ref_string=format_content_ref(ref))  # type: ignore[arg-type]
+
+
+def test_the_trainer_of_this_release_materializes_v2_refs_under_one_store_root(
+    tmp_path, jpeg, qwen2_vl_adapter
+):
+    """Before its roots integration, ``materialize(asset_root=<a store root>)`` already resolves v2
+    refs (``AssetStore.read_image`` at their key) to the v1 pixels."""
+    from protocol.structs import MMRefs, TrainingSample
+    from trainer_lib import materialize
+
+    store = tmp_path / "store"
+    refs = {form: offload_image(jpeg, store, qwen2_vl_adapter, form=form) for form in ("v1", "v2")}
+    out = {}
+    for form, item in refs.items():
+        sample = TrainingSample(
+            input_ids=list(range(8)),
+            loss_mask=[True] * 8,
+            advantages=[0.0] * 8,
+            inference_logprobs=[0.0] * 8,
+            mm_refs=MMRefs(items=[item]),
+        )
+        out[form] = materialize([sample], qwen2_vl_adapter, store, policy="error")
+    assert out["v2"].stats.processed == 1
+    for name, tensor in out["v1"].features.items():
+        assert torch.equal(out["v2"].features[name], tensor)
