@@ -22,7 +22,8 @@ not know this module::
     ├── PlaceholderMismatch(MMRefError, ValueError)          422    placeholder_mismatch
     ├── SeedUnsupported(MMRefError, ValueError)              400    seed_unsupported
     ├── UpdateConflict(MMRefError, RuntimeError)             409    update_conflict
-    └── DrainTimeout(MMRefError, TimeoutError)               503    drain_timeout
+    ├── DrainTimeout(MMRefError, TimeoutError)               503    drain_timeout
+    └── StoreUnavailable(MMRefError, ConnectionError)        503    store_unavailable
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
     "NotCached",
     "PlaceholderMismatch",
     "SeedUnsupported",
+    "StoreUnavailable",
     "UnsupportedFamily",
     "UpdateConflict",
     "all_error_types",
@@ -194,6 +196,16 @@ class DrainTimeout(MMRefError, TimeoutError):
     http_status = 503
 
 
+class StoreUnavailable(MMRefError, ConnectionError):
+    """No asset root held the image and at least one could not be asked: an object store that
+    refused the connection, timed out (``MMREF_STORE_TIMEOUT_S``, retries included) or denied the
+    request (``protocol/roots.py``). The image may exist: retryable, never replaced by a
+    placeholder."""
+
+    code = "store_unavailable"
+    http_status = 503
+
+
 def all_error_types() -> list[type[MMRefError]]:
     """Every concrete error class, in declaration order (codes are unique; tested)."""
     return [
@@ -213,6 +225,7 @@ def all_error_types() -> list[type[MMRefError]]:
         SeedUnsupported,
         UpdateConflict,
         DrainTimeout,
+        StoreUnavailable,
     ]
 
 

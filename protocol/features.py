@@ -28,6 +28,7 @@ from protocol.errors import (
     CorruptFeature,
     FingerprintMismatch,
     HashMismatch,
+    InvalidRef,
 )
 from protocol.refs import FileRef, format_mmfile
 from protocol.store import AssetStore, atomic_write
@@ -141,7 +142,13 @@ def read_feature_item(
         CorruptFeature: the file is not a valid envelope (truncated, corrupt, wrong schema, kind
             or modality), or the envelope's ids differ from the ref's.
         HashMismatch: the payload's sha256 differs from the envelope's.
+        InvalidRef: ``ref`` is not a :class:`FileRef` (e.g. an ``mmraw:v2`` ref handed to a reader
+            that sends every non-v1 ``mmraw`` ref here).
     """
+    if not isinstance(ref, FileRef):
+        raise InvalidRef(
+            f"not an mmfile:v1 ref ({type(ref).__name__}): no feature file to read", ref=ref_string
+        )
     if ref.fingerprint != fingerprint:
         raise FingerprintMismatch(
             f"mmfile ref fingerprint {ref.fingerprint} != layout fingerprint {fingerprint}", ref=ref_string

@@ -21,17 +21,20 @@ import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from protocol.errors import AssetNotFound, AssetOutsideRoot, AssetTooLarge, HashMismatch, InvalidRef
 from protocol.images import sniff_media_type
-from protocol.refs import MM_HASH_RE, file_uri_to_path
+from protocol.refs import MM_HASH_RE, ContentRef, RawRefBody, file_uri_to_path
 
 __all__ = [
     "DEFAULT_MAX_IMAGE_BYTES",
     "TEMP_PREFIX",
     "AssetStore",
+    "ImageSource",
     "StoredImage",
     "atomic_write",
+    "check_sha256",
     "existing_asset_root",
 ]
 
@@ -39,6 +42,30 @@ DEFAULT_MAX_IMAGE_BYTES = 64 * 1024 * 1024
 """Largest image file read (bytes); larger files raise :class:`AssetTooLarge`."""
 TEMP_PREFIX = ".tmp-"
 """Name prefix of a writer's temp file (in the target's folder, renamed over the target when whole)."""
+
+
+class ImageSource(Protocol):
+    """Where :meth:`protocol.adapters.ImageAdapter.resolve_raw` reads an image's bytes: one
+    :class:`AssetStore`, or the ordered roots of :class:`protocol.roots.AssetRoots`."""
+
+    def read_image(
+        self, body: RawRefBody | ContentRef, *, max_bytes: int = ..., ref: str | None = None
+    ) -> tuple[bytes, str]:
+        """The bytes an ``mmraw`` ref names and their full hex sha256, checked against the ref."""
+        ...
+
+
+def check_sha256(data: bytes, mm_hash: str, *, ref: str | None = None) -> str:
+    """The full hex sha256 of ``data``, which must start with ``mm_hash`` (a v1 32-hex prefix, or
+    a v2 ref's whole 64-hex sha256).
+
+    Raises:
+        HashMismatch: the bytes hash to something else.
+    """
+    digest = hashlib.sha256(data).hexdigest()
+    if len(mm_hash) > len(digest) or not digest.startswith(mm_hash):
+        raise HashMismatch(f"file sha256 {digest[: len(mm_hash)]} != ref hash {mm_hash}", ref=ref)
+    return digest
 
 
 @dataclass(frozen=True)
@@ -225,7 +252,26 @@ class AssetStore:
         if not MM_HASH_RE.fullmatch(mm_hash):
             raise InvalidRef(f"mm_hash {mm_hash[:80]!r} does not match {MM_HASH_RE.pattern}", ref=ref)
         data = self.read_confined(file_uri_to_path(uri, ref=ref), max_bytes=max_bytes, ref=ref)
-        digest = hashlib.sha256(data).hexdigest()
-        if len(mm_hash) > len(digest) or not digest.startswith(mm_hash):
-            raise HashMismatch(f"file sha256 {digest[: len(mm_hash)]} != ref hash {mm_hash}", ref=ref)
-        return data, digest
+        return data, check_sha256(data, mm_hash, ref=ref)
+
+    def read_image(
+        self,
+        body: RawRefBody | ContentRef,
+        *,
+        max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+        ref: str | None = None,
+    ) -> tuple[bytes, str]:
+        """The bytes an ``mmraw`` ref names (:class:`ImageSource`): a v1 ref's ``file://`` URI
+        (:meth:`read_hashed`), or a v2 ref's key ``images/<sha256[:16]><ext>`` under this root.
+
+        Returns:
+            The bytes and their full hex sha256.
+
+        Raises:
+            InvalidRef, AssetOutsideRoot, AssetNotFound, AssetTooLarge, HashMismatch: see
+                :meth:`read_hashed`.
+        """
+        if isinstance(body, ContentRef):
+            data = self.read_confined(self.root / body.key, max_bytes=max_bytes, ref=ref)
+            return data, check_sha256(data, body.sha256, ref=ref)
+        return self.read_hashed(body.raw_image_uri, body.mm_hash, max_bytes=max_bytes, ref=ref)

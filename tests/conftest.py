@@ -92,3 +92,15 @@ def weight_sets(qwen2_vl_dir, tmp_path_factory) -> dict:
         "A": (qwen2_vl_dir, a),
         "B": jittered_weights(qwen2_vl_dir, tmp_path_factory.mktemp("weights") / "B"),
     }
+
+
+@pytest.fixture(scope="session")
+def moto_s3(tmp_path_factory):
+    """moto's standalone S3 server (``helpers.MotoS3``), one process for the session."""
+    from helpers import MotoS3
+
+    server = MotoS3(tmp_path_factory.mktemp("moto") / "moto.log")
+    try:
+        yield server
+    finally:
+        server.stop()

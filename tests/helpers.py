@@ -462,3 +462,140 @@ def vllm_positions(family: str, config, ids: list[int], spans) -> torch.Tensor:
     shim = types.SimpleNamespace(config=config)
     shim.iter_mm_grid_thw = types.MethodType(cls.iter_mm_grid_thw, shim)
     return torch.as_tensor(cls.get_mrope_input_positions(shim, ids, feats)[0])
+
+
+# --- object-store roots (protocol/roots.py): a real S3 endpoint and a proxy for its faults ----------
+
+
+class MotoS3:
+    """moto's standalone S3 server as its own process on 127.0.0.1 (the S3 wire protocol, request
+    signing and error codes over HTTP), for obstore's real S3 client.
+
+    :meth:`env` is what a party needs to reach it through the standard AWS environment chain.
+    """
+
+    def __init__(self, log_path: Path, *, timeout: float = 60.0) -> None:
+        import subprocess
+        import time
+
+        import httpx
+
+        from vllm_server import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._log = open(log_path, "wb")  # closed by stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"moto_server exited with {self.process.returncode}: {log_path}")
+            try:
+                httpx.get(f"{self.url}/moto-api/", timeout=1.0)
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"moto_server not up within {timeout} s") from None
+                time.sleep(0.1)
+
+    def env(self, endpoint: str | None = None) -> dict[str, str]:
+        """AWS chain variables for this endpoint (or another one, e.g. a proxy in front of it)."""
+        return {
+            "AWS_ENDPOINT_URL": endpoint or self.url,
+            "AWS_ACCESS_KEY_ID": "mmref-test-key",
+            "AWS_SECRET_ACCESS_KEY": "mmref-test-secret",
+            "AWS_REGION": "us-east-1",
+            "MMREF_STORE_ALLOW_HTTP": "1",
+        }
+
+    def make_bucket(self, name: str) -> str:
+        """Create a bucket with a plain HTTP PUT; returns ``s3://<name>``."""
+        import httpx
+
+        httpx.put(f"{self.url}/{name}", timeout=10.0).raise_for_status()
+        return f"s3://{name}"
+
+    def object_url(self, bucket: str, key: str) -> str:
+        """The plain HTTP URL of an object (path style): tests delete or replace objects with it."""
+        return f"{self.url}/{bucket}/{key}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except Exception:
+            self.process.kill()
+            self.process.wait(10)
+        self._log.close()
+
+
+class DelayProxy:
+    """A TCP proxy on 127.0.0.1 in front of ``upstream_port``, for store faults: ``delay_s`` holds
+    every upstream answer that long (a slow endpoint); :meth:`close` stops listening (endpoint
+    down: connection refused). Threads, bounded by the test's own timeouts; stops with the test."""
+
+    def __init__(self, upstream_port: int, *, delay_s: float = 0.0) -> None:
+        import socket
+        import threading
+
+        self.upstream_port = upstream_port
+        self.delay_s = delay_s
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._closed = threading.Event()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:
+                client.close()
+                continue
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._pipe, args=(client, upstream, 0.0), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, self.delay_s), daemon=True).start()
+
+    def _pipe(self, src, dst, delay_s: float) -> None:
+        try:
+            while chunk := src.recv(65536):
+                if delay_s:
+                    self._closed.wait(delay_s)  # woken early by close()
+                if self._closed.is_set():
+                    return
+                dst.sendall(chunk)
+        except OSError:
+            return
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        """Stop listening and drop every connection (the endpoint is down from now on)."""
+        self._closed.set()
+        self._listener.close()
+        for s in self._sockets:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+__all__ += ["DelayProxy", "MotoS3"]

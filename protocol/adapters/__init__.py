@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import os
 
-from protocol.adapters.base import ImageAdapter, ProcessedImage
+from protocol.adapters.base import ImageAdapter, ProcessedImage, RefForm
 from protocol.adapters.kimi_k25 import KimiK25Adapter
 from protocol.adapters.kimi_vl import KimiVLAdapter, KimiVLImageProcessor
 from protocol.adapters.qwen3_5 import Qwen35Adapter
 from protocol.adapters.qwen3_vl_moe import Qwen3VLMoeAdapter
 from protocol.adapters.qwen_vl import QwenVLAdapter
 from protocol.adapters.registry import ADAPTERS, adapter_class, load_adapter, supported_families
+from protocol.refs import file_uri_to_path
+from protocol.roots import AssetRoot, AssetRoots, open_root
 from protocol.store import AssetStore
 from protocol.structs import RawMMRef
 
@@ -27,6 +29,7 @@ __all__ = [
     "Qwen3VLMoeAdapter",
     "Qwen35Adapter",
     "QwenVLAdapter",
+    "RefForm",
     "adapter_class",
     "load_adapter",
     "offload_image",
@@ -35,11 +38,32 @@ __all__ = [
 
 
 def offload_image(
-    image: bytes | os.PathLike[str] | str, root: str | os.PathLike[str], adapter: ImageAdapter
+    image: bytes | os.PathLike[str] | str,
+    root: str | os.PathLike[str] | AssetRoot | AssetRoots,
+    adapter: ImageAdapter,
+    *,
+    form: RefForm = "v1",
 ) -> RawMMRef:
     """Write ``image`` into the asset store at ``root`` and return its ``mmraw`` ref.
 
     Atomic and idempotent (the same bytes give the same file and the same ref). The
     adapter supplies the grid and placeholder count the server will check.
+
+    Args:
+        root: a local folder (v1 and v2), an object-store URL such as ``s3://bucket/prefix``
+            (v2 only: create-if-absent), an opened root, or :class:`AssetRoots` (its first root).
+        form: ``"v1"`` (``file://`` path) or ``"v2"`` (named by content); see
+            :meth:`ImageAdapter.offload`.
+
+    Raises:
+        ImageUnreadable, AssetTooLarge, StoreUnavailable, HashMismatch, ValueError: see
+            :meth:`ImageAdapter.offload` and :func:`protocol.roots.open_root`.
     """
-    return adapter.offload(image, AssetStore(root))
+    if isinstance(root, AssetRoot | AssetRoots):
+        return adapter.offload(image, root, form=form)
+    text = os.fspath(root)
+    if text.startswith("file://"):
+        return adapter.offload(image, AssetStore(file_uri_to_path(text)), form=form)
+    if "://" in text:
+        return adapter.offload(image, open_root(text), form=form)
+    return adapter.offload(image, AssetStore(root), form=form)

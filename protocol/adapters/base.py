@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from PIL import Image
@@ -31,11 +31,16 @@ from protocol.errors import (
 )
 from protocol.fingerprint import layout_fingerprint
 from protocol.images import DEFAULT_MAX_IMAGE_PIXELS, load_image
-from protocol.refs import RawRefBody, format_mmraw
-from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore
+from protocol.refs import ContentRef, RawRefBody, format_content_ref, format_mmraw
+from protocol.roots import AssetRoot, AssetRoots, put_content
+from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore, ImageSource
 from protocol.structs import RawMMRef
 
-__all__ = ["ImageAdapter", "ProcessedImage"]
+__all__ = ["ImageAdapter", "ProcessedImage", "RefForm"]
+
+RefForm = Literal["v1", "v2"]
+"""Which ``mmraw`` form :meth:`ImageAdapter.offload` writes: ``"v1"`` (base64url JSON naming a
+``file://`` path) or ``"v2"`` (``mmraw:v2:``, named by content: docs/PROTOCOL.md §1)."""
 
 
 @dataclass(frozen=True)
@@ -223,13 +228,14 @@ class ImageAdapter(ABC):
     grid_len: ClassVar[int] = 3
     """Entries in one image's grid (Qwen ``[t, h, w]``: 3; Kimi-VL ``[h, w]``: 2)."""
 
-    def check_ref(self, body: RawRefBody, *, ref: str | None = None) -> tuple[int, ...]:
+    def check_ref(self, body: RawRefBody | ContentRef, *, ref: str | None = None) -> tuple[int, ...]:
         """Check a ref's family and fingerprint against this adapter; return its claimed grid.
 
         Raises:
             UnsupportedFamily: the ref is for another family.
             FingerprintMismatch: the ref names a fingerprint other than this adapter's.
-            InvalidRef: the payload does not parse.
+            InvalidRef: the payload does not parse (v1), or a v2 grid of the wrong length.
+            GridMismatch: a grid larger than the processor can produce.
         """
         if body.family != self.family:
             raise UnsupportedFamily(
@@ -241,12 +247,18 @@ class ImageAdapter(ABC):
                 f"{self.fingerprint} (processor, backend, device or library versions differ)",
                 ref=ref,
             )
+        if isinstance(body, ContentRef):
+            if len(body.grid) != self.grid_len:
+                raise InvalidRef(
+                    f"{self.family} refs carry a grid of {self.grid_len} ints, got {list(body.grid)}", ref=ref
+                )
+            return self.check_grid(body.grid, ref=ref)
         return self.grid_from_payload(body.payload, ref=ref)
 
     def resolve_raw(
         self,
-        body: RawRefBody,
-        store: AssetStore,
+        body: RawRefBody | ContentRef,
+        store: ImageSource,
         *,
         ref: str | None = None,
         device_normalize: bool = False,
@@ -255,17 +267,20 @@ class ImageAdapter(ABC):
     ) -> ProcessedImage:
         """Resolve an ``mmraw`` ref: confined read, hash check, vLLM-style decode, processor, grid check.
 
-        This is the one path both the server and the trainer take.
+        This is the one path both the server and the trainer take. ``store`` is one
+        :class:`AssetStore` (v1 refs by path, v2 refs by key under it) or the party's
+        :class:`protocol.roots.AssetRoots` (every form, by content across the roots).
 
         Raises:
             UnsupportedFamily, FingerprintMismatch, InvalidRef: see :meth:`check_ref`.
             AssetOutsideRoot, AssetNotFound, AssetTooLarge, HashMismatch: see
                 :meth:`protocol.store.AssetStore.read_hashed`.
+            StoreUnavailable: see :meth:`protocol.roots.AssetRoots.read_image`.
             ImageUnreadable, AssetTooLarge: see :func:`protocol.images.load_image`.
             GridMismatch: the processor's grid differs from the ref's payload.
         """
         claimed = self.check_ref(body, ref=ref)
-        data, sha256 = store.read_hashed(body.raw_image_uri, body.mm_hash, max_bytes=max_bytes, ref=ref)
+        data, sha256 = store.read_image(body, max_bytes=max_bytes, ref=ref)
         image = load_image(data, max_pixels=max_pixels, ref=ref)
         try:
             processed = self.process(image, device_normalize=device_normalize)
@@ -278,12 +293,31 @@ class ImageAdapter(ABC):
             )
         return dataclasses.replace(processed, sha256=sha256)
 
-    def offload(self, image: bytes | os.PathLike[str] | str, store: AssetStore) -> RawMMRef:
+    def offload(
+        self,
+        image: bytes | os.PathLike[str] | str,
+        store: AssetStore | AssetRoot | AssetRoots,
+        *,
+        form: RefForm = "v1",
+    ) -> RawMMRef:
         """Store a raw image and return its ``mmraw`` :class:`RawMMRef` (grid from its decoded size).
+
+        Args:
+            store: where the bytes go: an :class:`AssetStore`, one root (a local folder or an
+                object store: create-if-absent), or :class:`AssetRoots` (its first root).
+            form: ``"v1"`` (a ``file://`` path: an :class:`AssetStore` only) or ``"v2"``
+                (named by content, resolvable on any machine whose roots hold the bytes). The
+                default stays ``"v1"`` until the server and the trainer resolve v2 refs.
 
         Raises:
             ImageUnreadable, AssetTooLarge: the image cannot be decoded or is too large.
+            StoreUnavailable, HashMismatch: see :func:`protocol.roots.put_content`.
+            ValueError: ``form="v1"`` with an object store or a root list, or an unknown form.
         """
+        if form not in ("v1", "v2"):
+            raise ValueError(f"form must be 'v1' or 'v2', got {form!r}")
+        if form == "v1" and not isinstance(store, AssetStore):
+            raise ValueError("v1 refs name a local file: offload them to an AssetStore, or use form='v2'")
         data = image if isinstance(image, bytes) else Path(image).read_bytes()
         decoded = load_image(data)
         try:
@@ -292,6 +326,23 @@ class ImageAdapter(ABC):
             raise ImageUnreadable(
                 f"{self.family} processor refuses a {decoded.width}x{decoded.height} image: {e}"
             ) from e
+        if form == "v2":
+            content = put_content(store, data)
+            ref = ContentRef(
+                sha256=content.sha256,
+                ext=content.ext,
+                family=self.family,
+                grid=grid,
+                fingerprint=self.fingerprint,
+            )
+            return RawMMRef(
+                ref=format_content_ref(ref),
+                sha256=content.sha256,
+                media_type=content.media_type,
+                grid=list(grid),
+                num_placeholders=self.num_placeholders(grid),
+            )
+        assert isinstance(store, AssetStore)
         stored = store.put_image(data)
         body = RawRefBody(
             family=self.family,

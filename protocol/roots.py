@@ -1,0 +1,564 @@
+"""Asset roots: where every party finds an image by its content (docs/PROTOCOL.md §2.5).
+
+A content-named ref (``mmraw:v2:``, :class:`protocol.refs.ContentRef`) carries no place. Each
+party (rollout worker, server replica, trainer rank) resolves it against its own ordered list of
+asset roots, ``MMREF_ASSET_ROOTS``: local folders (absolute paths or ``file://`` URIs) and object
+store URLs (``s3://bucket/prefix``, ``gs://``, ``az://``, ``http(s)://``, through obstore, the
+Python bindings of the Rust ``object_store`` crate). Every root holds the store layout of
+docs/PROTOCOL.md §2 (``images/<sha256[:16]><ext>``), so today's stores serve v2 refs unchanged.
+
+Resolution (:meth:`AssetRoots.read_image`), in order:
+
+1. the node's read-through cache (:class:`protocol.read_cache.ReadCache`), when configured;
+2. each root in turn: the first holding bytes whose sha256 is the ref's wins (bytes from an
+   object store then go to the cache); a missing key, an unreachable root (connection refused,
+   timeout after obstore's retries, permission denied) or other bytes -> the next root;
+3. nothing found: :class:`StoreUnavailable` (503) if a root could not be asked, else
+   :class:`HashMismatch` (409) if a root held other bytes, else :class:`AssetNotFound` (404).
+
+A file over ``max_bytes`` (:class:`AssetTooLarge`, from the object's size before its body is
+read) or a local path leading out of its root (:class:`AssetOutsideRoot`) raises at once.
+
+Confinement holds for every backend: keys are built from a validated sha256 and an extension of
+a fixed set (:func:`protocol.refs.image_key`), then placed under the root's folder (confined,
+``O_NOFOLLOW`` reads of :class:`AssetStore`) or prefix; no ref names a bucket, host or prefix.
+Credentials come only from the provider's standard chain (``AWS_*``, ``GOOGLE_*``, ``AZURE_*``
+environment variables, instance metadata, web identity): a root URL carrying credentials is
+refused, so neither refs nor log lines ever hold one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from protocol.errors import (
+    AssetNotFound,
+    AssetOutsideRoot,
+    AssetTooLarge,
+    HashMismatch,
+    InvalidRef,
+    StoreUnavailable,
+)
+from protocol.images import sniff_media_type
+from protocol.read_cache import ReadCache
+from protocol.refs import ContentRef, RawRefBody, file_uri_to_path, image_key
+from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore, atomic_write, check_sha256
+
+__all__ = [
+    "OBJECT_SCHEMES",
+    "ROOTS_ENV",
+    "AssetRoot",
+    "AssetRoots",
+    "LocalRoot",
+    "ObjectRoot",
+    "StoreClientConfig",
+    "StoredContent",
+    "open_root",
+    "parse_roots_spec",
+    "put_content",
+]
+
+ROOTS_ENV = "MMREF_ASSET_ROOTS"
+"""Environment variable: the ordered roots, comma-separated or a JSON list of strings."""
+OBJECT_SCHEMES = ("s3", "gs", "az", "http", "https")
+"""URL schemes of object-store roots (anything else but ``file`` and a plain path is refused)."""
+
+_HOST_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,253}[A-Za-z0-9])?(?::[0-9]{1,5})?")
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.=-]{1,255}")
+_V1_TAIL_RE = re.compile(
+    r"(?:/(?P<run>run_[A-Za-z0-9_.-]+)/assets)?/images/(?P<name>[a-f0-9]{16}(?:\.jpg|\.png|\.webp|\.gif|\.img))\Z"
+)
+
+
+@dataclass(frozen=True)
+class StoreClientConfig:
+    """Timeouts and retries of object-store requests, handed to obstore's client and retry
+    configuration (one request: connect to last body byte).
+
+    A read from one root gives up within :meth:`deadline_s` seconds: at most ``max_retries + 1``
+    attempts of ``timeout_s`` each, with backoffs of at most 1 s between them, and no new attempt
+    after ``retry_timeout_s``.
+    """
+
+    timeout_s: float = 10.0
+    """Whole request, connect to last body byte (seconds): ``MMREF_STORE_TIMEOUT_S``."""
+    connect_timeout_s: float = 2.0
+    """Connect phase (seconds): ``MMREF_STORE_CONNECT_TIMEOUT_S``."""
+    max_retries: int = 2
+    """Retries of a failed request (5xx, connection errors, timeouts): ``MMREF_STORE_MAX_RETRIES``."""
+    retry_timeout_s: float = 30.0
+    """No retry starts later than this after the first attempt (seconds): ``MMREF_STORE_RETRY_TIMEOUT_S``."""
+    allow_http: bool = False
+    """Plain-HTTP endpoints (a local S3 such as moto or MinIO; ``http://`` roots always allow it):
+    ``MMREF_STORE_ALLOW_HTTP``."""
+
+    def __post_init__(self) -> None:
+        if not (self.timeout_s > 0 and self.connect_timeout_s > 0 and self.retry_timeout_s > 0):
+            raise ValueError("store timeouts must be > 0 seconds")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+
+    def deadline_s(self) -> float:
+        """Upper bound (seconds) on one read from one root, retries and backoffs included."""
+        attempts = self.max_retries + 1
+        return min(attempts * self.timeout_s + self.max_retries * 1.0, self.retry_timeout_s + self.timeout_s)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreClientConfig:
+        """Read ``MMREF_STORE_*`` (unset: the defaults above).
+
+        Raises:
+            ValueError: a value that does not parse or is out of range.
+        """
+        env = os.environ if environ is None else environ
+        d = cls()
+        return cls(
+            timeout_s=float(env.get("MMREF_STORE_TIMEOUT_S", d.timeout_s)),
+            connect_timeout_s=float(env.get("MMREF_STORE_CONNECT_TIMEOUT_S", d.connect_timeout_s)),
+            max_retries=int(env.get("MMREF_STORE_MAX_RETRIES", d.max_retries)),
+            retry_timeout_s=float(env.get("MMREF_STORE_RETRY_TIMEOUT_S", d.retry_timeout_s)),
+            allow_http=env.get("MMREF_STORE_ALLOW_HTTP", "").lower() in ("1", "true", "yes"),
+        )
+
+    def obstore_options(self, *, allow_http: bool = False) -> dict[str, Any]:
+        """``client_options`` and ``retry_config`` keyword arguments of ``obstore.store.from_url``."""
+        return {
+            "client_options": {
+                "timeout": timedelta(seconds=self.timeout_s),
+                "connect_timeout": timedelta(seconds=self.connect_timeout_s),
+                "allow_http": self.allow_http or allow_http,
+            },
+            "retry_config": {
+                "max_retries": self.max_retries,
+                "retry_timeout": timedelta(seconds=self.retry_timeout_s),
+                "backoff": {
+                    "init_backoff": timedelta(milliseconds=100),
+                    "max_backoff": timedelta(seconds=1),
+                    "base": 2,
+                },
+            },
+        }
+
+
+@dataclass(frozen=True)
+class StoredContent:
+    """An image written to (or found in) a root by :func:`put_content`."""
+
+    sha256: str
+    """Full lowercase hex sha256 of the bytes."""
+    ext: str
+    """Store extension (``.jpg`` ...)."""
+    media_type: str
+    nbytes: int
+    key: str
+    """``images/<sha256[:16]><ext>``, relative to the root."""
+    root: str
+    """The root written to (its URL or path: never a credential)."""
+    written: bool
+    """False when the root already held the image."""
+
+
+class AssetRoot(ABC):
+    """One root of the ordered list: a local folder or an object-store prefix."""
+
+    url: str
+    """How the root is named in messages and logs (as configured: never a credential)."""
+    local: bool
+    """Whether reads are local disk (not put into the read-through cache)."""
+
+    @abstractmethod
+    def get(self, key: str, *, max_bytes: int, ref: str | None = None) -> bytes:
+        """The bytes under ``key`` (not hash-checked here).
+
+        Raises:
+            AssetNotFound: no object under ``key``.
+            StoreUnavailable: the root could not be asked (object stores).
+            AssetTooLarge: the object is over ``max_bytes`` (known before its body is read).
+            AssetOutsideRoot: a local path that leads out of the root.
+        """
+
+    @abstractmethod
+    def put(self, key: str, data: bytes) -> bool:
+        """Store ``data`` under ``key`` unless the root already holds it (create-if-absent).
+
+        Returns:
+            True when written, False when the key already held ``data``.
+
+        Raises:
+            HashMismatch: the key holds an object of another size (another content).
+            StoreUnavailable: the root could not be asked.
+        """
+
+
+class LocalRoot(AssetRoot):
+    """A local folder (or a network mount) holding the store layout; reads go through
+    :meth:`AssetStore.read_confined` (realpath confinement, ``O_NOFOLLOW``, ``fstat`` size cap).
+    A folder that does not exist holds nothing."""
+
+    local = True
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        if not Path(path).is_absolute():
+            raise ValueError(f"asset root {str(path)[:200]!r} is not an absolute path")
+        self.store = AssetStore(path)
+        self.url = str(self.store.root)
+
+    def get(self, key: str, *, max_bytes: int, ref: str | None = None) -> bytes:
+        return self.store.read_confined(self.store.root / key, max_bytes=max_bytes, ref=ref)
+
+    def put(self, key: str, data: bytes) -> bool:
+        return atomic_write(self.store.root / key, data)
+
+
+class ObjectRoot(AssetRoot):
+    """An object-store prefix (``s3://bucket/prefix``, ``gs://``, ``az://``, ``http(s)://``)
+    through obstore, with :class:`StoreClientConfig` timeouts and retries.
+
+    Args:
+        url: the root URL: no credentials, query or fragment; bucket/host and ``/``-separated
+            prefix segments of ``[A-Za-z0-9_.=-]`` (not ``.`` or ``..``).
+        client: timeouts and retries.
+        endpoint: the S3 endpoint URL, when not the chain's (``AWS_ENDPOINT_URL``): a local S3
+            such as MinIO or moto. Not a credential; credentials come only from the chain.
+
+    Raises:
+        ValueError: a URL off these rules, or one obstore cannot open (e.g. ``az://`` without
+            ``AZURE_STORAGE_ACCOUNT_NAME``), or obstore not installed (the ``fleet`` extra,
+            Python >= 3.11).
+    """
+
+    local = False
+
+    def __init__(
+        self, url: str, client: StoreClientConfig | None = None, *, endpoint: str | None = None
+    ) -> None:
+        _check_object_url(url)
+        try:
+            from obstore.store import from_url
+        except ImportError as e:
+            raise ValueError(
+                f"asset root {url!r} needs obstore: install mmref[fleet] (Python >= 3.11)"
+            ) from e
+        self.url = url
+        self.client = client or StoreClientConfig()
+        options = self.client.obstore_options(allow_http=urlparse(url).scheme == "http")
+        if endpoint is not None:
+            options["endpoint"] = endpoint
+        try:
+            self._store = from_url(url, **options)
+        except Exception as e:  # obstore's GenericError / ValueError: configuration
+            raise ValueError(f"asset root {url!r} cannot be opened: {_first_line(e)}") from e
+
+    def get(self, key: str, *, max_bytes: int, ref: str | None = None) -> bytes:
+        import obstore
+
+        try:
+            result = obstore.get(self._store, key)
+            size = int(result.meta["size"])
+            if size > max_bytes:
+                raise AssetTooLarge(f"{self.url}/{key} is {size} bytes, limit {max_bytes}", ref=ref)
+            data = bytes(result.bytes())
+        except FileNotFoundError as e:
+            raise AssetNotFound(f"no object {key} under {self.url}", ref=ref) from e
+        except AssetTooLarge:
+            raise
+        except Exception as e:  # obstore BaseError (timeouts, refused, 5xx, denied), OSError
+            raise StoreUnavailable(f"{self.url} unavailable for {key}: {_first_line(e)}", ref=ref) from e
+        if len(data) > max_bytes:  # the body disagreed with its declared size
+            raise AssetTooLarge(f"{self.url}/{key} is over {max_bytes} bytes", ref=ref)
+        return data
+
+    def _size(self, key: str) -> int | None:
+        import obstore
+
+        try:
+            return int(obstore.head(self._store, key)["size"])
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            raise StoreUnavailable(f"{self.url} unavailable for {key}: {_first_line(e)}") from e
+
+    def put(self, key: str, data: bytes) -> bool:
+        """HEAD first (a duplicate image uploads nothing), then a conditional PUT
+        (``If-None-Match: *``, single request, no multipart); a racer's ``AlreadyExists`` is
+        success once the object's size is the same. Content is checked on every read."""
+        import obstore
+        from obstore.exceptions import AlreadyExistsError
+
+        existing = self._size(key)
+        if existing is None:
+            try:
+                obstore.put(self._store, key, data, mode="create", use_multipart=False)
+                return True
+            except AlreadyExistsError:
+                existing = self._size(key)
+            except Exception as e:
+                raise StoreUnavailable(f"{self.url} unavailable for put {key}: {_first_line(e)}") from e
+        if existing is not None and existing != len(data):
+            raise HashMismatch(
+                f"{self.url}/{key} holds {existing} bytes, this image is {len(data)}: another object "
+                "under this content key (remove it to store this image)"
+            )
+        return False
+
+
+def _first_line(e: BaseException) -> str:
+    """An error's first line, at most 300 characters (obstore appends a multi-line debug dump)."""
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]
+
+
+def _check_object_url(url: str) -> None:
+    try:
+        parsed = urlparse(url)
+    except ValueError as e:
+        raise ValueError(f"asset root {url[:200]!r} does not parse: {e}") from e
+    if parsed.scheme not in OBJECT_SCHEMES:
+        raise ValueError(f"asset root scheme {parsed.scheme!r} is not one of {OBJECT_SCHEMES}")
+    if "@" in parsed.netloc or parsed.username or parsed.password:
+        raise ValueError(
+            "asset root URLs carry no credentials: use the provider's environment or config chain"
+        )
+    if parsed.query or parsed.fragment or parsed.params:
+        raise ValueError(f"asset root {url[:200]!r} must not carry a query, params or fragment")
+    if not _HOST_RE.fullmatch(parsed.netloc):
+        raise ValueError(f"asset root {url[:200]!r}: bucket or host {parsed.netloc[:80]!r} is not a name")
+    segments = [s for s in parsed.path.split("/") if s]
+    if any(not _SEGMENT_RE.fullmatch(s) or s in (".", "..") for s in segments):
+        raise ValueError(f"asset root {url[:200]!r}: prefix segments are [A-Za-z0-9_.=-]+, not . or ..")
+
+
+def open_root(spec: str | os.PathLike[str], client: StoreClientConfig | None = None) -> AssetRoot:
+    """One root from its configured form: an absolute path, a ``file://`` URI or an object-store URL.
+
+    Raises:
+        ValueError: a relative path, an unknown scheme, or an object-store URL off the rules of
+            :class:`ObjectRoot`.
+    """
+    text = os.fspath(spec)
+    if "://" not in text:
+        return LocalRoot(text)
+    if text.startswith("file://"):
+        try:
+            return LocalRoot(file_uri_to_path(text))
+        except InvalidRef as e:
+            raise ValueError(f"asset root {text[:200]!r}: {e.message}") from e
+    return ObjectRoot(text, client)
+
+
+def parse_roots_spec(value: str) -> list[str]:
+    """``MMREF_ASSET_ROOTS``: a JSON list of strings, or comma-separated entries (blank ones dropped).
+
+    Raises:
+        ValueError: a JSON value that is not a list of strings.
+    """
+    text = value.strip()
+    if text.startswith("["):
+        items = json.loads(text)
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise ValueError(f"{ROOTS_ENV} as JSON must be a list of strings")
+        return [i.strip() for i in items if i.strip()]
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def put_content(target: AssetStore | AssetRoot | AssetRoots, data: bytes) -> StoredContent:
+    """Store raw image bytes at ``images/<sha256[:16]><ext>`` of ``target`` (an
+    :class:`AssetRoots` writes to its first root); idempotent and safe when writers race.
+
+    Raises:
+        ImageUnreadable: the bytes are not an allowed image format.
+        HashMismatch: an object store holds another object under the key (see :meth:`ObjectRoot.put`).
+        StoreUnavailable: the object store could not be asked.
+        ValueError: an :class:`AssetRoots` without roots.
+    """
+    media_type, ext = sniff_media_type(data)
+    digest = hashlib.sha256(data).hexdigest()
+    key = image_key(digest, ext)
+    if isinstance(target, AssetRoots):
+        if not target.roots:
+            raise ValueError("no asset roots to write to")
+        target = target.roots[0]
+    if isinstance(target, AssetStore):
+        written, name = atomic_write(target.root / key, data), str(target.root)
+    else:
+        written, name = target.put(key, data), target.url
+    return StoredContent(digest, ext, media_type, len(data), key, name, written)
+
+
+class AssetRoots:
+    """The ordered roots one party resolves images against, with an optional read-through cache
+    and, for v1 refs, the party's ``MMREF_ASSET_ROOT`` (:class:`protocol.store.ImageSource`).
+
+    Args:
+        roots: tried in order.
+        cache: the node's read-through cache of object-store reads (None: no cache).
+        legacy_root: ``MMREF_ASSET_ROOT``: v1 refs are first read as today, at their ``file://``
+            path confined to this folder.
+    """
+
+    def __init__(
+        self,
+        roots: Sequence[AssetRoot],
+        *,
+        cache: ReadCache | None = None,
+        legacy_root: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.roots = list(roots)
+        self.cache = cache
+        self.legacy = AssetStore(legacy_root) if legacy_root is not None else None
+
+    @classmethod
+    def from_urls(
+        cls,
+        urls: Sequence[str | os.PathLike[str]],
+        *,
+        client: StoreClientConfig | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_bytes: int = 0,
+        legacy_root: str | os.PathLike[str] | None = None,
+    ) -> AssetRoots:
+        """Roots from their configured forms (:func:`open_root`); a cache when ``cache_dir`` is
+        given and ``cache_bytes > 0``.
+
+        Raises:
+            ValueError: see :func:`open_root` and :class:`ReadCache`.
+        """
+        cache = ReadCache(cache_dir, cache_bytes) if cache_dir is not None and cache_bytes > 0 else None
+        return cls([open_root(u, client) for u in urls], cache=cache, legacy_root=legacy_root)
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, legacy_root: str | os.PathLike[str] | None = None
+    ) -> AssetRoots:
+        """``MMREF_ASSET_ROOTS``, ``MMREF_READ_CACHE_DIR``, ``MMREF_READ_CACHE_BYTES`` (default
+        8 GiB when a folder is set) and ``MMREF_STORE_*`` (:meth:`StoreClientConfig.from_env`).
+
+        Raises:
+            ValueError: a setting that does not parse, see :meth:`from_urls`.
+        """
+        env = os.environ if environ is None else environ
+        return cls.from_urls(
+            parse_roots_spec(env.get(ROOTS_ENV, "")),
+            client=StoreClientConfig.from_env(env),
+            cache_dir=env.get("MMREF_READ_CACHE_DIR") or None,
+            cache_bytes=int(env.get("MMREF_READ_CACHE_BYTES", 8 << 30)),
+            legacy_root=legacy_root,
+        )
+
+    def describe(self) -> list[str]:
+        """The roots as configured, in order (for start-up logs: no credential is ever in them)."""
+        return [r.url for r in self.roots]
+
+    def put_image(self, data: bytes) -> StoredContent:
+        """:func:`put_content` into the first root."""
+        return put_content(self, data)
+
+    def read_image(
+        self,
+        body: RawRefBody | ContentRef,
+        *,
+        max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+        ref: str | None = None,
+    ) -> tuple[bytes, str]:
+        """The bytes an ``mmraw`` ref names, found by content, and their full hex sha256.
+
+        v2 (:class:`ContentRef`): the cache, then each root at ``images/<sha256[:16]><ext>``
+        (module docstring). v1 (:class:`RawRefBody`): at its ``file://`` path under
+        ``legacy_root`` as today; if that path is outside the root or missing, by content: a
+        path ending ``[run_<id>/assets/]images/<mm_hash[:16]><ext>`` is looked up under
+        ``legacy_root`` (that tail) and under each root (``images/...``), bytes checked against
+        ``mm_hash``. A copied or re-mounted store keeps serving the refs made before the move.
+
+        Raises:
+            StoreUnavailable: no root had the image and one could not be asked (retryable).
+            HashMismatch: no root had the image and one held other bytes under its key.
+            AssetNotFound: no root holds the key.
+            AssetOutsideRoot: a v1 path outside ``legacy_root`` that no root holds by content;
+                a local path leading out of its root.
+            AssetTooLarge: an object over ``max_bytes``.
+            InvalidRef: a v1 URI that is not an absolute local ``file://`` URI.
+        """
+        if isinstance(body, ContentRef):
+            if self.cache is not None:
+                cached = self.cache.get(body.sha256, max_bytes=max_bytes)
+                if cached is not None:
+                    return cached, body.sha256
+            return self._first_holding([(r, body.key) for r in self.roots], body.sha256, max_bytes, ref, None)
+        path = file_uri_to_path(body.raw_image_uri, ref=ref)
+        first_error: AssetOutsideRoot | AssetNotFound | None = None
+        if self.legacy is not None:
+            try:
+                return self.legacy.read_hashed(body.raw_image_uri, body.mm_hash, max_bytes=max_bytes, ref=ref)
+            except (AssetOutsideRoot, AssetNotFound) as e:
+                first_error = e
+        return self._first_holding(
+            self._relocations(path, body.mm_hash), body.mm_hash, max_bytes, ref, first_error
+        )
+
+    def _relocations(self, path: str, mm_hash: str) -> list[tuple[AssetRoot, str]]:
+        """Where a v1 ref's file may be now: its ``[run_<id>/assets/]images/<name>`` tail under the
+        legacy root, ``images/<name>`` under every root (name = the ref's ``mm_hash[:16]`` + ext)."""
+        m = _V1_TAIL_RE.search(path)
+        if m is None or not m["name"].startswith(mm_hash[:16]):
+            return []
+        key = f"images/{m['name']}"
+        out: list[tuple[AssetRoot, str]] = []
+        if self.legacy is not None:
+            legacy = LocalRoot(self.legacy.root)
+            if m["run"]:
+                out.append((legacy, f"{m['run']}/assets/{key}"))
+            out.append((legacy, key))
+        return out + [(r, key) for r in self.roots]
+
+    def _first_holding(
+        self,
+        candidates: list[tuple[AssetRoot, str]],
+        mm_hash: str,
+        max_bytes: int,
+        ref: str | None,
+        first_error: AssetOutsideRoot | AssetNotFound | None,
+    ) -> tuple[bytes, str]:
+        unavailable: list[str] = []
+        mismatched: list[str] = []
+        for root, key in candidates:
+            try:
+                data = root.get(key, max_bytes=max_bytes, ref=ref)
+            except AssetNotFound:
+                continue
+            except StoreUnavailable as e:
+                unavailable.append(e.message)
+                continue
+            try:
+                digest = check_sha256(data, mm_hash, ref=ref)
+            except HashMismatch:
+                mismatched.append(f"{root.url}/{key}")
+                continue
+            if self.cache is not None and not root.local and len(mm_hash) == 64:
+                try:
+                    self.cache.put(digest, data)
+                except OSError:  # a full or read-only cache disk: serve without caching
+                    pass
+            return data, digest
+        if unavailable:
+            raise StoreUnavailable(
+                f"image {mm_hash} not found in the reachable roots; unavailable: {'; '.join(unavailable)}",
+                ref=ref,
+            )
+        if mismatched:
+            raise HashMismatch(
+                f"no root holds bytes hashing to {mm_hash}; other bytes at {', '.join(mismatched)}", ref=ref
+            )
+        if first_error is not None:
+            raise first_error
+        where = ", ".join(dict.fromkeys(r.url for r, _ in candidates)) or "no asset roots configured"
+        raise AssetNotFound(f"image {mm_hash} is in none of the roots ({where})", ref=ref)
