@@ -1,16 +1,21 @@
-"""Trainer ``materialize``: dedup by ref vs naive per-sample processing, 2 workers vs 1, peak RSS.
+"""Trainer ``materialize``: the default (dedup) and the per-slot layout vs naive per-sample
+processing, 2 workers vs 1, peak RSS, and reading from S3 vs a local root.
 
 A 64-sample RL batch in groups of 8 (each group shares one real photo, 1024x768 JPEG, real
 Qwen2-VL processor limits: grid [1,54,74], 3996 patches x 1176 float32 per image slot):
 
-- ``materialize(samples, adapter, root, max_workers=W)`` (each distinct ref read and processed
-  once, results placed in every slot, collated) vs naive per-sample processing (the same
-  ``adapter.resolve_raw`` for every sample, on the same pool size, then the same collate).
-  Target >= 7x.
+- ``materialize(samples, adapter, root, max_workers=W)``, the default: each distinct ref read and
+  processed once, each distinct image's pixels once plus ``image_index`` (what every trainer path
+  runs since issue 29); ``materialize(..., dedup=False)``: one copy per image slot, the layout a
+  forward without precomputed image embeddings needs; naive per-sample processing: the same
+  ``adapter.resolve_raw`` for every sample, on the same pool size, then one collate per slot.
+  Target: the default >= 7x naive.
 - ``materialize`` with 2 workers vs 1 (the machine has 2 cores). Target >= 1.7x.
 - peak RSS of a fresh process running one ``materialize`` of the batch, from the OS
-  (``getrusage(RUSAGE_SELF).ru_maxrss``), vs the batch's own pixel bytes
-  (``pixel_values.nbytes``). Target <= 1.5x.
+  (``getrusage(RUSAGE_SELF).ru_maxrss``), vs the batch's pixel bytes (one copy per sample, what
+  the per-slot ``pixel_values`` holds). Target: the default <= 1.0x.
+- the same batch with content-named refs from an S3 bucket (moto on loopback) through the node's
+  read cache, warm, vs a local root (``_materialize_roots.py``). Target <= 1.2x.
 
 The machine is shared with other developers' jobs, so timings drift by tens of percent within
 minutes: every timed configuration runs in ONE process, interleaved round by round (each round
@@ -19,7 +24,7 @@ one ``materialize`` (processing the distinct images on the pool, then the collat
 sample) are timed apart by a replica of those two steps, interleaved the same way. Peak RSS is
 measured in a fresh process per configuration, running one call.
 
-Usage: ``.venv/bin/python bench/materialize.py [--repeat 5] [--profile]`` (about 2 minutes).
+Usage: ``.venv/bin/python bench/materialize.py [--repeat 5] [--profile] [--no-roots]`` (about 3 minutes).
 ``--profile`` adds a pyinstrument profile of one ``materialize`` (2 workers).
 """
 
@@ -52,7 +57,7 @@ BATCH = 64
 GROUP = 8
 DEDUP_TARGET = 7.0
 WORKERS_TARGET = 1.7
-RSS_TARGET = 1.5
+RSS_TARGET = 1.0
 COMPLETION = 16
 
 
@@ -110,17 +115,22 @@ def naive(samples: list, adapter, root: Path, max_workers: int) -> dict:
 
 # --- timing: one process, configurations interleaved ---------------------------------------------
 
+DEFAULT, PER_SLOT, NAIVE = (
+    "materialize (default: dedup)",
+    "materialize(dedup=False), per slot",
+    "naive per-sample",
+)
 TIMED = (
     # name, kind, workers, torch intra-op threads (None = default)
-    ("materialize, 1 worker", "materialize", 1, None),
-    ("materialize, 2 workers", "materialize", 2, None),
-    ("materialize, 2 workers, torch threads 1", "materialize", 2, 1),
-    ("materialize(dedup=True), 1 worker", "materialize-dedup", 1, None),
-    ("materialize(dedup=True), 2 workers", "materialize-dedup", 2, None),
-    ("naive per-sample, 1 worker", "naive", 1, None),
-    ("naive per-sample, 2 workers", "naive", 2, None),
-    ("phases: materialize, 1 worker", "phases-dedup", 1, None),
-    ("phases: materialize, 2 workers", "phases-dedup", 2, None),
+    (f"{DEFAULT}, 1 worker", "default", 1, None),
+    (f"{DEFAULT}, 2 workers", "default", 2, None),
+    (f"{DEFAULT}, 2 workers, torch threads 1", "default", 2, 1),
+    (f"{PER_SLOT}, 1 worker", "per-slot", 1, None),
+    (f"{PER_SLOT}, 2 workers", "per-slot", 2, None),
+    (f"{NAIVE}, 1 worker", "naive", 1, None),
+    (f"{NAIVE}, 2 workers", "naive", 2, None),
+    ("phases: default, 2 workers", "phases-dedup", 2, None),
+    ("phases: per slot, 2 workers", "phases-slot", 2, None),
     ("phases: naive, 2 workers", "phases-naive", 2, None),
 )
 
@@ -141,7 +151,7 @@ def timing_child(repeat: int, profile: bool) -> dict:
         for name, kind, workers, threads in TIMED:
             torch.set_num_threads(threads or default_threads)
             if kind.startswith("phases"):
-                times[name].append(phases(samples, adapter, workers, dedup=kind == "phases-dedup"))
+                times[name].append(phases(samples, adapter, workers, kind.removeprefix("phases-")))
                 continue
             t0 = time.perf_counter()
             if kind == "naive":
@@ -153,7 +163,7 @@ def timing_child(repeat: int, profile: bool) -> dict:
                     BENCH_OUTPUTS,
                     max_workers=workers,
                     placeholder_token_id=pad,
-                    dedup=kind == "materialize-dedup",
+                    dedup=kind == "default",
                 )
             times[name].append(time.perf_counter() - t0)
             del out
@@ -170,9 +180,9 @@ def timing_child(repeat: int, profile: bool) -> dict:
     return result
 
 
-def phases(samples: list, adapter, workers: int, dedup: bool) -> tuple[float, float]:
-    """(process s, collate s): processing on the pool (distinct refs if ``dedup``, else one per
-    sample, as naive processing does), then the collate of one block per sample."""
+def phases(samples: list, adapter, workers: int, layout: str) -> tuple[float, float]:
+    """(process s, collate s): processing on the pool (distinct refs, or one per sample for
+    ``naive``), then the collate (the distinct images for ``dedup``, one block per slot else)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from protocol.refs import parse_ref
@@ -180,13 +190,13 @@ def phases(samples: list, adapter, workers: int, dedup: bool) -> tuple[float, fl
 
     store = AssetStore(BENCH_OUTPUTS)
     slots = [s.mm_refs.items[0].ref for s in samples]
-    todo = list(dict.fromkeys(slots)) if dedup else slots
+    todo = slots if layout == "naive" else list(dict.fromkeys(slots))
     t0 = time.perf_counter()
     with ThreadPoolExecutor(workers) as pool:
         results = list(pool.map(lambda r: adapter.resolve_raw(parse_ref(r), store, ref=r), todo))
     t_process = time.perf_counter() - t0
     by_ref = dict(zip(todo, results, strict=True))
-    items = [by_ref[r] for r in slots] if dedup else results
+    items = results if layout != "slot" else [by_ref[r] for r in slots]
     t0 = time.perf_counter()
     out = adapter.collate(items)
     t_collate = time.perf_counter() - t0
@@ -211,7 +221,7 @@ def rss_child(kind: str, workers: int, batch: int) -> dict:
         features = naive(samples, adapter, BENCH_OUTPUTS, workers)
     else:
         features = materialize(
-            samples, adapter, BENCH_OUTPUTS, max_workers=workers, dedup=kind == "materialize-dedup"
+            samples, adapter, BENCH_OUTPUTS, max_workers=workers, dedup=kind == "default"
         ).features
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     pixels = features["pixel_values"]
@@ -236,87 +246,45 @@ def run_child(args: list[str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=5, help="interleaved rounds")
-    parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--timing-child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--rss-child", help=argparse.SUPPRESS)
-    parser.add_argument("--roots-child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--no-roots", action="store_true", help="skip the S3 vs local rows")
-    args = parser.parse_args()
-    if args.timing_child:
-        print(json.dumps(timing_child(args.repeat, args.profile)))
-        return
-    if args.roots_child:
-        from _materialize_roots import roots_timing
+# --- report -----------------------------------------------------------------------------------------
 
-        print(json.dumps(roots_timing(make_batch, BATCH, GROUP, args.repeat)))
-        return
-    if args.rss_child:
-        kind, workers, batch = args.rss_child.split(",")
-        print(json.dumps(rss_child(kind, int(workers), int(batch))))
-        return
+RSS_RUNS = (("default", BATCH), ("per-slot", BATCH), ("naive", BATCH), ("default", 2 * BATCH))
 
-    from protocol.adapters import load_adapter
 
-    print_facts(load_adapter(ensure_bench_model()).backend)
-    print(f"\n[materialize] {BATCH} samples, groups of {GROUP}; {args.repeat} interleaved rounds", flush=True)
-    t0 = time.monotonic()
-    timing = run_child(
-        ["--timing-child", "--repeat", str(args.repeat), *(["--profile"] if args.profile else [])]
-    )
-    print(f"[materialize] timing: {time.monotonic() - t0:.0f} s", flush=True)
-    rss = {}
-    for kind, workers, batch in (
-        ("materialize", 2, BATCH),
-        ("naive", 2, BATCH),
-        ("materialize", 2, 2 * BATCH),
-        ("materialize-dedup", 2, BATCH),
-    ):
-        rss[kind, batch] = run_child(["--rss-child", f"{kind},{workers},{batch}"])
-        print(f"[materialize] RSS {kind} batch {batch}: done", flush=True)
-
+def report_tables(timing: dict, rss: dict, repeat: int) -> None:
+    """The seconds and peak-RSS tables."""
     t = timing["times"]
-
-    def med(name: str) -> float:
-        return statistics.median(t[name])
-
-    def med_phase(name: str, i: int) -> float:
-        return statistics.median(x[i] for x in t[name])
-
     rows = [
-        (name, f"{med(name):.3f}", " ".join(f"{x:.2f}" for x in t[name]))
+        (name, f"{statistics.median(t[name]):.3f}", " ".join(f"{x:.2f}" for x in t[name]))
         for name, kind, *_ in TIMED
         if not kind.startswith("phases")
     ]
     rows += [
         (
             f"{name} (process / collate)",
-            f"{med_phase(name, 0):.3f} / {med_phase(name, 1):.3f}",
+            " / ".join(f"{statistics.median(x[i] for x in t[name]):.3f}" for i in (0, 1)),
             " ".join(f"{p:.2f}/{c:.2f}" for p, c in t[name]),
         )
         for name, kind, *_ in TIMED
         if kind.startswith("phases")
     ]
-    m = rss["materialize", BATCH]
+    m = rss["per-slot", BATCH]
     print_table(
-        f"seconds per call, {BATCH}-sample batch, groups of {GROUP}: pixel_values {m['shape']} float32 = "
-        f"{fmt_bytes(m['pixel_bytes'])} (torch intra-op threads {timing['torch_threads']} unless noted)",
-        ("configuration", "median s", f"{args.repeat} interleaved runs s"),
+        f"seconds per call, {BATCH}-sample batch, groups of {GROUP}: per-slot pixel_values "
+        f"{m['shape']} float32 = {fmt_bytes(m['pixel_bytes'])} (torch threads {timing['torch_threads']})",
+        ("configuration", "median s", f"{repeat} interleaved runs s"),
         rows,
+    )
+    header = (
+        "configuration",
+        "batch",
+        "peak RSS",
+        "RSS before the call",
+        "batch pixel bytes (one copy per sample)",
     )
     print_table(
         "peak RSS of a fresh process doing one call (getrusage ru_maxrss)",
-        (
-            "configuration",
-            "batch",
-            "peak RSS",
-            "RSS before the call",
-            "batch pixel bytes (one copy per sample)",
-            "output pixel_values",
-            "peak / batch pixel bytes",
-        ),
+        (*header, "output pixel_values", "peak / batch pixel bytes"),
         [
             (
                 f"{kind}, 2 workers",
@@ -331,63 +299,87 @@ def main() -> None:
         ],
     )
 
-    dd = rss["materialize-dedup", BATCH]
-    dd_ratio = dd["peak"] / dd["pixel_bytes"]
-    unique2 = med("naive per-sample, 2 workers") / med("materialize(dedup=True), 2 workers")
-    unique_workers = med("materialize(dedup=True), 1 worker") / med("materialize(dedup=True), 2 workers")
-    dedup2 = med("naive per-sample, 2 workers") / med("materialize, 2 workers")
-    dedup1 = med("naive per-sample, 1 worker") / med("materialize, 1 worker")
-    workers = med("materialize, 1 worker") / med("materialize, 2 workers")
-    workers_t1 = med("materialize, 1 worker") / med("materialize, 2 workers, torch threads 1")
-    p1, c1 = med_phase("phases: materialize, 1 worker", 0), med_phase("phases: materialize, 1 worker", 1)
-    p2, c2 = med_phase("phases: materialize, 2 workers", 0), med_phase("phases: materialize, 2 workers", 1)
-    pn = med_phase("phases: naive, 2 workers", 0)
-    ratio = m["peak"] / m["pixel_bytes"]
-    big = rss["materialize", 2 * BATCH]
-    big_ratio = big["peak"] / big["pixel_bytes"]
-    print_table(
-        "targets",
-        ("measure", "value", "target", "verdict"),
-        [
-            ratio_row("dedup: naive / materialize, 2 workers each", dedup2, DEDUP_TARGET),
-            ratio_row("dedup: naive / materialize, 1 worker each", dedup1, DEDUP_TARGET),
-            ratio_row("dedup: naive / materialize(dedup=True), 2 workers each", unique2, DEDUP_TARGET),
-            ("  processing phase only: naive / materialize, 2 workers", f"{pn / p2:.2f}x", "(info)", ""),
-            ("  collate share of one materialize, 2 workers", f"{c2 / (p2 + c2) * 100:.0f}%", "(info)", ""),
-            ratio_row("materialize 2 workers vs 1", workers, WORKERS_TARGET),
-            ratio_row("materialize(dedup=True) 2 workers vs 1", unique_workers, WORKERS_TARGET),
-            ("  2 workers with torch threads 1 vs 1 worker", f"{workers_t1:.2f}x", "(info)", ""),
-            ("  processing phase only, 2 workers vs 1", f"{p1 / p2:.2f}x", "(info)", ""),
-            ("  collate, 2 workers run vs 1 worker run (same op)", f"{c1 / c2:.2f}x", "(info)", ""),
-            ratio_row(
-                f"peak RSS / batch pixel bytes, batch {BATCH}",
-                ratio,
-                RSS_TARGET,
-                higher_is_better=False,
-                detail=f" ({fmt_bytes(m['peak'])} / {fmt_bytes(m['pixel_bytes'])})",
-            ),
-            ratio_row(
-                f"peak RSS / batch pixel bytes, materialize(dedup=True), batch {BATCH}",
-                dd_ratio,
-                RSS_TARGET,
-                higher_is_better=False,
-                detail=f" ({fmt_bytes(dd['peak'])} / {fmt_bytes(dd['pixel_bytes'])})",
-            ),
-            (
-                "  RSS growth during the call / pixel bytes",
-                f"{(m['peak'] - m['before']) / m['pixel_bytes']:.2f}x",
-                "(info)",
-                "",
-            ),
-            ratio_row(
-                f"  peak RSS / pixel bytes, batch {2 * BATCH}",
-                big_ratio,
-                RSS_TARGET,
-                higher_is_better=False,
-                detail=f" ({fmt_bytes(big['peak'])} / {fmt_bytes(big['pixel_bytes'])})",
-            ),
-        ],
+
+def target_rows(timing: dict, rss: dict) -> list:
+    """The targets table: the default path against naive and the per-slot layout, side by side."""
+    t = timing["times"]
+
+    def med(name: str) -> float:
+        return statistics.median(t[name])
+
+    def phase(name: str, i: int) -> float:
+        return statistics.median(x[i] for x in t[name])
+
+    def rss_row(label: str, key: tuple, target: float | None) -> tuple:
+        r = rss[key]
+        value, detail = (
+            r["peak"] / r["pixel_bytes"],
+            f" ({fmt_bytes(r['peak'])} / {fmt_bytes(r['pixel_bytes'])})",
+        )
+        if target is None:
+            return (label, f"{value:.2f}x{detail}", "(info)", "")
+        return ratio_row(label, value, target, higher_is_better=False, detail=detail)
+
+    def info(label: str, value: str) -> tuple:
+        return (label, value, "(info)", "")
+
+    p2, c2 = phase("phases: default, 2 workers", 0), phase("phases: default, 2 workers", 1)
+    ps, cs = phase("phases: per slot, 2 workers", 0), phase("phases: per slot, 2 workers", 1)
+    naive2, naive1 = med(f"{NAIVE}, 2 workers"), med(f"{NAIVE}, 1 worker")
+    d1, d2, d2t1 = (med(f"{DEFAULT}, {w}") for w in ("1 worker", "2 workers", "2 workers, torch threads 1"))
+    return [
+        ratio_row("default (dedup): naive / materialize, 2 workers each", naive2 / d2, DEDUP_TARGET),
+        ratio_row("default (dedup): naive / materialize, 1 worker each", naive1 / d1, DEDUP_TARGET),
+        info(
+            "  per slot: naive / materialize(dedup=False), 2 workers",
+            f"{naive2 / med(PER_SLOT + ', 2 workers'):.2f}x",
+        ),
+        info(
+            "  collate share of one call, default / per slot", f"{c2 / (p2 + c2):.0%} / {cs / (ps + cs):.0%}"
+        ),
+        ratio_row("default, 2 workers vs 1", d1 / d2, WORKERS_TARGET),
+        info("  2 workers with torch threads 1 vs 1 worker", f"{d1 / d2t1:.2f}x"),
+        rss_row(f"peak RSS / batch pixel bytes, default, batch {BATCH}", ("default", BATCH), RSS_TARGET),
+        rss_row(f"  peak RSS / pixel bytes, default, batch {2 * BATCH}", ("default", 2 * BATCH), RSS_TARGET),
+        rss_row(f"  peak RSS / batch pixel bytes, per slot, batch {BATCH}", ("per-slot", BATCH), None),
+        rss_row(f"  peak RSS / batch pixel bytes, naive, batch {BATCH}", ("naive", BATCH), None),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--timing-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rss-child", help=argparse.SUPPRESS)
+    parser.add_argument("--roots-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-roots", action="store_true", help="skip the S3 vs local rows")
+    args = parser.parse_args()
+    if args.timing_child:
+        print(json.dumps(timing_child(args.repeat, args.profile)))
+        return
+    if args.rss_child:
+        kind, workers, batch = args.rss_child.split(",")
+        print(json.dumps(rss_child(kind, int(workers), int(batch))))
+        return
+    if args.roots_child:
+        from _materialize_roots import roots_timing
+
+        print(json.dumps(roots_timing(make_batch, BATCH, GROUP, args.repeat)))
+        return
+
+    from protocol.adapters import load_adapter
+
+    print_facts(load_adapter(ensure_bench_model()).backend)
+    print(f"\n[materialize] {BATCH} samples, groups of {GROUP}; {args.repeat} interleaved rounds", flush=True)
+    t0 = time.monotonic()
+    timing = run_child(
+        ["--timing-child", "--repeat", str(args.repeat), *(["--profile"] if args.profile else [])]
     )
+    print(f"[materialize] timing: {time.monotonic() - t0:.0f} s", flush=True)
+    rss = {(kind, batch): run_child(["--rss-child", f"{kind},2,{batch}"]) for kind, batch in RSS_RUNS}
+    report_tables(timing, rss, args.repeat)
+    print_table("targets", ("measure", "value", "target", "verdict"), target_rows(timing, rss))
     if not args.no_roots:
         from _materialize_roots import roots_rows
 

@@ -15,9 +15,11 @@ The mix (GRPO-style steps; every number is a constant below, so runs compare):
 - completion: lognormal, median 900 tokens (sigma 0.9), clipped so a sample fits ``SEQ_LEN``;
 - 1% of text-only samples carry a literal ``<|image_pad|>`` (stray placeholder).
 
-Single-rank rows: ``pack_samples``. Data-parallel rows, every draw planned three ways on the same
+Single-rank rows: ``pack_samples``. Data-parallel rows, every draw planned four ways on the same
 samples (``bench/_baselines.py``): **today** (``plan_step`` before issue 13), **verl KK**
-(Karmarkar-Karp rank shares, each packed alone) and **balanced** (``plan_step`` now). Columns
+(Karmarkar-Karp rank shares, each packed alone), **balanced, tokens (#13)** (``plan_step(...,
+balance="tokens")``, the plan before issue 29) and **balanced, compute (#29)** (``plan_step``'s
+default: samples sharing an image kept together, FLOPs balanced per slot). Columns
 (docs/PACKING.md §7 defines them):
 
 - **waste, capacity** = 1 - real tokens / ``sum(max(cap, len(mb)))`` (empty room + pads), with its
@@ -27,7 +29,12 @@ samples (``bench/_baselines.py``): **today** (``plan_step`` before issue 13), **
 - **sync idle** (dp rows) = ``StepPlan.sync_idle()``: share of rank-time waiting at the per-
   micro-batch syncs (FSDP), cost ~ tokens, with its **floor** (samples above the cap run alone);
   **FLOP idle**: the same with the Qwen2-VL-2B cost model (vision tower and language model each
-  wait for their slowest rank);
+  wait for their slowest rank), the tower costing each distinct image once per micro-batch (the
+  trainer's dedup), in brackets once per image slot (before issue 29);
+- **images encoded / image slots**: vision-tower encodes under dedup over image slots (1.0: every
+  slot encoded); **step FLOPs**: the predicted step time (per slot, the slowest rank's vision plus
+  its slowest language FLOPs, summed) over the token-balanced plan's with one encode per image slot
+  (the trainer before issue 29);
 - **plan** samples/s: single rank and *today*: ``plan_bins`` (first-fit-decreasing from
   lengths/kinds/keys, the issue's 200k reference); *verl KK*: KK + ``plan_bins`` per share;
   *balanced*: ``partition_mini_batch`` (vision costs included); **plan_step ms/1024**: the whole
@@ -47,8 +54,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's packages, not the installed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baselines import karmarkar_karp, plan_today, plan_verl
-from _common import print_facts, print_table, timeit, verdict
+from _common import print_facts, print_table, timeit
 from _models import qwen2_vl_2b_config
+from _pack_targets import BASE, compute_target_rows, step_flops, target_rows
 
 from protocol.refs import RawRefBody, format_mmraw
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
@@ -64,7 +72,6 @@ SEQ_LEN = 16384
 TOK, PAD, V_START, V_END = 261, 256, 259, 260
 PROMPTS, ROLLOUTS = 64, 16
 RESERVE = 6  # a synthetic-image pad of the smallest Qwen2-VL grid: [pad] + 4 placeholders + [pad]
-TARGET_IDLE, TARGET_WASTE, TARGET_PLAN = 0.02, 0.04, 200_000
 
 
 def grid_ref(h: int, w: int, digest: str) -> RawMMRef:
@@ -157,10 +164,12 @@ DP = [
 PLANS = {
     "today": (plan_today, {}),
     "verl KK": (plan_verl, {}),
-    "balanced": (plan_step, {}),
-    "balanced, stretch_cap": (plan_step, {"stretch_cap": True}),
+    "balanced, tokens (#13)": (plan_step, {"balance": "tokens"}),
+    "balanced, tokens, stretch_cap": (plan_step, {"balance": "tokens", "stretch_cap": True}),
+    "balanced, compute (#29)": (plan_step, {}),
 }
-"""Name: (plan function, its options). The balanced plans also get the cost model."""
+"""Name: (plan function, its options). The balanced plans also get the cost model; "compute" is
+``plan_step``'s default since issue 29 (it falls back to tokens where a sample exceeds the cap)."""
 
 
 def plans_for(cap: int) -> list[str]:
@@ -197,14 +206,15 @@ def run_single(rng, mix: dict, cap: int, steps: int, repeats: int, prompts: int)
 
 
 def mini_batch_inputs(samples, dp: int, mbs: int, cm: CostModel) -> list[tuple]:
-    """Per mini-batch: lengths, keys, kinds and vision costs, as ``plan_step`` derives them."""
+    """Per mini-batch: lengths, keys, kinds, vision costs, and the compute plan's image groups and
+    language costs, as ``plan_step`` derives them."""
     out = []
     for entries in mini_batch_entries(samples, SPEC, dp_size=dp, mini_batch_size=mbs):
         an = [analyze_entry(e, SPEC, e.sample_index) for e in entries]
         keys = [e.sample.isolation_key for e in entries]
-        out.append(
-            ([a.length for a in an], keys, [a.kind for a in an], [cm.vision(a.image_tokens) for a in an])
-        )
+        costs = [cm.vision(a.image_tokens) for a in an]
+        extra = {"groups": [a.image_key for a in an], "language_cost": [cm.language(a.length) for a in an]}
+        out.append(([a.length for a in an], keys, [a.kind for a in an], costs, extra))
     return out
 
 
@@ -219,7 +229,7 @@ def floors(inputs: list[tuple], dp: int, cap: int) -> tuple[list[int], float, fl
     """
     real = capacity = peak = 0.0
     counts = []
-    for lengths, keys, kinds, _ in inputs:
+    for lengths, keys, kinds, *_ in inputs:
         m = min_micro_batches(lengths, dp_size=dp, cap=cap, keys=keys, kinds=kinds, reserve=RESERVE)
         counts.append(m)
         real += sum(lengths)
@@ -238,11 +248,11 @@ def plan_rate(name: str, inputs: list[tuple], dp: int, cap: int, repeats: int) -
     n = sum(len(x[0]) for x in inputs)
 
     def today() -> None:
-        for lengths, keys, kinds, _ in inputs:
+        for lengths, keys, kinds, *_ in inputs:
             plan_bins(lengths, cap, keys=keys, kinds=kinds)
 
     def verl() -> None:
-        for lengths, keys, kinds, _ in inputs:
+        for lengths, keys, kinds, *_ in inputs:
             for part in karmarkar_karp(lengths, dp):
                 sub = sorted(part)
                 plan_bins(
@@ -251,10 +261,10 @@ def plan_rate(name: str, inputs: list[tuple], dp: int, cap: int, repeats: int) -
 
     def balanced() -> None:
         stretch = "stretch" in name
-        for lengths, keys, kinds, vision in inputs:
+        for lengths, keys, kinds, vision, extra in inputs:
             partition_mini_batch(
                 lengths, dp_size=dp, cap=cap, keys=keys, kinds=kinds, vision_cost=vision, reserve=RESERVE,
-                stretch_cap=stretch,
+                stretch_cap=stretch, **(extra if "compute" in name else {}),
             )  # fmt: skip
 
     fn = {"today": today, "verl KK": verl}.get(name, balanced)
@@ -263,7 +273,21 @@ def plan_rate(name: str, inputs: list[tuple], dp: int, cap: int, repeats: int) -
 
 def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
     out = {
-        name: {"m": [], "real": 0, "cap": 0, "pad": 0, "all": 0, "idle": [], "flop": [], "plan": [], "ms": []}
+        name: {
+            "m": [],
+            "real": 0,
+            "cap": 0,
+            "pad": 0,
+            "all": 0,
+            "idle": [],
+            "flop": [],
+            "flop_slot": [],
+            "plan": [],
+            "ms": [],
+            "enc": 0,
+            "slots": 0,
+            "step": 0.0,
+        }
         for name in plans_for(cap)
     }
     out["floor"] = {"m": [], "waste": [], "idle": []}
@@ -284,6 +308,13 @@ def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
             r["all"] += sum(s.num_tokens for s in shares)
             r["idle"].append(plan.sync_idle())
             r["flop"].append(plan.sync_idle(cm))
+            r["flop_slot"].append(plan.sync_idle(cm, dedup=False))
+            loads = [x for ranks in plan.rank_loads for x in ranks]
+            r["enc"] += sum(x.encoded_images for x in loads)
+            r["slots"] += sum(x.image_slots for x in loads)
+            r["step"] += step_flops(plan, cm)
+            if name == BASE:  # before issue 29 the trainer also encoded every image slot
+                r["step_slot"] = r.get("step_slot", 0.0) + step_flops(plan, cm, dedup=False)
             r["plan"].append(plan_rate(name, inputs, 8, cap, args.repeats))
             r["ms"].append(timeit(run, repeat=args.repeats, warmup=0).best * 1000 * 1024 / len(samples))
         counts, waste, idle = floors(inputs, 8, cap)
@@ -291,34 +322,6 @@ def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
         out["floor"]["waste"].append(waste)
         out["floor"]["idle"].append(idle)
     return out
-
-
-def target_rows(name: str, plan: str, r: dict) -> list[tuple]:
-    """The issue's targets for a balanced plan, each with its floor (under the cap)."""
-    b, f = r[plan], r["floor"]
-    name = f"{name}, {plan}"
-    waste, idle = 1 - b["real"] / b["cap"], float(np.mean(b["idle"]))
-    waste_floor, idle_floor = float(np.mean(f["waste"])), float(np.mean(f["idle"]))
-    compute, rate = b["pad"] / b["all"], float(np.median(b["plan"]))
-
-    def row(figure, value, target, shown, floor=None, higher=False):
-        v = verdict(value, target, higher_is_better=higher)
-        if floor is not None and v != "pass" and floor > target:
-            v += f" (floor {floor:.2%}: no plan reaches the target)"
-        return (
-            f"{name}: {figure}",
-            shown,
-            f"{'>=' if higher else '<='} {target:,.0%}" if target < 1 else f">= {target:,}",
-            v,
-        )
-
-    return [
-        row("sync idle (tokens)", idle, TARGET_IDLE, f"{idle:.2%}", idle_floor),
-        row("waste, capacity", waste, TARGET_WASTE, f"{waste:.2%}", waste_floor),
-        row("waste, compute (pad tokens)", compute, TARGET_WASTE, f"{compute:.3%}"),
-        row("plan samples/s (partition)", rate, TARGET_PLAN, f"{rate:,.0f}", higher=True),
-        (f"{name}: plan_step ms per 1024 samples", f"{np.median(b['ms']):.0f}", "printed", "-"),
-    ]
 
 
 def cost_tables(cm: CostModel, samples) -> None:
@@ -379,22 +382,25 @@ def main() -> None:
             rows.append((
                 name, plan, f"{np.mean(p['m']):.2f} ({np.mean(f['m']):.2f})",
                 f"{1 - p['real'] / p['cap']:.2%} ({np.mean(f['waste']):.2%})", f"{p['pad'] / p['all']:.3%}",
-                f"{np.mean(p['idle']):.2%} ({np.mean(f['idle']):.2%})", f"{np.mean(p['flop']):.2%}",
+                f"{np.mean(p['idle']):.2%} ({np.mean(f['idle']):.2%})",
+                f"{np.mean(p['flop']):.2%} ({np.mean(p['flop_slot']):.2%})",
+                f"{p['enc'] / max(p['slots'], 1):.3f}", f"{p['step'] / r[BASE]['step_slot']:.3f}",
                 f"{np.median(p['plan']):,.0f}", f"{np.median(p['ms']):.0f}",
             ))  # fmt: skip
         if mbs == 256 and "LoRA" not in name:
             targets += [
-                row
-                for plan in plans_for(cap)
-                if plan.startswith("balanced")
-                for row in target_rows(name, plan, r)
+                row for plan in plans_for(cap) if "tokens" in plan for row in target_rows(name, plan, r)
             ]
+            targets += compute_target_rows(name, r)
     header = ("scenario", "plan", "micro-batches/rank (floor)", "waste, capacity (floor)", "waste, compute")
-    header += ("sync idle (floor)", "FLOP idle", "plan samples/s", "plan_step ms/1024")
+    header += ("sync idle (floor)", "FLOP idle, dedup (per slot)", "images encoded / image slots")
+    header += ("step FLOPs vs #13 per slot", "plan samples/s", "plan_step ms/1024")
     print_table(
         f"data-parallel plans side by side ({args.steps} steps per row, seed {args.seed})", header, rows
     )
-    print_table("targets (issue 13), balanced plan", ("figure", "measured", "target", "verdict"), targets)
+    print_table(
+        "targets: issue 13 (tokens), issue 29 (compute)", ("figure", "measured", "target", "verdict"), targets
+    )
 
 
 if __name__ == "__main__":

@@ -83,9 +83,10 @@ def train_step(
     (normalizer,) = plan.num_loss_tokens_per_mini_batch
     optimizer.zero_grad()
     trainer, server, masks, loss = [], [], [], 0.0
+    resolved: dict = {}  # each distinct image decoded once per step, encoded once per micro-batch
     for packed in ranks[0].micro_batches:
-        m = materialize_micro_batch(packed, spec, config)
-        inputs = packed_inputs(m.packed, m.features, model, spec)
+        m = materialize_micro_batch(packed, spec, config, resolved=resolved)
+        inputs = packed_inputs(m.packed, m.features, model, spec, image_index=m.image_index)
         out = packed_logprobs(model, inputs, suppressed_token_ids=suppressed)
         wire = m.packed.micro_batch
         old = torch.tensor(wire.inference_logprobs)

@@ -414,7 +414,9 @@ def reference_logprobs(fam: Family, sample: TrainingSample) -> torch.Tensor:
     ids = torch.tensor([sample.input_ids])
     kwargs = {}
     if sample.mm_refs:
-        feats = materialize([sample], fam.adapter, fam.root).features
+        feats = materialize(
+            [sample], fam.adapter, fam.root, dedup=False
+        ).features  # transformers' own forward
         types_ = (ids == fam.tok).int()
         kwargs = dict(
             pixel_values=feats["pixel_values"],
@@ -429,7 +431,7 @@ def reference_logprobs(fam: Family, sample: TrainingSample) -> torch.Tensor:
 def run_packed(fam: Family, packed) -> tuple[PackedInputs, ForwardResult]:
     """Materialize, build the inputs and run the packed forward of one micro-batch."""
     m = materialize_micro_batch(packed, fam.spec, fam.config)
-    inputs = packed_inputs(m.packed, m.features, fam.model, fam.spec)
+    inputs = packed_inputs(m.packed, m.features, fam.model, fam.spec, image_index=m.image_index)
     return inputs, packed_logprobs(fam.model, inputs)
 
 

@@ -1,5 +1,5 @@
-"""The bench scripts still run: ``bench/packed_forward.py --tiny``, ``bench/pack.py`` on a small step and
-``bench/cost_model.py --tiny``, end to end on CPU.
+"""The bench scripts still run: ``bench/packed_forward.py --tiny``, ``bench/pack.py`` on a small step,
+``bench/cost_model.py --tiny`` and ``bench/train_step.py`` on a small step, end to end on CPU.
 
 CI never has a GPU, so this is what keeps the scripts that measure issue 8's GPU target and the
 cost model's seconds from rotting between GPU sessions, and ``bench/pack.py`` (issue 13's table)
@@ -51,23 +51,23 @@ def _rows(stdout: str) -> list[list[str]]:
 
 @pytest.mark.timeout(300)
 def test_pack_bench_runs_every_plan_side_by_side():
-    """``bench/pack.py`` on a small step: every data-parallel scenario has today's, verl's and the
-    balanced plan (stretch_cap where a sample can exceed the cap), and every target a verdict."""
+    """``bench/pack.py`` on a small step: every data-parallel scenario has today's, verl's, the
+    token-balanced (issue 13) and the compute-balanced (issue 29) plan (stretch_cap where a sample
+    can exceed the cap), and every target a verdict."""
     proc = subprocess.run(
         [sys.executable, "bench/pack.py", "--steps", "1", "--repeats", "1", "--prompts", "8"],
         cwd=ROOT, capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(proc.stdout)
-    plans = {(r[0], r[1]) for r in rows if len(r) == 9 and r[0].startswith("dp 8")}
+    plans = {(r[0], r[1]) for r in rows if len(r) == 11 and r[0].startswith("dp 8")}
     for scenario in ("mini-batch 256, cap 16k", "mini-batch 256, cap 8k", "mini-batch 1024, cap 16k"):
-        for plan in ("today", "verl KK", "balanced"):
+        for plan in ("today", "verl KK", "balanced, tokens (#13)", "balanced, compute (#29)"):
             assert (f"dp 8, {scenario}", plan) in plans, proc.stdout
-    assert ("dp 8, mini-batch 256, cap 8k", "balanced, stretch_cap") in plans
-    verdicts = [
-        r[3] for r in rows if len(r) == 4 and ": " in r[0] and r[2] in ("<= 2%", "<= 4%", ">= 200,000")
-    ]
-    assert len(verdicts) == 12 and all(v == "pass" or v.startswith("MISS") for v in verdicts)
+    assert ("dp 8, mini-batch 256, cap 8k", "balanced, tokens, stretch_cap") in plans
+    targets = ("<= 2%", "<= 3%", "<= 4%", ">= 200,000", "floor")
+    verdicts = [r[3] for r in rows if len(r) == 4 and ": " in r[0] and r[2] in targets]
+    assert len(verdicts) == 18 and all(v == "pass" or v.startswith("MISS") for v in verdicts)
 
 
 @pytest.mark.timeout(300)
@@ -83,3 +83,19 @@ def test_cost_model_bench_runs_on_cpu():
     shapes = [r for r in rows if r[0].startswith(("text:", "images:"))]
     assert len(shapes) == 13 and all(float(r[1]) > 0 for r in shapes)
     assert any(r[0].startswith("per image token (a_v)") for r in rows)
+
+
+@pytest.mark.timeout(300)
+def test_train_step_bench_runs_dedup_and_per_slot_side_by_side():
+    """``bench/train_step.py`` on a small step: both paths timed, the group encoded once per
+    micro-batch under dedup and once per slot without, logprobs equal."""
+    ensure_tiny_model("qwen2_vl")
+    proc = subprocess.run(
+        [sys.executable, "bench/train_step.py", "--families", "qwen2_vl", "--groups", "2",
+         "--group-size", "4", "--repeat", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r[1]: r for r in _rows(proc.stdout) if r[0] == "qwen2_vl"}
+    assert rows["dedup (default)"][7] == "2 / 8" and rows["per slot"][7] == "8 / 8"
+    assert any("max abs dlogprob 0.0e+00" in path for path in rows)

@@ -152,30 +152,6 @@ def test_positions_match_vllm_including_adjacent_images(families, family):
         assert torch.equal(pos[1:, 0, seg], want), f"sample {slot.sample_index}"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_dedup_runs_each_image_once_with_the_same_logprobs(families, family):
-    fam = families[family]
-    r, t = fam.refs, fam.tok
-    samples = [
-        *(chat([r["coffee"]], "Describe.", f"answer {k}", t) for k in range(3)),
-        chat([], "hi", "yo", t),
-    ]
-    (mb,) = pack(fam, samples).micro_batches
-    calls = []
-    hook = fam.model.model.visual.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
-    try:
-        with torch.no_grad():
-            outs = []
-            for dedup in (False, True):
-                m = materialize_micro_batch(mb, fam.spec, fam.config, dedup=dedup)
-                inputs = packed_inputs(m.packed, m.features, fam.model, fam.spec, image_index=m.image_index)
-                outs.append(packed_logprobs(fam.model, inputs).logprobs)
-    finally:
-        hook.remove()
-    assert calls[1] * 3 == calls[0]
-    assert (outs[0] - outs[1]).abs().max().item() <= TOL
-
-
 # --- refusals -----------------------------------------------------------------------------------
 
 
@@ -183,7 +159,7 @@ def test_an_unprepared_hybrid_model_is_refused_not_leaked(families):
     fam = families["qwen3_5"]
     (mb,) = pack(fam, fam.samples()[:2]).micro_batches
     m = materialize_micro_batch(mb, fam.spec, fam.config)
-    inputs = packed_inputs(m.packed, m.features, fam.model, fam.spec)
+    inputs = packed_inputs(m.packed, m.features, fam.model, fam.spec, image_index=m.image_index)
     remove_linear_attention(fam.model)
     try:
         with pytest.raises(PackingUnsupported, match="prepare_model_for_packing"), torch.no_grad():
@@ -229,12 +205,15 @@ def _packed_and_alone(fam: Family, model, samples) -> tuple[torch.Tensor, torch.
     """Per-token logprobs of ``samples`` packed in one micro-batch, and of each sample packed alone."""
     (mb,) = pack(fam, samples).micro_batches
     m = materialize_micro_batch(mb, fam.spec, fam.config)
-    packed = packed_logprobs(model, packed_inputs(m.packed, m.features, model, fam.spec)).logprobs
+    packed = packed_logprobs(
+        model, packed_inputs(m.packed, m.features, model, fam.spec, image_index=m.image_index)
+    ).logprobs
     alone = []
     for s in samples:
         (one,) = pack(fam, [s]).micro_batches
         mm = materialize_micro_batch(one, fam.spec, fam.config)
-        alone.append(packed_logprobs(model, packed_inputs(mm.packed, mm.features, model, fam.spec)).logprobs)
+        inputs = packed_inputs(mm.packed, mm.features, model, fam.spec, image_index=mm.image_index)
+        alone.append(packed_logprobs(model, inputs).logprobs)
     return packed, torch.cat(alone)
 
 

@@ -60,17 +60,22 @@ def test_sixteen_samples_sharing_two_images_process_two(store, qwen2_vl_adapter)
 
     qwen2_vl_adapter.process = counting
     try:
-        batch = materialize(samples, qwen2_vl_adapter, root, max_workers=2)
+        batch = materialize(samples, qwen2_vl_adapter, root, max_workers=2)  # dedup: the default
+        per_slot = materialize(samples, qwen2_vl_adapter, root, max_workers=2, dedup=False)
     finally:
         del qwen2_vl_adapter.process
-    assert len(calls) == 2 and batch.stats.processed == 2 and batch.stats.unique_refs == 2
+    assert len(calls) == 4 and batch.stats.processed == 2 and batch.stats.unique_refs == 2
     assert batch.stats.images == 24 and batch.images_per_sample == [2 if i % 2 == 0 else 1 for i in range(16)]
-    # every slot holds exactly what the processor gives for that image, in sample then prompt order
+    # every slot shows exactly what the processor gives for that image, in sample then prompt order
     expect = {n: qwen2_vl_adapter.process(load_image(photo_bytes(n))) for n in ("astronaut", "coffee")}
     order = [n for i in range(16) for n in (["astronaut"] if i % 2 else ["coffee", "astronaut"])]
     want = torch.cat([expect[n].tensors["pixel_values"] for n in order])
-    assert torch.equal(batch.features["pixel_values"], want)
-    assert batch.features["image_grid_thw"].tolist() == [list(expect[n].grid) for n in order]
+    assert torch.equal(per_slot.features["pixel_values"], want) and per_slot.image_index is None
+    assert per_slot.features["image_grid_thw"].tolist() == [list(expect[n].grid) for n in order]
+    # dedup: each distinct image once (first-seen order), image_index per slot
+    assert batch.image_index.tolist() == [{"coffee": 0, "astronaut": 1}[n] for n in order]
+    distinct = torch.cat([expect[n].tensors["pixel_values"] for n in ("coffee", "astronaut")])
+    assert torch.equal(batch.features["pixel_values"], distinct)
     assert batch.features["pixel_values"].dtype == torch.float32  # normalized, as the HF model takes
 
 
@@ -94,11 +99,12 @@ def test_missing_image_placeholder_zero_loss_zeroes_only_that_sample(store, qwen
     assert batch.stats.placeholders == 1 and batch.stats.zeroed_samples == 1
     assert [any(s.loss_mask) for s in batch.samples] == [True, False, True]
     n_good = good.grid[0] * good.grid[1] * good.grid[2]
-    pv = batch.features["pixel_values"]
+    pv = materialize(samples, qwen2_vl_adapter, root, dedup=False).features["pixel_values"]
     assert pv.shape == (3 * n_good, 3 * 2 * 14 * 14)
     assert torch.count_nonzero(pv[n_good : 2 * n_good]) == 0  # the placeholder: zeros of the ref's grid
     assert torch.equal(pv[:n_good], pv[2 * n_good :])
-    assert batch.features["image_grid_thw"].tolist() == [list(good.grid)] * 3
+    assert batch.features["image_grid_thw"].tolist() == [list(good.grid)] * 2  # good, the stand-in
+    assert batch.image_index.tolist() == [0, 1, 0]
 
     with pytest.raises(AssetNotFound) as info:
         materialize(samples, qwen2_vl_adapter, root, policy="error")

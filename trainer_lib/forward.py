@@ -9,6 +9,7 @@ no ``[L, vocab]`` tensor at once).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,12 +50,15 @@ class ForwardResult:
 
 
 def _repeated_image_features(model: torch.nn.Module, pixels: torch.Tensor, inputs: PackedInputs) -> Any:
-    """Vision tower once per distinct image, embeddings repeated per image of the micro-batch.
+    """Vision tower once per distinct image, embeddings indexed per image of the micro-batch.
 
-    Uses transformers' own ``get_image_features`` and its ``mm_encoder_outputs`` forward argument
-    (Qwen2-VL/2.5-VL/3-VL in 5.19): ``pooler_output`` is a tuple of per-image embeddings, and
-    Qwen3-VL's ``deepstack_features`` a list (per layer) of such tuples. Gradients of repeated
-    images accumulate into the one vision forward.
+    Uses transformers' own ``get_image_features`` and the model's own ``mm_encoder_outputs``
+    forward argument, whose embedding merge (``masked_scatter`` into the placeholder positions) is
+    the model's (5.19: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE):
+    ``pooler_output`` is a tuple of per-image embeddings ``[tokens_i, hidden]``, and Qwen3-VL's
+    ``deepstack_features`` a list (per layer) of such tuples; both are re-indexed by
+    ``inputs.image_index`` (a tuple of views, no copy). Gradients of repeated images accumulate
+    into the one vision forward (tested equal to the per-slot path in fp32: ``tests/test_dedup.py``).
     """
     enc = model.model.get_image_features(pixels, inputs.image_grid_thw, return_dict=True)
     index = inputs.image_index.tolist()
@@ -115,6 +119,11 @@ def packed_logprobs(
     pixels = None if inputs.pixel_values is None else inputs.pixel_values.to(dtype)
     grid = inputs.image_grid_thw
     if pixels is not None and inputs.image_index is not None:
+        if "mm_encoder_outputs" not in inspect.signature(model.model.forward).parameters:
+            raise PackingUnsupported(
+                f"{model.config.model_type}: its forward takes no precomputed image embeddings "
+                "(mm_encoder_outputs); materialize with dedup=False (one copy per image slot)"
+            )
         kwargs["mm_encoder_outputs"] = {"image": _repeated_image_features(model, pixels, inputs)}
         pixels, grid = None, grid[inputs.image_index]
     out = model.model(

@@ -1,9 +1,14 @@
 """Rematerialize image features from refs, exactly as the server computed them (docs/PROTOCOL.md).
 
-Each distinct ref in a batch is read, hash-checked, decoded and processed once, by
-:meth:`protocol.adapters.ImageAdapter.resolve_raw` — the same function the server
-plugin runs — on a bounded thread pool; the result is placed into every slot that
-names it. Bytes come from the trainer's asset roots (:class:`protocol.roots.AssetRoots`:
+Each distinct ref in a batch (a step, with a shared :data:`Resolved`) is read, hash-checked,
+decoded and processed once, by :meth:`protocol.adapters.ImageAdapter.resolve_raw` — the same
+function the server plugin runs — on a bounded thread pool. By default (``dedup=True``) the
+features hold each distinct image once with an ``image_index`` per image slot, and the packed
+forward runs the vision tower once per distinct image (docs/PACKING.md §6); ``dedup=False`` gives
+one copy per slot, for a model forward that takes no precomputed image embeddings (none of the
+families that pack: Kimi-VL and Kimi K2.5, which do not pack, or a plain HF forward).
+
+Bytes come from the trainer's asset roots (:class:`protocol.roots.AssetRoots`:
 ``MMREF_ASSET_ROOTS`` folders and object stores through the node's read cache, v1 refs at
 their path under ``MMREF_ASSET_ROOT`` or by content). A missing or unreadable image is either an
 error naming the ref and the roots checked (``policy="error"``) or replaced by zero features of
@@ -22,31 +27,21 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 import torch
 
 from protocol.adapters import ImageAdapter, ProcessedImage
-from protocol.errors import (
-    AssetNotFound,
-    AssetTooLarge,
-    GridMismatch,
-    HashMismatch,
-    ImageUnreadable,
-    InvalidRef,
-    MMRefError,
-)
+from protocol.errors import AssetNotFound, AssetTooLarge, HashMismatch, ImageUnreadable, MMRefError
 from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
-from protocol.placeholders import check_placeholder_counts, locate_image_runs
-from protocol.refs import ContentRef, FileRef, RawRefBody, parse_ref
-from protocol.roots import AssetRoots, LocalRoot
-from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore, ImageSource
+from protocol.refs import ContentRef, RawRefBody
+from protocol.store import DEFAULT_MAX_IMAGE_BYTES, ImageSource
 from protocol.structs import TrainingSample
 from trainer_lib import metrics
 from trainer_lib.config import MaterializeConfig
 from trainer_lib.micro_batch import PackedMicroBatch, SampleSlot, replace_loss_mask
+from trainer_lib.sources import checked_refs, describe_source, image_source
 from trainer_lib.spec import PackingSpec
 
 __all__ = [
@@ -54,13 +49,16 @@ __all__ = [
     "MaterializedBatch",
     "MaterializedMicroBatch",
     "MissingPolicy",
-    "describe_source",
-    "image_source",
+    "Resolved",
     "materialize",
     "materialize_micro_batch",
 ]
 
 MissingPolicy = Literal["placeholder_zero_loss", "error"]
+Resolved = dict[str, ProcessedImage | MMRefError]
+"""Refs already resolved in this step (ref string -> processed image, or the replaceable error
+that stood for it): pass one dict to every :func:`materialize` / :func:`materialize_micro_batch`
+call of a step and each distinct image is read, decoded and processed once per step."""
 _REPLACEABLE = (AssetNotFound, ImageUnreadable, HashMismatch, AssetTooLarge)
 """Errors a placeholder may stand in for. Others (outside root, invalid ref, wrong family or
 fingerprint, grid mismatch) mean the batch is wrong, not the image, and ``StoreUnavailable``
@@ -78,7 +76,8 @@ class MaterializeStats:
     unique_refs: int = 0
     """Distinct ref strings."""
     processed: int = 0
-    """Images actually read and run through the processor (== distinct resolvable refs)."""
+    """Images actually read and run through the processor by this call (distinct resolvable refs
+    not already in the step's :data:`Resolved`)."""
     placeholders: int = 0
     """Slots filled with zero features because the image was missing or unreadable."""
     zeroed_samples: int = 0
@@ -93,8 +92,8 @@ class MaterializedBatch:
 
     ``features`` holds the family's HF tensors collated along dim 0 (Qwen-VL:
     ``pixel_values`` float32 ``[sum(t*h*w), C*T*P*P]``, ``image_grid_thw`` int64 ``[N, 3]``);
-    empty when no sample has images. With ``dedup=True`` they hold each distinct image once (in
-    first-seen order) and :attr:`image_index` maps every image slot to its row of
+    empty when no sample has images. With ``dedup=True`` (the default) they hold each distinct image
+    once (in first-seen order) and :attr:`image_index` maps every image slot to its row of
     ``image_grid_thw``: slot ``k``'s grid is ``image_grid_thw[image_index[k]]``.
     """
 
@@ -106,7 +105,8 @@ class MaterializedBatch:
     """Refs replaced by zero features (each once, in first-seen order)."""
     stats: MaterializeStats = field(default_factory=MaterializeStats)
     image_index: torch.Tensor | None = None
-    """int64 ``[N_slots]`` with ``dedup=True``: the distinct image each slot shows; else None."""
+    """int64 ``[N_slots]`` with ``dedup=True``: the distinct image each slot shows; None with
+    ``dedup=False`` or without images."""
 
 
 def materialize(
@@ -120,7 +120,8 @@ def materialize(
     placeholder_token_id: int | None = None,
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-    dedup: bool = False,
+    dedup: bool = True,
+    resolved: Resolved | None = None,
 ) -> MaterializedBatch:
     """Resolve every sample's refs into model-ready features.
 
@@ -140,8 +141,11 @@ def materialize(
             refs' counts (:func:`protocol.placeholders.locate_image_runs`, as packing does): a
             misaligned sample raises instead of training on shifted features.
         max_image_bytes, max_image_pixels: the same limits the server applies.
-        dedup: each distinct image's features once plus ``image_index``, not one copy per slot (an
-            RL group of 8 sharing an image: 8x fewer pixel bytes, one vision forward per image).
+        dedup: (default) each distinct image's features once plus ``image_index`` (an RL group of
+            8 sharing an image: 8x fewer pixel bytes, one vision forward per image); False: one
+            copy per image slot (a forward without precomputed image embeddings).
+        resolved: refs already resolved this step, read and added to (:data:`Resolved`): each
+            distinct image processed once per step, not once per call.
 
     Raises:
         MMRefError subclasses: under ``"error"`` any ref that fails; under either policy a ref
@@ -156,7 +160,9 @@ def materialize(
         raise ValueError(f"policy must be 'placeholder_zero_loss' or 'error', got {policy!r}")
     if max_workers < 1:
         raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-    per_sample, bodies, grids = _checked_refs(samples, adapter, placeholder_token_id)
+    per_sample, bodies, grids = checked_refs(samples, adapter, placeholder_token_id)
+    resolved = {} if resolved is None else resolved
+    todo = [(ref, body) for ref, body in bodies.items() if ref not in resolved]
     source = image_source(asset_root)
     resolve = functools.partial(
         _resolve,
@@ -168,32 +174,18 @@ def materialize(
         max_bytes=max_image_bytes,
         max_pixels=max_image_pixels,
     )
-    with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="mmref-mat") as pool:
-        results = dict(zip(bodies, pool.map(resolve, bodies.items()), strict=True))
+    if todo:
+        with ThreadPoolExecutor(
+            max_workers=min(max_workers, len(todo)), thread_name_prefix="mmref-mat"
+        ) as pool:
+            resolved.update(zip((ref for ref, _ in todo), pool.map(resolve, todo), strict=True))
+    results = {ref: resolved[ref] for ref in bodies}
     batch = _assemble(samples, per_sample, results, grids, adapter, dedup=dedup)
+    batch.stats.processed = sum(isinstance(resolved[ref], ProcessedImage) for ref, _ in todo)
+    metrics.IMAGES_MATERIALIZED.inc(batch.stats.processed)
     if batch.stats.placeholders:
         _warn_replaced(batch.stats, len(samples), describe_source(source))
     return batch
-
-
-def image_source(asset_root: str | os.PathLike[str] | ImageSource) -> ImageSource:
-    """``asset_root`` as an :class:`ImageSource`: an ``AssetRoots`` or ``AssetStore`` as given; a
-    folder as ``AssetRoots([folder], legacy_root=folder)`` (v1 refs by path, else by content under
-    it; v2 refs under it)."""
-    if hasattr(asset_root, "read_image"):
-        return asset_root  # type: ignore[return-value]
-    folder = Path(asset_root).resolve()  # type: ignore[arg-type]
-    return AssetRoots([LocalRoot(folder)], legacy_root=folder)
-
-
-def describe_source(source: ImageSource) -> list[str]:
-    """The folders and URLs ``source`` reads, in order (never a credential: root URLs carry none)."""
-    if isinstance(source, AssetRoots):
-        legacy = [str(source.legacy.root)] if source.legacy is not None else []
-        return list(dict.fromkeys([*legacy, *source.describe()]))
-    if isinstance(source, AssetStore):
-        return [str(source.root)]
-    return [type(source).__name__]
 
 
 def _warn_replaced(stats: MaterializeStats, n_samples: int, roots: list[str]) -> None:
@@ -208,20 +200,6 @@ def _warn_replaced(stats: MaterializeStats, n_samples: int, roots: list[str]) ->
         n_samples,
         ", ".join(roots) or "none",
     )
-
-
-def _checked_refs(
-    samples: Sequence[TrainingSample], adapter: ImageAdapter, placeholder_token_id: int | None
-) -> tuple[list[list[str]], dict[str, RawRefBody | ContentRef], dict[str, tuple[int, ...]]]:
-    """Before any file is read: each sample's ref strings, every distinct ref's parsed body
-    (first-seen order) and its grid (family, fingerprint and payload checked, the grid bounded by
-    ``adapter.check_ref``); every sample checked against them (:func:`_check_sample`)."""
-    per_sample = [[r.ref for r in s.mm_refs.items] if s.mm_refs else [] for s in samples]
-    bodies = {ref: _raw_body(ref) for refs in per_sample for ref in refs}
-    grids = {ref: adapter.check_ref(body, ref=ref) for ref, body in bodies.items()}
-    for i, sample in enumerate(samples):
-        _check_sample(i, sample, adapter, grids, placeholder_token_id)
-    return per_sample, bodies, grids
 
 
 def _resolve(
@@ -256,7 +234,6 @@ def _assemble(
     """Place each ref's result into every slot naming it (zero features of the ref's grid and a
     zeroed loss mask where it failed), count, and collate."""
     stats = MaterializeStats(unique_refs=len(results))
-    stats.processed = sum(isinstance(r, ProcessedImage) for r in results.values())
     stats.failed_by_code = dict(Counter(r.code for r in results.values() if isinstance(r, MMRefError)))
     placeholders: dict[str, ProcessedImage] = {}
     items: list[ProcessedImage] = []
@@ -273,7 +250,6 @@ def _assemble(
             sample = msgspec.structs.replace(sample, loss_mask=[False] * len(sample.loss_mask))
         out_samples.append(sample)
     stats.images = len(items)
-    metrics.IMAGES_MATERIALIZED.inc(stats.processed)
     metrics.IMAGE_SLOTS.inc(stats.images)
     metrics.PLACEHOLDER_FALLBACKS.inc(stats.placeholders)
     metrics.ZEROED_SAMPLES.inc(stats.zeroed_samples)
@@ -304,11 +280,17 @@ class MaterializedMicroBatch:
     empty without images. With ``dedup`` each distinct image once (see :attr:`image_index`)."""
     stats: MaterializeStats
     image_index: torch.Tensor | None = None
-    """int64 ``[num images of the micro-batch]`` with ``dedup``: row of ``image_grid_thw`` per image."""
+    """int64 ``[num images of the micro-batch]`` with ``dedup``: row of ``image_grid_thw`` per image
+    (pass it to :func:`~trainer_lib.packed_inputs`)."""
 
 
 def materialize_micro_batch(
-    packed: PackedMicroBatch, spec: PackingSpec, config: MaterializeConfig, *, dedup: bool = False
+    packed: PackedMicroBatch,
+    spec: PackingSpec,
+    config: MaterializeConfig,
+    *,
+    dedup: bool = True,
+    resolved: Resolved | None = None,
 ) -> MaterializedMicroBatch:
     """Features for every image of the micro-batch, in pack order.
 
@@ -316,9 +298,11 @@ def materialize_micro_batch(
     ``spec.device_normalize`` and the settings of ``config`` (asset root, missing-image policy,
     workers, limits); synthetic pad images (``ImageSpan.ref is None``) are
     ``adapter.synthesize_placeholder(grid)``, the grid bounded by ``adapter.check_grid`` first.
-    ``dedup=True``: each distinct image's features once plus ``image_index``;
-    :func:`~trainer_lib.packed_logprobs` then runs the vision tower once per distinct image and
-    repeats its embeddings.
+    ``dedup=True`` (default): each distinct image's features once plus ``image_index``;
+    :func:`~trainer_lib.packed_logprobs` then runs the vision tower once per distinct image of the
+    micro-batch and indexes its embeddings per image (gradients accumulate into that one forward).
+    ``resolved``: one dict for every micro-batch of a step (:data:`Resolved`): each distinct image
+    decoded once per step.
 
     Raises:
         MMRefError subclasses: see :func:`materialize`; GridMismatch for a synthetic grid the
@@ -339,6 +323,7 @@ def materialize_micro_batch(
         **config.materialize_kwargs(),
         device_normalize=spec.device_normalize,
         dedup=dedup,
+        resolved=resolved,
     )
     synthetic = [  # a grid from the wire is bounded before anything is sized by it
         adapter.synthesize_placeholder(adapter.check_grid(im.grid)).tensors
@@ -376,37 +361,3 @@ def _item(
     """The features a slot naming ``ref`` gets: the processed image, or its zero stand-in."""
     result = results[ref]
     return placeholders[ref] if isinstance(result, MMRefError) else result
-
-
-def _check_sample(
-    index: int,
-    sample: TrainingSample,
-    adapter: ImageAdapter,
-    grids: dict[str, tuple[int, ...]],
-    placeholder_token_id: int | None,
-) -> None:
-    """Each ``RawMMRef``'s grid is its ref string's, its count is the grid's; with a placeholder id,
-    the prompt's image runs fit the refs (:func:`protocol.placeholders.locate_image_runs`)."""
-    refs = sample.mm_refs.items if sample.mm_refs else []
-    for r in refs:
-        if tuple(r.grid) != grids[r.ref]:
-            raise GridMismatch(
-                f"sample {index}: RawMMRef grid {r.grid} != its ref's grid {list(grids[r.ref])}", ref=r.ref
-            )
-    check_placeholder_counts(refs, adapter.num_placeholders, sample=index)
-    if placeholder_token_id is not None:
-        type_ids = sample.mm_refs.mm_token_type_ids if sample.mm_refs else None
-        locate_image_runs(
-            sample.input_ids, refs, placeholder_token_id, mm_token_type_ids=type_ids, sample=index
-        )
-
-
-def _raw_body(ref: str) -> RawRefBody | ContentRef:
-    """A raw image ref's parsed body (v1 ``mmraw:`` or v2 ``mmraw:v2:``).
-
-    Raises:
-        InvalidRef: a ref that does not parse, or an ``mmfile:v1`` feature ref."""
-    parsed = parse_ref(ref)
-    if isinstance(parsed, FileRef):
-        raise InvalidRef("mmfile:v1 refs are not materialized by this version yet", ref=ref)
-    return parsed

@@ -24,7 +24,7 @@ import torch
 from protocol.structs import TrainingSample
 from trainer_lib.config import MaterializeConfig
 from trainer_lib.forward import packed_logprobs
-from trainer_lib.materialize import materialize_micro_batch
+from trainer_lib.materialize import Resolved, materialize_micro_batch
 from trainer_lib.model_inputs import packed_inputs
 from trainer_lib.planning.packing import pack_samples
 from trainer_lib.spec import PackingSpec
@@ -121,6 +121,10 @@ def recompute_logprobs(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Materialize, pack, run the packed forward; per sample ``(logprobs fp32 [len], loss_mask bool [len])``.
 
+    Packed by :func:`~trainer_lib.pack_samples` (samples sharing an image kept in one micro-batch
+    where the cap allows); each distinct image decoded once for the whole call and encoded once per
+    micro-batch (``dedup``, the default of :func:`~trainer_lib.materialize_micro_batch`).
+
     ``logprobs[t]`` is the trainer's logprob of ``input_ids[t]`` given the sample's earlier tokens
     (0 at t=0), aligned with ``TrainingSample.inference_logprobs``. ``temperature``: the sampling
     temperature for a server run with ``--logprobs-mode processed_logprobs``, 1.0 for vLLM's
@@ -140,9 +144,12 @@ def recompute_logprobs(
     check_sampling_temperature(samples, temperature)
     step = pack_samples(samples, spec, seq_len=seq_len, micro_batch_max_tokens=micro_batch_max_tokens)
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
+    resolved: Resolved = {}  # each distinct image decoded once for all the micro-batches
     for packed in step.micro_batches:
-        materialized = materialize_micro_batch(packed, spec, config)
-        inputs = packed_inputs(materialized.packed, materialized.features, model, spec)
+        materialized = materialize_micro_batch(packed, spec, config, resolved=resolved)
+        inputs = packed_inputs(
+            materialized.packed, materialized.features, model, spec, image_index=materialized.image_index
+        )
         with torch.no_grad():
             result = packed_logprobs(
                 model, inputs, temperature=temperature, suppressed_token_ids=suppressed_token_ids

@@ -131,8 +131,10 @@ def _check_features(
     grid = features["image_grid_thw"]
     per_image = grid if image_index is None else grid[image_index]
     if per_image.tolist() != [list(g) for g in packed.image_grids]:
+        hint = " (deduplicated features: pass image_index=m.image_index)" if image_index is None else ""
         raise ValueError(
-            f"feature grids {per_image.tolist()} differ from the micro-batch's images {packed.image_grids}"
+            f"feature grids {per_image.tolist()} differ from the micro-batch's images "
+            f"{packed.image_grids}{hint}"
         )
     if spec.num_placeholders is None:
         raise ValueError("counting an image's feature rows needs the spec's adapter")

@@ -32,19 +32,27 @@ def mini_batches(draw, max_size: int = 80):
     lengths = draw(st.lists(st.integers(1, cap + cap // 2), min_size=n, max_size=n))
     keys = draw(st.lists(st.sampled_from(["a", "a", "a", "b", ("c", "lora")]), min_size=n, max_size=n))
     kinds = draw(st.lists(st.sampled_from([NEUTRAL, NEUTRAL, PIXELS, PIXELS, STRAY]), min_size=n, max_size=n))
-    vision = [draw(st.integers(1, 50)) if k == PIXELS else 0 for k in kinds]
-    return lengths, keys, kinds, vision, cap
+    groups = [draw(st.sampled_from("abcdef")) if k == PIXELS else None for k in kinds]
+    per_group = {g: draw(st.integers(1, 50)) for g in "abcdef"}  # a group's samples show one image set
+    vision = [per_group[g] if g is not None else 0 for g in groups]
+    return lengths, keys, kinds, vision, cap, groups
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     batch=mini_batches(),
     dp=st.integers(1, 6),
     reserve=st.sampled_from([0, 0, 3, 6]),
     stretch=st.booleans(),
+    by_compute=st.booleans(),
+    one_key=st.booleans(),
 )
-def test_partition_rules(batch, dp, reserve, stretch):
-    lengths, keys, kinds, vision, cap = batch
+def test_partition_rules(batch, dp, reserve, stretch, by_compute, one_key):
+    """Every rule, on the token-balanced plan and, with ``groups``, the compute-balanced one (one
+    key and nothing above the cap are where it applies: drawn half the time)."""
+    lengths, keys, kinds, vision, cap, groups = batch
+    if one_key:
+        keys, lengths = ["a"] * len(lengths), [min(n, cap) for n in lengths]
     part = partition_mini_batch(
         lengths,
         dp_size=dp,
@@ -54,6 +62,8 @@ def test_partition_rules(batch, dp, reserve, stretch):
         vision_cost=vision,
         reserve=reserve,
         stretch_cap=stretch,
+        groups=groups if by_compute else None,
+        language_cost=[n * (1 + n / (4 * cap)) for n in lengths] if by_compute else None,
     )
     reserve = reserve if dp > 1 else 0  # one rank: nothing to align, no pad
     m = part.num_micro_batches
@@ -105,6 +115,34 @@ def test_one_key_spread_is_at_most_the_largest_sample(cap, data, dp, stray):
     if last <= dp * (cap - largest):
         assert slot_spread(part, m - 1) <= largest
         assert max(part.rank_tokens) - min(part.rank_tokens) <= largest
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=mini_batches(120))
+def test_plan_bins_keeps_groups_together_without_costing_a_bin(batch):
+    """``groups``: every item once, the cap, isolation and kinds kept, never more bins than plain
+    first-fit-decreasing."""
+    lengths, keys, kinds, _, cap, groups = batch
+    plain = plan_bins(lengths, cap, keys=keys, kinds=kinds)
+    grouped = plan_bins(lengths, cap, keys=keys, kinds=kinds, groups=groups)
+    assert len(grouped) <= len(plain)
+    assert sorted(i for b in grouped for i in b) == list(range(len(lengths)))
+    for b in grouped:
+        assert b == sorted(b) and len({keys[i] for i in b}) <= 1
+        assert sum(lengths[i] for i in b) <= cap or len(b) == 1
+        assert not {kinds[i] for i in b} >= {PIXELS, STRAY}
+
+
+def test_plan_bins_puts_a_group_in_the_fewest_bins_first_fit_allows():
+    """Three groups of four samples (110 tokens each), cap 112: first-fit-decreasing interleaves
+    them (all three groups in every bin: each image encoded 3 times), grouped first fit gives each
+    group a bin of its own, the same 3 bins."""
+    lengths = [50, 48, 46, 30, 32, 28, 20, 18, 22, 10, 12, 14]
+    groups = ["a", "b", "c"] * 4
+    plain = plan_bins(lengths, 112)
+    grouped = plan_bins(lengths, 112, groups=groups)
+    assert [sorted({groups[i] for i in b}) for b in plain] == [["a", "b", "c"]] * 3
+    assert [sorted({groups[i] for i in b}) for b in grouped] == [["a"], ["b"], ["c"]]
 
 
 def test_lpt_bins_fills_the_least_loaded_bin_and_skips_what_no_longer_fits():
@@ -312,6 +350,41 @@ def test_plan_step_on_the_bench_mix(bench_mix, seed, dp, mbs, cap, stretch):
     assert sorted(seen) == list(range(len(samples)))
     assert plan.num_loss_tokens == sum(sum(s.loss_mask) for s in samples)
     assert 0.0 <= plan.sync_idle() < 1.0 and 0.0 <= plan.sync_idle(cm) < 1.0
+
+
+def test_compute_balance_keeps_groups_together_and_cuts_the_step_on_the_bench_mix(bench_mix):
+    """Issue 29 on one bench step (dp 8, mini-batch 256, cap 16k): the compute-balanced plan
+    (default) runs the slot floor like the token-balanced one, encodes each group's image in a
+    fraction of the micro-batches, idles less in FLOPs and predicts a shorter step (the slowest
+    rank's FLOPs summed over slots)."""
+    import numpy as np
+
+    from trainer_lib.planning.plan import encoded_image_tokens
+
+    pack, cm = bench_mix
+    samples = pack.make_step(np.random.default_rng(1))
+    kwargs = dict(dp_size=8, mini_batch_size=256, seq_len=16384, cost_model=cm)
+    plans = {b: plan_step(samples, pack.SPEC, balance=b, **kwargs) for b in ("compute", "tokens")}
+
+    def step_flops(plan) -> float:
+        return sum(
+            max(sum(cm.language(s.length) for s in mb.slots) for mb in column)
+            + max(cm.vision(encoded_image_tokens(mb)) for mb in column)
+            for ranks in plan.mini_batches
+            for column in zip(*(r.micro_batches for r in ranks), strict=True)
+        )
+
+    def encoded(plan) -> float:
+        loads = [load for ranks in plan.rank_loads for load in ranks]
+        return sum(x.encoded_images for x in loads) / sum(x.image_slots for x in loads)
+
+    compute, tokens = plans["compute"], plans["tokens"]
+    assert [r[0].num_micro_batches for r in compute.mini_batches] == [
+        r[0].num_micro_batches for r in tokens.mini_batches
+    ]
+    assert encoded(compute) < 0.4 < 0.7 < encoded(tokens)
+    assert compute.sync_idle(cm) < tokens.sync_idle(cm) / 2
+    assert step_flops(compute) < 0.85 * step_flops(tokens)
 
 
 def test_long_samples_share_a_slot_and_stretching_fills_it():

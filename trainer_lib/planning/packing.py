@@ -78,6 +78,12 @@ class SampleAnalysis:
         """Placeholder tokens per image."""
         return [span[1] for span in self.spans]
 
+    @property
+    def image_key(self) -> tuple[str, ...] | None:
+        """The sha256 of each real image, prompt order (samples with equal keys show the same
+        images: one encode per micro-batch under dedup); None without real images."""
+        return tuple(span[3].sha256 for span in self.spans if span[3] is not None) or None
+
 
 def analyze_entry(entry: PackEntry, spec: PackingSpec, position: int | None) -> SampleAnalysis:
     """Check one sample and locate its image runs (``position`` names it in errors); with the
@@ -224,7 +230,9 @@ def pack_samples(
     seq_len: int,
     micro_batch_max_tokens: int | None = None,
 ) -> PackedBatch:
-    """Pack samples into micro-batches, first-fit-decreasing (see the module docstring).
+    """Pack samples into micro-batches, first-fit-decreasing (see the module docstring); samples
+    showing the same images first try the micro-batches already holding them (the trainer then
+    encodes each such image once per micro-batch).
 
     Args:
         samples: training samples (or :class:`PackEntry`, e.g. synthetic-image pads); padding
@@ -251,7 +259,7 @@ def pack_samples(
     lengths = [a.length for a in analyses]
     keys = [e.sample.isolation_key for e in entries]
     kinds = [a.kind for a in analyses]
-    bins = plan_bins(lengths, cap, keys=keys, kinds=kinds)
+    bins = plan_bins(lengths, cap, keys=keys, kinds=kinds, groups=[a.image_key for a in analyses])
     micro_batches = []
     for b in bins:
         b = sorted(b, key=lambda i: (entries[i].sample.is_padding, i))

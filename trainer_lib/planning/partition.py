@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
+from trainer_lib.planning.grouped import grouped_vision_slots
 from trainer_lib.planning.repack import best_fit_with_exchange, min_slack_bins
 from trainer_lib.planning.slot_bound import EITHER, TEXT, VISION, SlotRules, places, slot_floor, slots_needed
 
@@ -88,8 +89,16 @@ def partition_mini_batch(
     vision_cost: Sequence[float] | None = None,
     reserve: int = 0,
     stretch_cap: bool = False,
+    groups: Sequence[Hashable | None] | None = None,
+    language_cost: Sequence[float] | None = None,
 ) -> DpPartition:
     """Deal one mini-batch's samples to ``dp_size`` ranks as equal-count, equal-work micro-batches.
+
+    With ``groups`` (each sample's image set; the trainer encodes each distinct image once per
+    micro-batch) and images, one isolation key and no sample above the cap, the vision slots are
+    planned by compute (:func:`~trainer_lib.planning.grouped.grouped_vision_slots`: samples sharing
+    an image kept together, language cost levelled per slot, slots of similar vision cost) in the
+    same slot count; otherwise, or where that does not fit, by tokens (steps 0-5 above).
 
     Args:
         lengths: tokens per sample (``len(input_ids)``), each >= 1.
@@ -104,6 +113,10 @@ def partition_mini_batch(
         stretch_cap: group the samples above the cap into slots of their own first and fill the
             other bins of such a slot up to its longest sample instead of the cap (no bin then
             exceeds the longest sample of the mini-batch).
+        groups: per sample, a hashable key of its image set (equal keys: the same images), None
+            without images; default: no grouping (every slot planned by tokens).
+        language_cost: per sample, its language-model cost (``CostModel.language``); default its
+            tokens. Used with ``groups``.
 
     Returns:
         A :class:`DpPartition` in which every sample index appears exactly once.
@@ -118,12 +131,12 @@ def partition_mini_batch(
     weight = [0.0] * n if vision_cost is None else vision_cost
     if dp_size < 1 or cap < 1 or not 0 <= reserve < cap:
         raise ValueError(f"need dp_size, cap >= 1 and 0 <= reserve < cap; got {dp_size}, {cap}, {reserve}")
-    if not len(keys) == len(kinds) == len(weight) == n:
+    if not len(keys) == len(kinds) == len(weight) == n or len(groups or [0] * n) != n:
         raise ValueError(f"{n} lengths but {len(keys)} keys, {len(kinds)} kinds, {len(weight)} vision costs")
     if (n and min(lengths) < 1) or not set(kinds) <= {NEUTRAL, PIXELS, STRAY}:
         raise ValueError("every length must be >= 1 and every kind NEUTRAL, PIXELS or STRAY")
-    if dp_size == 1:  # nothing to align: first-fit-decreasing is the plan
-        bins = plan_bins(lengths, cap, keys=keys, kinds=kinds)
+    if dp_size == 1:  # nothing to align: first-fit-decreasing is the plan (groups kept together)
+        bins = plan_bins(lengths, cap, keys=keys, kinds=kinds, groups=groups)
         slots = [[(sum(lengths[i] for i in b), b)] for b in bins]
         return _deal(slots, kinds, 1)
     if PIXELS not in kinds:  # no vision slots: no side to keep, no pad to make room for
@@ -133,11 +146,40 @@ def partition_mini_batch(
     else:
         where = places(lengths, kinds, cap, reserve)
         mb = SlotRules(lengths, keys, kinds, where, cap, reserve, dp_size, stretch_cap)
+        if groups is not None and (by_compute := _by_compute(mb, groups, language_cost, weight)):
+            return _deal(by_compute, kinds, dp_size)
         long_slots, rest = _long_slots(mb)
         text_slots, free = _text_slots(mb, rest)
         section, room = [i for i in rest if mb.place[i] == VISION] + free, cap - reserve
     slots = _planned(mb, lambda pack: long_slots + _section(mb, section, room, weight, pack) + text_slots)
     return _deal(slots, kinds, dp_size)
+
+
+def _by_compute(
+    mb: SlotRules,
+    groups: Sequence[Hashable | None],
+    language: Sequence[float] | None,
+    vision: Sequence[float],
+) -> list[_Bins] | None:
+    """Step 1's text slots, then the vision section by compute
+    (:func:`~trainer_lib.planning.grouped.grouped_vision_slots`) in the slots the bound leaves it;
+    None where that does not apply (several keys, a sample above the cap) or does not fit."""
+    if not mb.one_key or max(mb.lengths) > mb.cap:
+        return None
+    text_slots, free = _text_slots(mb, list(range(mb.n)))
+    section = [i for i in range(mb.n) if mb.place[i] == VISION] + free
+    slots = grouped_vision_slots(
+        section,
+        lengths=mb.lengths,
+        groups=[g if mb.place[i] == VISION else None for i, g in enumerate(groups)],
+        language=mb.lengths if language is None else language,
+        vision=vision,
+        num_slots=slot_floor(mb, range(mb.n)) - len(text_slots),
+        dp=mb.dp,
+        cap=mb.cap,
+        reserve=mb.reserve,
+    )
+    return None if slots is None else slots + text_slots
 
 
 def _planned(mb: SlotRules, build: Callable[[Callable], list[_Bins]]) -> list[_Bins]:

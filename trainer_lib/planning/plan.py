@@ -19,10 +19,10 @@ from trainer_lib.planning.bins import bin_capacity
 from trainer_lib.planning.cost import CostModel, sync_idle
 from trainer_lib.planning.packing import PackEntry
 from trainer_lib.planning.padding import make_pad_sample, pad_key, padded_sample_count
-from trainer_lib.planning.ranks import deal_mini_batch
+from trainer_lib.planning.ranks import Balance, deal_mini_batch
 from trainer_lib.spec import PackingSpec
 
-__all__ = ["RankLoad", "StepPlan", "mini_batch_entries", "plan_step"]
+__all__ = ["RankLoad", "StepPlan", "encoded_image_tokens", "mini_batch_entries", "plan_step"]
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,12 @@ class RankLoad:
     loss_tokens: int
     """Tokens with ``loss_mask`` True."""
     vision_tokens: int
-    """Placeholder tokens of its real images (the vision tower's input, in merged patches;
-    synthetic pad images excluded)."""
+    """Placeholder tokens of its real images (one per image slot, in merged patches; synthetic pad
+    images excluded)."""
+    image_slots: int = 0
+    """Real image slots of its micro-batches."""
+    encoded_images: int = 0
+    """Images its vision tower encodes under dedup: each distinct image once per micro-batch."""
 
     @classmethod
     def of(cls, share: PackedBatch) -> RankLoad:
@@ -50,6 +54,8 @@ class RankLoad:
             padding_tokens=share.num_padding_tokens,
             loss_tokens=share.num_loss_tokens,
             vision_tokens=sum(im.length for mb in mbs for im in mb.images if im.ref is not None),
+            image_slots=sum(im.ref is not None for mb in mbs for im in mb.images),
+            encoded_images=sum(len({im.ref.sha256 for im in mb.images if im.ref is not None}) for mb in mbs),
         )
 
 
@@ -84,27 +90,31 @@ class StepPlan:
         """``[mini_batch][rank]``: each rank's micro-batches, tokens, loss and vision tokens."""
         return [[RankLoad.of(share) for share in ranks] for ranks in self.mini_batches]
 
-    def sync_idle(self, cost_model: CostModel | None = None, mini_batch: int | None = None) -> float:
+    def sync_idle(
+        self, cost_model: CostModel | None = None, mini_batch: int | None = None, *, dedup: bool = True
+    ) -> float:
         """Predicted share of rank-time spent waiting at the micro-batch synchronisation points.
 
         ``1 - work / (dp * sum over slots of the slowest rank's time)``, where micro-batch ``k``
         of every rank is one slot (FSDP gathers parameters layer by layer, so a slot lasts as long
         as its slowest rank) and work is the real samples' cost; pads take time but do no work.
         Cost: tokens by default; with a :class:`~trainer_lib.planning.cost.CostModel`, FLOPs, with the
-        vision tower and the language model synchronised separately. ``mini_batch``: one
-        optimizer step's idle share, default the whole step's.
+        vision tower and the language model synchronised separately, the tower costing each
+        distinct image of a micro-batch once (``dedup``, the trainer's default; False: once per
+        image slot, the per-slot layout). ``mini_batch``: one optimizer step's idle share, default
+        the whole step's.
         """
         steps = self.mini_batches if mini_batch is None else [self.mini_batches[mini_batch]]
         work: list[list[list[list[float]]]] = []
         pads: list[list[list[list[float]]]] = []
         for ranks in steps:
-            for stage in _stages(cost_model):
+            for stage in _stages(cost_model, dedup):
                 work.append([[stage(mb, False) for mb in share.micro_batches] for share in ranks])
                 pads.append([[stage(mb, True) for mb in share.micro_batches] for share in ranks])
         return sync_idle(work, pads)
 
 
-def _stages(cost_model: CostModel | None) -> list:
+def _stages(cost_model: CostModel | None, dedup: bool = True) -> list:
     """Per-micro-batch cost functions ``(mb, padding) -> cost`` of the real (or the padding) samples,
     one per synchronous stage."""
 
@@ -118,9 +128,20 @@ def _stages(cost_model: CostModel | None) -> list:
         return sum(cost_model.language(s.length) for s in mb.slots if s.is_padding == padding)
 
     def vision(mb: PackedMicroBatch, padding: bool) -> float:
-        return cost_model.vision([im.length for im in mb.images if mb.slots[im.slot].is_padding == padding])
+        return cost_model.vision(encoded_image_tokens(mb, padding=padding, dedup=dedup))
 
     return [vision, language]
+
+
+def encoded_image_tokens(mb: PackedMicroBatch, *, padding: bool = False, dedup: bool = True) -> list[int]:
+    """Placeholder tokens of each image the vision tower encodes for ``mb``'s real samples (or its
+    padding samples' synthetic images): each distinct image once with ``dedup`` (by sha256), every
+    image slot without."""
+    images = [im for im in mb.images if mb.slots[im.slot].is_padding == padding]
+    if not dedup:
+        return [im.length for im in images]
+    distinct = {(im.ref.sha256 if im.ref is not None else id(im)): im.length for im in images}
+    return list(distinct.values())
 
 
 def plan_step(
@@ -134,6 +155,7 @@ def plan_step(
     critic_mini_batch_size: int | None = None,
     cost_model: CostModel | None = None,
     stretch_cap: bool = False,
+    balance: Balance = "compute",
 ) -> StepPlan:
     """Pad, split into mini-batches, deal each to the ranks as balanced micro-batches.
 
@@ -153,8 +175,13 @@ def plan_step(
         spec: the family's facts: placeholder and pad ids, pad length; its adapter checks every
             ref's count and makes the synthetic-image pads (needed when ``dp_size > 1`` and some
             micro-batch must run the vision tower without an image).
-        cost_model: e.g. ``CostModel.from_config(model.config)``: vision slots are grouped by
-            vision-tower FLOPs (default: by image tokens).
+        cost_model: e.g. ``CostModel.from_config(model.config)``: the partition's cost in FLOPs
+            (language and vision terms, attention's quadratic terms); default tokens and image
+            tokens.
+        balance: ``"compute"`` (default): samples sharing an image kept together, each slot's
+            language cost levelled and its ranks' vision cost alike, each distinct image costed
+            once per micro-batch (the trainer's dedup); ``"tokens"``: issue 13's token-balanced
+            plan (each slot's tokens even, vision slots grouped by vision cost).
         stretch_cap: off by default. On: in a micro-batch slot where some rank runs a sample
             longer than the cap, the other ranks' micro-batches may hold up to that sample's
             length instead of idling (no micro-batch exceeds the step's longest sample, which
@@ -174,7 +201,13 @@ def plan_step(
     )
     mini_batches = [
         deal_mini_batch(
-            entries, spec, dp_size=dp_size, cap=cap, cost_model=cost_model, stretch_cap=stretch_cap
+            entries,
+            spec,
+            dp_size=dp_size,
+            cap=cap,
+            cost_model=cost_model,
+            stretch_cap=stretch_cap,
+            balance=balance,
         )
         for entries in chunks
     ]

@@ -4,8 +4,9 @@ Every rank must run the same number of forward/backward passes, and with a shard
 micro-batch ``k`` ("slot ``k``") is synchronous: parameters are gathered layer by layer, so the
 slot lasts as long as its slowest rank, and it must run the vision tower on every rank or on
 none. :func:`deal_mini_batch` analyses the mini-batch's samples once, plans the slots with
-:func:`trainer_lib.planning.partition.partition_mini_batch` (tokens balanced inside every slot, vision
-work grouped by slot) and builds each rank's micro-batches:
+:func:`trainer_lib.planning.partition.partition_mini_batch` (samples sharing an image kept together,
+compute balanced inside every slot with each distinct image encoded once per micro-batch, or tokens
+where that plan does not apply) and builds each rank's micro-batches:
 
 - a bin in a vision slot that holds no image gets a **synthetic-image pad** (placeholder tokens of
   ``spec.image_pad_grid``, zero features from ``adapter.synthesize_placeholder``); the partition
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Literal
 
 from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
 from trainer_lib.planning.bins import PIXELS
@@ -28,7 +30,11 @@ from trainer_lib.planning.padding import make_pad_sample, pad_key
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.spec import PackingSpec
 
-__all__ = ["deal_mini_batch"]
+__all__ = ["Balance", "deal_mini_batch"]
+
+Balance = Literal["compute", "tokens"]
+"""What a data-parallel plan balances per slot: FLOPs with each distinct image encoded once per
+micro-batch (samples sharing an image kept together), or tokens (issue 13's plan)."""
 
 
 def deal_mini_batch(
@@ -39,6 +45,7 @@ def deal_mini_batch(
     cap: int,
     cost_model: CostModel | None = None,
     stretch_cap: bool = False,
+    balance: Balance = "compute",
 ) -> list[PackedBatch]:
     """One mini-batch's samples as ``dp_size`` ranks' micro-batches, the same count on every rank.
 
@@ -49,22 +56,25 @@ def deal_mini_batch(
             pads need it (required when ``dp_size > 1`` and there are images).
         cap: ``micro_batch_max_tokens``: a micro-batch holds at most ``cap`` tokens, pads
             included, unless it is one longer sample (or ``stretch_cap``).
-        cost_model: vision-tower cost per sample, to group vision slots by (default: the
-            samples' image placeholder tokens).
+        cost_model: language and vision-tower FLOPs per sample, the partition's cost (default:
+            tokens, and image placeholder tokens for the vision tower).
         stretch_cap: in a slot where some rank runs a sample longer than ``cap``, the other
             ranks' micro-batches may hold up to that sample's length (see
             :func:`~trainer_lib.planning.partition.partition_mini_batch`).
+        balance: ``"compute"`` (default) or ``"tokens"`` (:data:`Balance`).
 
     Returns:
         ``dp_size`` :class:`~trainer_lib.PackedBatch` es in rank order: micro-batch ``k`` runs the
         vision tower on every rank or on none; vision slots come first.
 
     Raises:
-        ValueError: a bad ``dp_size`` or cap, a pad's room not below the cap, images to align
+        ValueError: a bad ``dp_size``, cap or ``balance``, a pad's room not below the cap, images to align
             without an adapter, and what :func:`~trainer_lib.planning.packing.build_micro_batch` raises.
         PlaceholderMismatch: a sample whose image tokens do not match its refs.
         GridMismatch: a ``spec.synthetic_grid`` the processor cannot produce.
     """
+    if balance not in ("compute", "tokens"):
+        raise ValueError(f"balance must be 'compute' or 'tokens', got {balance!r}")
     analyses = [analyze_entry(e, spec, e.sample_index) for e in entries]
     kinds = [a.kind for a in analyses]
     aligned = dp_size > 1 and PIXELS in kinds and spec.adapter is not None
@@ -80,6 +90,8 @@ def deal_mini_batch(
         ],
         reserve=spec.image_pad_length if aligned else 0,
         stretch_cap=stretch_cap,
+        groups=[a.image_key for a in analyses] if balance == "compute" else None,
+        language_cost=None if cost_model is None else [cost_model.language(a.length) for a in analyses],
     )
     last_key = pad_key(entries[-1].sample if entries else None)  # the sample-count pads' key
     build = functools.partial(_micro_batch, entries, analyses, spec, last_key)

@@ -1,0 +1,260 @@
+"""Vision slots balanced by compute, samples that share an image kept together (docs/PACKING.md §3.7).
+
+With deduplicated features (the trainer's default) a micro-batch runs the vision tower once per
+*distinct* image it holds, so an RL group of ``G`` rollouts sharing a photo costs the tower once
+per micro-batch it lands in, not ``G`` times. :func:`grouped_vision_slots` plans one mini-batch's
+vision section for that cost model (``bench/pack.py`` measures it against the token-balanced
+plan):
+
+1. **Groups, densest vision first.** Samples with images are grouped by their image set
+   (``groups``); groups are visited by descending vision cost. Each group starts a fresh bin and
+   fills bins one after the other up to the language level ``lam`` (the section's language cost
+   over its bins), largest samples first: a group lands in about ``ceil(L_g / lam)`` bins, and
+   consecutive bins hold groups of similar vision cost.
+2. **Level.** What did not fit (a group's remainder) and the text samples, largest first, go to
+   the bin with the least language cost that has room (LPT; Graham 1969).
+3. **Slots.** Bins well above the level (one sample longer than the level, which nothing can
+   balance) are grouped into the first slots; the others are sorted by vision cost and cut into
+   slots of ``dp``, so each slot's ranks encode images of similar cost (for sorted values, slots of
+   consecutive bins minimise the sum of the slot maxima).
+4. **Even each slot.** In every slot, the bin with the most language cost gives a sample (or
+   swaps one) with another bin of the slot where that adds no image to encode (text samples; a
+   group's samples between two bins holding the group), while that lowers the slot's maximum.
+
+Costs are any consistent unit (``CostModel.language`` / ``CostModel.vision`` FLOPs, or tokens and
+image tokens). Pure Python.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable, Sequence
+
+__all__ = ["FILL", "HEAVY", "grouped_vision_slots"]
+
+HEAVY = 1.05
+"""A bin whose language cost exceeds the level by this factor holds a sample nothing can balance:
+such bins share the first slots."""
+FILL = 0.5
+"""Step 1 fills groups up to the level less this share of the text per bin, so that step 2 has
+small samples left everywhere to level with."""
+_EVEN_STEPS = 24
+"""Moves or swaps per slot in step 4 (each lowers the slot's maximum; few are needed)."""
+
+
+class _Bins:
+    """The section's bins: language cost, tokens, image groups and samples of each."""
+
+    def __init__(self, nbins: int) -> None:
+        self.load = [0.0] * nbins
+        self.tokens = [0] * nbins
+        self.groups: list[dict[Hashable, int]] = [{} for _ in range(nbins)]
+        self.items: list[list[int]] = [[] for _ in range(nbins)]
+
+    def add(self, j: int, i: int, cost: float, size: int, group: Hashable | None) -> None:
+        self.load[j] += cost
+        self.tokens[j] += size
+        self.items[j].append(i)
+        if group is not None:
+            self.groups[j][group] = self.groups[j].get(group, 0) + 1
+
+
+def grouped_vision_slots(
+    items: Sequence[int],
+    *,
+    lengths: Sequence[int],
+    groups: Sequence[Hashable | None],
+    language: Sequence[float],
+    vision: Sequence[float],
+    num_slots: int,
+    dp: int,
+    cap: int,
+    reserve: int,
+) -> list[list[tuple[int, list[int]]]] | None:
+    """``num_slots`` slots of ``dp`` ``(tokens, sample indices)`` bins holding ``items``.
+
+    Args:
+        items: the section's samples (indices into the per-sample lists).
+        lengths: tokens per sample.
+        groups: per sample, the key of its image set (samples with equal keys show the same
+            images); None for a sample without images.
+        language: per sample, its language-model cost.
+        vision: per sample, the vision-tower cost of its images (a group's members all carry it;
+            a bin costs each of its groups once).
+        cap: tokens a bin may hold; a bin without images keeps ``reserve`` of them free (the
+            synthetic-image pad a micro-batch without an image gets in a vision slot).
+
+    Returns:
+        The slots (empty bins as ``(0, [])``), or None when the samples do not fit
+        ``num_slots * dp`` bins this way (the caller falls back to the token-balanced plan).
+    """
+    nbins = num_slots * dp
+    if nbins < 1:
+        return None
+    members: dict[Hashable, list[int]] = {}
+    text = []
+    for i in items:
+        (text if groups[i] is None else members.setdefault(groups[i], [])).append(i)
+    level = sum(language[i] for i in items) / nbins
+    filler = sum(language[i] for i in text) / nbins  # text per bin: what step 2 levels with
+    bins = _Bins(nbins)
+    left = _fill_groups(bins, members, lengths, language, vision, level - FILL * filler, cap)
+    if left is None or not _level(bins, left + text, lengths, groups, language, cap, reserve):
+        return None
+    cost = {g: vision[m[0]] for g, m in members.items()}
+    order = _slot_order(bins, cost, level)
+    slots = [order[s * dp : (s + 1) * dp] for s in range(num_slots)]
+    for slot in slots:
+        _even(bins, slot, lengths, groups, language, cost, cap, reserve)
+    return [[(bins.tokens[j], sorted(bins.items[j])) for j in slot] for slot in slots]
+
+
+def _fill_groups(
+    bins: _Bins,
+    members: dict[Hashable, list[int]],
+    lengths: Sequence[int],
+    language: Sequence[float],
+    vision: Sequence[float],
+    level: float,
+    cap: int,
+) -> list[int] | None:
+    """Step 1: each group, densest vision first, from a fresh bin, bin after bin up to ``level``
+    (an empty bin takes one sample even above it). Returns the samples left for step 2, or None
+    when the groups alone need more bins than there are."""
+    nbins, b = len(bins.load), 0
+    left: list[int] = []
+    for group in sorted(members, key=lambda g: -vision[members[g][0]]):
+        todo = sorted(members[group], key=lambda i: -language[i])
+        if b < nbins and bins.items[b]:
+            b += 1
+        while todo and b < nbins:
+            rest = []
+            for i in todo:
+                if bins.tokens[b] + lengths[i] <= cap and (
+                    not bins.items[b] or bins.load[b] + language[i] <= level
+                ):
+                    bins.add(b, i, language[i], lengths[i], group)
+                else:
+                    rest.append(i)
+            if rest:
+                b += 1
+            todo = rest
+        left += todo
+    return left
+
+
+def _level(
+    bins: _Bins,
+    todo: list[int],
+    lengths: Sequence[int],
+    groups: Sequence[Hashable | None],
+    language: Sequence[float],
+    cap: int,
+    reserve: int,
+) -> bool:
+    """Step 2: ``todo`` largest first into the bin with the least language cost that has room
+    (``cap``, less ``reserve`` for a sample without images joining a bin without images). False
+    when one fits nowhere."""
+    heap = [(load, j) for j, load in enumerate(bins.load)]
+    heapq.heapify(heap)
+    for i in sorted(todo, key=lambda i: -language[i]):
+        skipped = []
+        while heap:
+            load, j = heapq.heappop(heap)
+            room = cap if groups[i] is not None or bins.groups[j] else cap - reserve
+            if bins.tokens[j] + lengths[i] <= room:
+                break
+            skipped.append((load, j))
+        else:
+            return False
+        bins.add(j, i, language[i], lengths[i], groups[i])
+        heapq.heappush(heap, (bins.load[j], j))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    return True
+
+
+def _slot_order(bins: _Bins, cost: dict[Hashable, float], level: float) -> list[int]:
+    """Step 3: bins above ``HEAVY * level`` first (most language cost first), then the others by
+    descending vision cost (each group counted once per bin)."""
+    vision = [sum(cost[g] for g in held) for held in bins.groups]
+    heavy = sorted(
+        (j for j, load in enumerate(bins.load) if load > HEAVY * level), key=lambda j: -bins.load[j]
+    )
+    rest = sorted((j for j in range(len(vision)) if bins.load[j] <= HEAVY * level), key=lambda j: -vision[j])
+    return heavy + rest
+
+
+def _even(
+    bins: _Bins,
+    slot: list[int],
+    lengths: Sequence[int],
+    groups: Sequence[Hashable | None],
+    language: Sequence[float],
+    cost: dict[Hashable, float],
+    cap: int,
+    reserve: int,
+) -> None:
+    """Step 4 on one slot: the heaviest bin moves a sample to, or swaps one with, another bin of
+    the slot, choosing the change that lowers the pair's maximum most, where no bin's vision cost
+    rises above the slot's largest (a sample joins a bin holding its images, or one whose tower
+    finishes before the slot's slowest anyway) and tokens stay within ``cap`` (less ``reserve`` in
+    a bin left without images); until no change helps."""
+    load, tokens = bins.load, bins.tokens
+    room = [cap if bins.groups[j] else cap - reserve for j in range(len(load))]
+    vision = {j: sum(cost[g] for g in bins.groups[j]) for j in slot}
+    ceiling = max(vision.values())
+
+    def joins(i: int, j: int) -> bool:
+        g = groups[i]
+        return g is None or g in bins.groups[j] or (bool(bins.groups[j]) and vision[j] + cost[g] <= ceiling)
+
+    for _ in range(_EVEN_STEPS):
+        hi = max(slot, key=load.__getitem__)
+        best = (load[hi] * 1e-6, -1, -1, -1)  # (gain, moved out, moved in or -1, to bin)
+        for lo in slot:
+            gap = load[hi] - load[lo]
+            if gap <= best[0]:
+                continue
+            out = [i for i in bins.items[hi] if joins(i, lo)]
+            back = [-1, *(i for i in bins.items[lo] if joins(i, hi))]
+            for a in out:
+                for b in back:
+                    x = language[a] - (language[b] if b >= 0 else 0.0)
+                    size = lengths[a] - (lengths[b] if b >= 0 else 0)
+                    gain = min(x, gap - x)
+                    if (
+                        gain > best[0]
+                        and tokens[lo] + size <= room[lo]
+                        and tokens[hi] - size <= cap - reserve
+                    ):
+                        best = (gain, a, b, lo)
+        if best[1] < 0:
+            return
+        _, a, b, lo = best
+        _move(bins, a, hi, lo, lengths, groups, language)
+        if b >= 0:
+            _move(bins, b, lo, hi, lengths, groups, language)
+        for j in (hi, lo):
+            vision[j] = sum(cost[g] for g in bins.groups[j])
+
+
+def _move(
+    bins: _Bins,
+    i: int,
+    src: int,
+    dst: int,
+    lengths: Sequence[int],
+    groups: Sequence[Hashable | None],
+    language: Sequence[float],
+) -> None:
+    """Sample ``i`` from bin ``src`` to bin ``dst``, costs and group counts kept."""
+    bins.items[src].remove(i)
+    bins.load[src] -= language[i]
+    bins.tokens[src] -= lengths[i]
+    g = groups[i]
+    if g is not None:
+        bins.groups[src][g] -= 1
+        if not bins.groups[src][g]:
+            del bins.groups[src][g]
+    bins.add(dst, i, language[i], lengths[i], g)
