@@ -105,9 +105,10 @@ def refusal_case(name: str, client, tmp_path, asset_root, max_image_bytes: int):
     raise AssertionError(name)
 
 
-NOT_ON_GENERATE = (errors.NotCached, errors.UpdateConflict, errors.DrainTimeout)
+NOT_ON_GENERATE = (errors.NotCached, errors.UpdateConflict, errors.DrainTimeout, errors.StoreUnavailable)
 """``not_cached`` answers a ``null`` ``kwargs_data`` slot, which the client never sends (it sends every
 image as a ref); ``update_conflict`` and ``drain_timeout`` are answers of the weight-update routes
-(the client retries a 503 ``drain_timeout`` like any 503: tested with the fault proxy)."""
+(the client retries a 503 ``drain_timeout`` like any 503: tested with the fault proxy);
+``store_unavailable`` needs an object-store root on the server (the plugin's fleet integration)."""
 REFUSALS = [cls for cls in errors.all_error_types() if cls not in NOT_ON_GENERATE]
 """Every refusal the generate route can answer to the client."""
