@@ -692,6 +692,8 @@ HF_SURFACE: tuple[Touchpoint, ...] = (
         "transformers/image_processing_backends.py", "protocol/adapters/base.py:102"),
     _tp("transformers.image_processing_utils:BaseImageProcessor", "class",
         "transformers/image_processing_utils.py", "protocol/adapters/kimi_vl.py:44"),
+    _tp("transformers.image_processing_utils:BatchFeature", "class", "transformers/image_processing_base.py",
+        "protocol/adapters/kimi_vl.py:44", key="image_processing_utils.BatchFeature"),
     _tp("transformers.image_utils:make_flat_list_of_images", "function", "transformers/image_utils.py",
         "protocol/adapters/kimi_vl.py:45"),
     _tp("transformers.image_utils:OPENAI_CLIP_MEAN", "constant", "transformers/utils/constants.py",
