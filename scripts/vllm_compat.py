@@ -107,7 +107,7 @@ class SourceTree:
             raise FileNotFoundError(f"{root} holds no vllm/__init__.py")
         self.root = root
         self._modules: dict[str, ast.Module | None] = {}
-        self._index: dict[str, list[str]] | None = None
+        self._defining: dict[str, list[str]] = {}
 
     def version(self) -> str | None:
         """``__version__`` from ``vllm/_version.py`` (written at build time), or None."""
@@ -277,25 +277,26 @@ class SourceTree:
             chain.extend(self._bases(mod, node, external))
         return out, external, decorated
 
-    def index(self) -> dict[str, list[str]]:
-        """Every top-level class and def of the tree: ``{name: [module, ...]}`` (built once)."""
-        if self._index is None:
-            self._index = {}
+    def modules_defining(self, name: str) -> list[str]:
+        """Modules of the tree with a top-level class, def or assignment ``name`` (a text search
+        first, then a parse of the files that match)."""
+        if name not in self._defining:
+            pattern = re.compile(
+                rf"^(?:(?:async\s+)?def|class)\s+{re.escape(name)}\b|^{re.escape(name)}\s*[:=]", re.MULTILINE
+            )
+            found = []
             for path in sorted((self.root / "vllm").rglob("*.py")):
-                module = ".".join(path.relative_to(self.root).with_suffix("").parts)
-                module = module.removesuffix(".__init__")
-                try:
-                    tree = ast.parse(path.read_text(), str(path))
-                except SyntaxError:
+                if not pattern.search(path.read_text(errors="replace")):
                     continue
-                self._modules.setdefault(module, tree)
-                for node in tree.body:
-                    if isinstance(node, ast.ClassDef | _FuncDef):
-                        self._index.setdefault(node.name, []).append(module)
-                    else:
-                        for name in _assigned_names(node):
-                            self._index.setdefault(name, []).append(module)
-        return self._index
+                module = ".".join(path.relative_to(self.root).with_suffix("").parts).removesuffix(".__init__")
+                tree = self.parse(module)
+                if tree is not None and any(
+                    (isinstance(n, ast.ClassDef | _FuncDef) and n.name == name) or name in _assigned_names(n)
+                    for n in tree.body
+                ):
+                    found.append(module)
+            self._defining[name] = found
+        return self._defining[name]
 
 
 def _module_level(body: Sequence[ast.stmt]) -> Iterator[ast.stmt]:
@@ -614,7 +615,7 @@ def _not_found(tree: SourceTree, tp: Touchpoint, module: str, qualname: str, whe
     head, _, rest = qualname.partition(".")
     candidates = []
     if head:
-        for other in tree.index().get(head, []):
+        for other in tree.modules_defining(head):
             if other == module:
                 continue
             found = tree.lookup(other, qualname)

@@ -19,10 +19,13 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from vllm_compat import (
+    INVENTORY_BEGIN,
+    INVENTORY_END,
     Result,
     SourceTree,
     check,
     check_touchpoint,
+    generated_inventory,
     installed_source,
     main,
     source_for_version,
@@ -316,6 +319,14 @@ def test_a_variant_exists_exactly_for_each_break_of_the_newest_release(newest_tr
     broken = {r.touchpoint.key for r in check(newest_tree, variants=False) if not r.ok}
     with_variant = {tp.key for tp in SURFACE if tp.variant_for(NEWEST) is not None}
     assert broken == with_variant
+
+
+def test_the_inventory_doc_is_generated_from_the_table(newest_tree):
+    text = (REPO / "docs" / "VLLM-SURFACE.md").read_text()
+    start, end = text.index(INVENTORY_BEGIN), text.index(INVENTORY_END) + len(INVENTORY_END)
+    assert text[start:end] == generated_inventory(NEWEST, download=False), (
+        "docs/VLLM-SURFACE.md is stale: python scripts/vllm_compat.py --markdown"
+    )
 
 
 # --- the checker on fake trees --------------------------------------------------------------------------
