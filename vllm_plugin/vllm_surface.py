@@ -30,6 +30,7 @@ __all__ = [
     "SURFACE",
     "Kind",
     "Located",
+    "Side",
     "Touchpoint",
     "Variant",
     "installed_vllm_version",
@@ -47,6 +48,7 @@ Kind = Literal["module", "class", "function", "method", "attribute", "constant",
 function ``qualname``); the project reads it there (``app.state.X``)."""
 
 Side = Literal["plugin", "protocol", "scripts", "bench", "tests", "trainer"]
+"""Which part of the project uses a touchpoint (the folder of its first user)."""
 
 
 @dataclass(frozen=True)
