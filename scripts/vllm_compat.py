@@ -468,8 +468,7 @@ def signature_of(tree: SourceTree, found: Found) -> Signature | str:
     """The call signature of what ``found`` names, or a reason it cannot be read (then any call passes)."""
     node = found.node
     if isinstance(node, _FuncDef):
-        if "contextmanager" in _decorators(node) or "asynccontextmanager" in _decorators(node):
-            pass  # the wrapper takes the function's arguments
+        # (a @contextmanager's wrapper takes the function's own arguments)
         return _function_signature(
             node, method=found.owner is not None, source=_line(tree, found.module, node)
         )
