@@ -888,7 +888,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(generated_inventory(args.vllm or CHECKED_VLLM[-1]))
         return 0
     if args.vllm:
-        root = source_for_version(args.vllm)
+        try:
+            root = source_for_version(args.vllm)
+        except RuntimeError as e:
+            print(f"vllm_compat: {e}", file=sys.stderr)
+            return 2
     elif args.source is not None and args.source.suffix == ".whl":
         root = source_from_wheel(args.source)
     else:
