@@ -21,7 +21,7 @@ Each touchpoint gets one status:
 - ``CHANGED``: the call fits only with a variant's keywords (passes), or does not fit (fails).
 - ``MISSING``: found nowhere (fails).
 
-Exit status 1 if any touchpoint fails.
+Exit status 1 if any touchpoint fails, 2 if the source could not be had (no wheel, no network).
 """
 
 from __future__ import annotations
