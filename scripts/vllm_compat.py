@@ -20,6 +20,7 @@ Each touchpoint gets one status:
 - ``MOVED``: at a variant's path (passes), or found elsewhere only (fails: the table needs a variant).
 - ``CHANGED``: the call fits only with a variant's keywords (passes), or does not fit (fails).
 - ``MISSING``: found nowhere (fails).
+- ``SKIP``: a row the project uses from a later release on only (``since``; passes).
 
 Exit status 1 if any touchpoint fails, 2 if the source could not be had (no wheel, no network).
 """
@@ -554,6 +555,8 @@ class Result:
 
 def check_touchpoint(tree: SourceTree, tp: Touchpoint, version: str | None) -> Result:
     """Check one touchpoint in ``tree`` for ``version`` (None: its 0.32 form only)."""
+    if not tp.exists_in(version):
+        return Result(tp, "SKIP", True, tp.id, "", f"used with vLLM {tp.since} only")
     at = tp.at(version)
     variant = at.variant
     where = f"{at.module}:{at.qualname}" + (f".{tp.attr}" if tp.attr else "")
@@ -682,7 +685,8 @@ def format_report(results: Sequence[Result], title: str) -> str:
             if x
         )
         lines.append(f"{r.status:<8} {'pass' if r.ok else 'FAIL':<6} {name:<58} {text}")
-    counts = {s: sum(1 for r in results if r.status == s) for s in ("OK", "MOVED", "CHANGED", "MISSING")}
+    statuses = ("OK", "MOVED", "CHANGED", "MISSING", "SKIP")
+    counts = {s: sum(1 for r in results if r.status == s) for s in statuses}
     failures = sum(1 for r in results if not r.ok)
     lines.append(
         f"{len(results)} touchpoints: "
@@ -726,6 +730,8 @@ def status_text(result: Result) -> str:
         return f"**{result.status}**: {result.detail}"
     if result.status == "OK":
         return "same"
+    if result.status == "SKIP":
+        return "not used"
     note = "; ".join(result.notes)
     if result.status == "MOVED":
         return f"moved: `{result.where}` ({note})"
@@ -763,11 +769,15 @@ def markdown_inventory(base: Sequence[Result], newer: Sequence[Result] | None, n
                 name += f"<br>as `{tp.reached_as}`"
             private = f"yes: {tp.why}" if tp.private else ("optional" if tp.optional else "")
             newer_status = status_text(by_key[tp.key]) if tp.key in by_key else "not checked"
+            defined_in = r.defined_in
+            if r.status == "SKIP":  # not in the installed release: where the newer one has it
+                newer_at = by_key[tp.key].defined_in if tp.key in by_key else tp.upstream
+                defined_in = f"({tp.since}) {newer_at}"
             cells = [
                 name,
                 tp.kind,
                 "<br>".join(tp.used_in),
-                r.defined_in,
+                defined_in,
                 private,
                 call_shape(tp),
                 newer_status,
