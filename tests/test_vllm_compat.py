@@ -21,6 +21,7 @@ from vllm_compat import (
     format_report,
     generated_inventory,
     installed_source,
+    report_title,
     source_for_version,
 )
 
@@ -46,13 +47,23 @@ def newest_tree() -> SourceTree:
     return SourceTree(root)
 
 
+@pytest.fixture(scope="module")
+def installed_results(installed_tree) -> list[Result]:
+    return check(installed_tree)
+
+
+@pytest.fixture(scope="module")
+def newest_results(newest_tree) -> list[Result]:
+    return check(newest_tree)
+
+
 def _failures(results: list[Result]) -> list[str]:
     return [f"{r.status} {r.touchpoint.key}: {r.detail}" for r in results if not r.ok]
 
 
-def test_installed_release_passes_the_static_check(installed_tree):
+def test_installed_release_passes_the_static_check(installed_tree, installed_results):
     assert installed_tree.version() == vllm_version()
-    results = check(installed_tree)
+    results = installed_results
     assert not _failures(results)
     # no variant applies to the installed release; rows of later releases only are skipped
     assert {r.status for r in results} == {"OK", "SKIP"}
@@ -61,18 +72,18 @@ def test_installed_release_passes_the_static_check(installed_tree):
     }
 
 
-def test_newest_release_passes_with_the_tables_variants(newest_tree):
+def test_newest_release_passes_with_the_tables_variants(newest_tree, newest_results):
     assert newest_tree.version() == NEWEST
-    results = check(newest_tree)
+    results = newest_results
     assert not _failures(results)
     assert "SKIP" not in {r.status for r in results}
 
 
-def test_the_checkers_table_for_both_releases(installed_tree, newest_tree):
+def test_the_checkers_table_for_both_releases(installed_tree, installed_results, newest_tree, newest_results):
     """What the check prints for each release (``pytest -s`` shows it; docs/VLLM-SURFACE.md
     quotes it)."""
-    for tree in (installed_tree, newest_tree):
-        report = format_report(check(tree), f"vLLM {tree.version()} ({tree.root}; with the table's variants)")
+    for tree, results in ((installed_tree, installed_results), (newest_tree, newest_results)):
+        report = format_report(results, report_title(tree, tree.version()))
         print("\n" + report)
         assert report.endswith("; 0 failures")
 
@@ -85,11 +96,11 @@ def test_a_variant_exists_exactly_for_each_break_of_the_newest_release(newest_tr
     assert broken == with_variant
 
 
-def test_the_tables_upstream_files_are_where_the_names_are_defined(installed_tree, newest_tree):
+def test_the_tables_upstream_files_are_where_the_names_are_defined(installed_results, newest_results):
     """Each row's ``upstream`` is its file in 0.32 (in the first release that has it, for a
     later release's row)."""
-    newest = {r.touchpoint.key: r for r in check(newest_tree)}
-    for r in check(installed_tree):
+    newest = {r.touchpoint.key: r for r in newest_results}
+    for r in installed_results:
         defined_in = newest[r.touchpoint.key].defined_in if r.status == "SKIP" else r.defined_in
         assert defined_in.split(":")[0] == r.touchpoint.upstream, r.touchpoint.key
 

@@ -43,7 +43,15 @@ from vllm_plugin.vllm_surface import (
 ALL = (*SURFACE, *HF_SURFACE, *STDLIB_SURFACE)
 SCANNED = ("vllm_plugin", "protocol", "trainer_lib", "scripts", "bench", "tests")
 """Where the project's code lives (every vLLM or transformers-internal import must be in a table)."""
-SELF = {"scripts/vllm_compat.py", "tests/test_vllm_surface.py", "tests/test_vllm_compat_checker.py"}
+SELF = {
+    "scripts/vllm_compat.py",
+    "scripts/vllm_compat_check.py",
+    "scripts/vllm_compat_inventory.py",
+    "scripts/vllm_compat_source.py",
+    "tests/test_vllm_surface.py",
+    "tests/test_vllm_compat_checker.py",
+}
+"""The checker and its tests (their strings name vLLM modules of fake trees)."""
 DOOR = "vllm_plugin/vllm_surface"
 
 
