@@ -9,6 +9,11 @@ from vllm_plugin.vllm_surface.model import Touchpoint, Variant, row
 
 __all__ = ["BENCH", "HF_SURFACE", "PROTOCOL", "SCRIPTS", "STDLIB_SURFACE", "TESTS"]
 
+_MROPE_ORACLE_WHY = (
+    "test oracle only: vLLM's own MRoPE positions of one prompt, which the public "
+    "get_mrope_input_positions computes on a model instance (weights) only"
+)
+
 # fmt: off
 PROTOCOL: tuple[Touchpoint, ...] = (
     row("vllm.transformers_utils.processors.kimi_k25_vision_fused:KimiK25FusedVisionProcessor", "class",
@@ -28,7 +33,7 @@ SCRIPTS: tuple[Touchpoint, ...] = (
     row("vllm.entrypoints.cli.main:", "module", "vllm/entrypoints/cli/main.py", "scripts/vllm_server.py",
         key="cli main module", reached_as="python -m vllm.entrypoints.cli.main serve"),
     row("vllm.entrypoints.cli.serve:ServeSubcommand", "class", "vllm/entrypoints/cli/serve.py",
-        "scripts/vllm_cli.py", "scripts/vllm_cli.py", positional=0),
+        "scripts/vllm_cli.py", positional=0),
     row("vllm.entrypoints.cli.serve:ServeSubcommand.subparser_init", "method",
         "vllm/entrypoints/cli/serve.py", "scripts/vllm_cli.py", positional=1),
     row("vllm.entrypoints.cli.serve:ServeSubcommand.cmd", "method", "vllm/entrypoints/cli/serve.py",
@@ -36,18 +41,18 @@ SCRIPTS: tuple[Touchpoint, ...] = (
     row("vllm.entrypoints.cli.serve:ServeSubcommand.validate", "method", "vllm/entrypoints/cli/serve.py",
         "scripts/vllm_cli.py", positional=1),
     row("vllm.entrypoints.serve.utils.api_utils:VLLM_SUBCMD_PARSER_EPILOG", "constant",
-        "vllm/entrypoints/serve/utils/api_utils.py", "scripts/vllm_cli.py", "scripts/vllm_cli.py",
+        "vllm/entrypoints/serve/utils/api_utils.py", "scripts/vllm_cli.py",
         variants=(Variant(">=0.33", module="vllm.entrypoints.common.startup",
                           note="moved with cli_env_setup"),)),
     row("vllm.entrypoints.serve.utils.api_utils:cli_env_setup", "function",
-        "vllm/entrypoints/serve/utils/api_utils.py", "scripts/vllm_cli.py", "scripts/vllm_cli.py",
+        "vllm/entrypoints/serve/utils/api_utils.py", "scripts/vllm_cli.py",
         positional=0,
         variants=(Variant(">=0.33", module="vllm.entrypoints.common.startup",
                           note="moved to vllm/entrypoints/common/startup.py"),)),
     row("vllm.logger:configure_logging_from_args", "function", "vllm/logger.py", "scripts/vllm_cli.py",
-        "scripts/vllm_cli.py", positional=1),
+        positional=1),
     row("vllm.utils.argparse_utils:FlexibleArgumentParser", "class", "vllm/utils/argparse_utils.py",
-        "scripts/vllm_cli.py", "scripts/vllm_cli.py", positional=0, keywords=("description", "epilog")),
+        "scripts/vllm_cli.py", positional=0, keywords=("description", "epilog")),
     row("vllm.entrypoints.scale_out.token_in_token_out.mm_serde:decode_mm_kwargs_item", "function",
         "vllm/entrypoints/scale_out/token_in_token_out/mm_serde.py", "scripts/demo.py",
         "tests/test_items.py", "tests/test_route_attacks.py", "tests/test_route_parity.py",
@@ -60,14 +65,14 @@ SCRIPTS: tuple[Touchpoint, ...] = (
 BENCH: tuple[Touchpoint, ...] = (
     row("vllm.entrypoints.scale_out.token_in_token_out.mm_features:extract_mm_features", "function",
         "vllm/entrypoints/scale_out/token_in_token_out/mm_features.py", "bench/request_bytes.py",
-        "bench/request_bytes.py", positional=1),
+        positional=1),
     row("vllm.entrypoints.scale_out.token_in_token_out.mm_features:mm_kwargs_from_features", "function",
         "vllm/entrypoints/scale_out/token_in_token_out/mm_features.py", "bench/_miss_profile.py",
         "bench/server.py", positional=1),
     row("vllm.multimodal.hasher:MultiModalHasher.hash_kwargs", "method", "vllm/multimodal/hasher.py",
-        "bench/server.py", "bench/server.py", positional=1, keywords=("model_id", "image")),
+        "bench/server.py", positional=1, keywords=("model_id", "image")),
     row("vllm.multimodal.media.connector:MediaConnector", "class", "vllm/multimodal/media/connector.py",
-        "bench/server.py", "bench/server.py", positional=0),
+        "bench/server.py", positional=0),
     row("vllm.multimodal.media.connector:MediaConnector.fetch_image", "method",
         "vllm/multimodal/media/connector.py", "bench/server.py", positional=1),
     row("vllm.config:ModelConfig", "class", "vllm/config/model.py", "bench/_common.py",
@@ -92,7 +97,7 @@ TESTS: tuple[Touchpoint, ...] = (
         keywords=("max_model_len", "max_num_batched_tokens", "is_encoder_decoder", "enable_chunked_prefill",
                   "long_prefill_token_threshold")),
     row("vllm.entrypoints.generate.base.protocol:validate_cache_salt", "function",
-        "vllm/entrypoints/generate/base/protocol.py", "tests/test_weights.py", "tests/test_weights.py",
+        "vllm/entrypoints/generate/base/protocol.py", "tests/test_weights.py",
         positional=1),
     row("vllm.entrypoints.scale_out.token_in_token_out.protocol:GenerateTokensChoice", "class",
         "vllm/entrypoints/scale_out/token_in_token_out/protocol.py", "tests/test_weights.py", positional=0,
@@ -104,7 +109,7 @@ TESTS: tuple[Touchpoint, ...] = (
         positional=3),
     row("vllm.exceptions:VLLMError", "class", "vllm/exceptions.py", "tests/test_fuzz.py"),
     row("vllm.multimodal.cache:LruKeyReplicatedReceiverCache", "class", "vllm/multimodal/cache/lru.py",
-        "tests/test_engine_items.py", "tests/test_engine_items.py", positional=1),
+        "tests/test_engine_items.py", positional=1),
     row("vllm.multimodal.cache:LruKeyReplicatedReceiverCache.get_and_update_item", "method",
         "vllm/multimodal/cache/lru.py", "tests/test_engine_items.py", key="receiver.get_and_update_item",
         positional=2),
@@ -127,57 +132,30 @@ TESTS: tuple[Touchpoint, ...] = (
         private=True, why="not the project's choice: the released renderers client, whose feature "
         "builder the parity test runs, calls it; the project never imports it"),
     row("vllm.multimodal.inputs:MultiModalBatchedField", "class", "vllm/multimodal/inputs.py",
-        "tests/test_items.py", "tests/test_items.py", positional=0),
+        "tests/test_items.py", positional=0),
     row("vllm.multimodal.media.image:ImageMediaIO", "class", "vllm/multimodal/media/image.py",
-        "tests/test_images.py", "tests/test_images.py", positional=0, keywords=("image_mode",)),
+        "tests/test_images.py", positional=0, keywords=("image_mode",)),
     row("vllm.multimodal.media.image:ImageMediaIO.load_bytes", "method", "vllm/multimodal/media/image.py",
         "tests/test_images.py", positional=1),
     row("vllm.model_executor.models.qwen2_vl:Qwen2VLForConditionalGeneration.get_mrope_input_positions",
         "method", "vllm/model_executor/models/qwen2_vl.py", "tests/test_forward.py",
-        "tests/test_forward.py", reached_as="called unbound with a config shim as self", positional=2),
+        reached_as="called unbound with a config shim as self", positional=2),
     row("vllm.model_executor.models.qwen2_vl:Qwen2VLForConditionalGeneration.iter_mm_grid_thw", "method",
         "vllm/model_executor/models/qwen2_vl.py", "tests/test_forward.py"),
     row("vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration.get_mrope_input_positions",
-        "method", "vllm/model_executor/models/qwen2_5_vl.py", "tests/test_forward.py",
-        "tests/test_forward.py", positional=2),
-    row("vllm.model_executor.models.qwen3_vl:Qwen3VLForConditionalGeneration._get_mrope_input_positions",
-        "method", "vllm/model_executor/models/qwen3_vl.py", "tests/test_forward.py",
-        "tests/test_forward.py", positional=0, keywords=("input_tokens", "mm_features", "config"),
-        private=True,
-        why=(
-            "test oracle only: vLLM's own MRoPE positions of one prompt, which the public "
-            "get_mrope_input_positions computes on a model instance (weights) only"
-        )),
-    row("vllm.model_executor.models.qwen3_vl_moe:"
-        "Qwen3VLMoeForConditionalGeneration._get_mrope_input_positions",
-        "method", "vllm/model_executor/models/qwen3_vl.py", "tests/test_forward.py",
-        "tests/test_forward.py", positional=0, keywords=("input_tokens", "mm_features", "config"),
-        private=True,
-        why=(
-            "test oracle only: vLLM's own MRoPE positions of one prompt, which the public "
-            "get_mrope_input_positions computes on a model instance (weights) only"
-        )),
-    row("vllm.model_executor.models.qwen3_5:Qwen3_5ForConditionalGeneration._get_mrope_input_positions",
-        "method", "vllm/model_executor/models/qwen3_vl.py", "tests/test_forward.py",
-        "tests/test_forward.py", positional=0, keywords=("input_tokens", "mm_features", "config"),
-        private=True,
-        why=(
-            "test oracle only: vLLM's own MRoPE positions of one prompt, which the public "
-            "get_mrope_input_positions computes on a model instance (weights) only"
-        )),
-    row("vllm.model_executor.models.qwen3_5:Qwen3_5MoeForConditionalGeneration._get_mrope_input_positions",
-        "method", "vllm/model_executor/models/qwen3_vl.py", "tests/test_forward.py",
-        "tests/test_forward.py", positional=0, keywords=("input_tokens", "mm_features", "config"),
-        private=True,
-        why=(
-            "test oracle only: vLLM's own MRoPE positions of one prompt, which the public "
-            "get_mrope_input_positions computes on a model instance (weights) only"
-        )),
+        "method", "vllm/model_executor/models/qwen2_5_vl.py", "tests/test_forward.py", positional=2),
+    *(row(f"vllm.model_executor.models.{module}:{cls}._get_mrope_input_positions", "method",
+          "vllm/model_executor/models/qwen3_vl.py", "tests/test_forward.py", positional=0,
+          keywords=("input_tokens", "mm_features", "config"), private=True, why=_MROPE_ORACLE_WHY)
+      for module, cls in (("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+                          ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
+                          ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
+                          ("qwen3_5", "Qwen3_5MoeForConditionalGeneration"))),
 )
 
 HF_SURFACE: tuple[Touchpoint, ...] = (
     row("transformers.configuration_utils:PreTrainedConfig._attn_implementation", "attribute",
-        "transformers/configuration_utils.py", "trainer_lib/attention.py", "trainer_lib/attention.py",
+        "transformers/configuration_utils.py", "trainer_lib/attention.py",
         "trainer_lib/forward.py", key="PretrainedConfig._attn_implementation", private=True,
         why=(
             "the attention backend a model runs with; transformers has a setter (set_attn_implementation) "
@@ -188,12 +166,12 @@ HF_SURFACE: tuple[Touchpoint, ...] = (
     row("transformers:AttentionInterface.register", "method", "transformers/utils/generic.py",
         "trainer_lib/attention.py", positional=2),
     row("transformers.masking_utils:AttentionMaskInterface", "class", "transformers/masking_utils.py",
-        "trainer_lib/attention.py", "trainer_lib/attention.py"),
+        "trainer_lib/attention.py"),
     row("transformers.masking_utils:flash_attention_mask", "function", "transformers/masking_utils.py",
-        "trainer_lib/attention.py", "trainer_lib/attention.py"),
+        "trainer_lib/attention.py"),
     row("transformers.integrations.sdpa_attention:sdpa_attention_forward", "function",
-        "transformers/integrations/sdpa_attention.py", "trainer_lib/attention.py",
-        "trainer_lib/attention.py", positional=5, keywords=("dropout", "scaling", "is_causal")),
+        "transformers/integrations/sdpa_attention.py", "trainer_lib/attention.py", positional=5,
+        keywords=("dropout", "scaling", "is_causal")),
     row("transformers.models.qwen3_5.modeling_qwen3_5:causal_conv1d_fn", "function",
         "transformers/models/qwen3_5/modeling_qwen3_5.py", "trainer_lib/linear_attention.py",
         reached_as="inspect.unwrap(sys.modules[layer_cls.__module__].causal_conv1d_fn)", positional=4),

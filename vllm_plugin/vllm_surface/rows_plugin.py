@@ -123,7 +123,7 @@ _ENTRY: tuple[Touchpoint, ...] = (
         accessor="invalidation_drain", positional=0, private=True, since=">=0.33",
         why=("0.33 defers the invalidation of an engine cache miss in P0 (queue_mm_cache_invalidations) "
              "until vLLM's own multimodal processing drains the queue; the plugin's hand-off and null-slot "
-             "lookups must drain it too, on the parked worker, and no public method does")),
+             "lookups must drain it too, with vLLM's worker parked, and no public method does")),
     row("vllm.renderers.base:BaseRenderer.mm_processor_cache", "attribute", "vllm/renderers/base.py",
         "vllm_plugin/startup.py", reached_as="engine_client.renderer.mm_processor_cache"),
     row("vllm.renderers.base:BaseRenderer.update_mm_cache_stats", "method", "vllm/renderers/base.py",
