@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# vLLM 0.33 serve smoke (issue "house, second step", step 2; draft for scripts/gpu_check.sh): the
-# vllm==0.33.0 CUDA wheel + this repo, `vllm serve` of a tiny Qwen2-VL with VLLM_PLUGINS=mmref, one
-# request by ref (POST /inference/v1/generate, mm_refs) and the same image as a data URL (POST
-# /v1/chat/completions); greedy tokens must be equal. Prints PASS or FAIL; exit 0 on PASS.
+# vLLM 0.33 serve smoke (issue 24, step 2; a step of scripts/gpu_check.sh): the vllm==0.33.0 CUDA
+# wheel + this repo, `vllm serve` of a tiny Qwen2-VL with VLLM_PLUGINS=mmref, one request by ref
+# (POST /inference/v1/generate, mm_refs) and the same image as a data URL (POST
+# /v1/chat/completions); greedy tokens must be equal.
+#
+# Ends with one line: "PASS: ..." (exit 0), "FAIL: ..." (exit 1), or "SKIP: <reason>" (exit 3) where
+# what it needs is not there: no GPU, no wheel folder, no vllm-0.33.0 wheel in it, a dependency
+# pip cannot find in it (named), no tiny model. A skip is not a pass: gpu_check.sh reports it.
 #
 # Offline: everything comes from a wheel folder ($VLLM033_WHEELS, default .whl-vllm033), made on a
 # machine with internet (the pip there must match the GPU machine's Python, 3.12):
@@ -32,16 +36,27 @@ mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 
 fail() { echo "FAIL: $*"; exit 1; }
+skip() { echo "SKIP: $*"; exit 3; }
 
-[ -d "$WHEELS" ] || fail "no wheel folder $WHEELS (see the header)"
-[ -f "$MODEL/config.json" ] || fail "no tiny model at $MODEL (scripts/make_tiny_models.py --family qwen2_vl)"
+command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1 || skip "no NVIDIA GPU here (the 0.33 wheel is CUDA-only)"
+[ -d "$WHEELS" ] || skip "no wheel folder $WHEELS (made with pip download on a machine with internet: see the header)"
+compgen -G "$WHEELS/vllm-0.33.0-*.whl" >/dev/null || skip "no vllm-0.33.0 wheel in $WHEELS"
+[ -f "$MODEL/config.json" ] || skip "no tiny model at $MODEL (scripts/make_tiny_models.py --family qwen2_vl)"
 
 # 1. install: a venv over the machine's packages, vllm 0.33.0 and this repo from the folder only
 "$PY" -m venv --system-site-packages "$VENV" || fail "venv"
 VPY="$VENV/bin/python"
 PIP=("$VPY" -m pip install -q --no-index --find-links "$WHEELS" --no-cache-dir)
-"${PIP[@]}" 'setuptools>=77' >"$LOGS/install.log" 2>&1 || fail "setuptools>=77 (install.log)"
-"${PIP[@]}" 'vllm==0.33.0' >>"$LOGS/install.log" 2>&1 || { tail -5 "$LOGS/install.log"; fail "vllm==0.33.0 install (install.log)"; }
+missing() {  # pip's "No matching distribution found for X" (the folder lacks X): a skip, naming X
+  grep -m1 -o "No matching distribution found for [^ ]*" "$LOGS/install.log" | sed 's/.* for //'
+}
+"${PIP[@]}" 'setuptools>=77' >"$LOGS/install.log" 2>&1 || skip "setuptools>=77 not installable from $WHEELS: $(missing)"
+if ! "${PIP[@]}" 'vllm==0.33.0' >>"$LOGS/install.log" 2>&1; then
+  what=$(missing)
+  [ -n "$what" ] && skip "vllm==0.33.0 needs $what, which $WHEELS lacks (install.log)"
+  tail -5 "$LOGS/install.log"
+  fail "vllm==0.33.0 install (install.log)"
+fi
 "${PIP[@]}" --no-build-isolation --no-deps . >>"$LOGS/install.log" 2>&1 || fail "mmref install (install.log)"
 "$VPY" - <<'PY' 2>&1 | tee "$LOGS/versions.txt" || fail "imports (versions.txt)"
 import importlib.metadata as md
