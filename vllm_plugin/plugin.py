@@ -21,7 +21,9 @@ logger = logging.getLogger("vllm.mmref")  # a child of vLLM's configured logger
 
 SUPPORTED_VLLM = ">=0.32.0,<0.34"
 """vLLM releases this plugin supports (the ``serve``/``serve-cuda`` extras of pyproject.toml say
-the same; a test keeps them equal). 0.32 is tested; 0.33 is supported blind (docs/DESIGN-DECISIONS.md)."""
+the same; a test keeps them equal): exactly the releases the door's table is checked against
+(``vllm_surface.CHECKED_VLLM``: 0.32 installed and run, 0.33 statically from its wheel,
+docs/VLLM-SURFACE.md)."""
 
 
 def check_vllm_version(version: str | None = None) -> str:
