@@ -20,6 +20,7 @@ _SERVING_TOKENS_KEYWORDS = (
     "enable_log_outputs",
     "force_no_detokenize",
 )
+_INPUT_USERS = ("vllm_plugin/serving_tokens.py", "vllm_plugin/engine_items.py")
 _CLI_ARGS_033 = (Variant(">=0.33", module="vllm.entrypoints.common.cli_args"),)
 
 
@@ -166,6 +167,10 @@ _TOKENS: tuple[Touchpoint, ...] = (
                     "read as (sampling_params, request_id)"),
         positional=3, positional_names=("prompt", "sampling_params", "request_id"),
         keywords=("lora_request", "priority", "data_parallel_rank", "session_id")),
+    *(row(f"vllm.inputs.engine:MultiModalInput.{key}", "attribute", "vllm/inputs/engine.py", *users,
+          reached_as=f'engine_input["{key}"]')
+      for key, users in (("mm_kwargs", _INPUT_USERS), ("mm_hashes", _INPUT_USERS),
+                         ("mm_placeholders", ("vllm_plugin/engine_items.py",)))),
     row(f"{_LLM}.input_processor", "attribute", _LLM_FILE, "vllm_plugin/serving_tokens.py",
         reached_as="engine_client.input_processor"),
     row("vllm.v1.engine.input_processor:InputProcessor.process_inputs", "method",
