@@ -277,12 +277,20 @@ class _Renderer033:
 def test_the_door_drains_deferred_invalidations_on_vllm_033_only():
     from vllm_plugin.vllm_surface import invalidation_drain
 
-    renderer = _Renderer033(None, None)
+    class Renderer:  # a stand-in (see _Renderer033): counts its drains
+        drains = 0
+
+        def _drain_mm_cache_invalidations(self) -> None:
+            self.drains += 1
+
+    renderer = Renderer()
     assert invalidation_drain(renderer, "0.32.0") is None  # 0.32 invalidates at once: nothing to drain
     assert invalidation_drain(renderer) is None  # the installed release (0.32)
     assert invalidation_drain(object(), "0.33.0") is None  # no such method: nothing to call
     drain = invalidation_drain(renderer, "0.33.1+cu130")
-    assert drain is not None and drain.__func__ is _Renderer033._drain_mm_cache_invalidations
+    assert drain is not None and renderer.drains == 0
+    drain()
+    assert renderer.drains == 1
 
 
 def test_a_missed_item_is_drained_before_p0_is_read_or_recorded(lru_config):
