@@ -24,10 +24,19 @@ This package imports nothing from vLLM (or transformers) at import time.
 
 from __future__ import annotations
 
-from vllm_plugin.vllm_surface import door as _door
 from vllm_plugin.vllm_surface import rows_other as _other
 from vllm_plugin.vllm_surface import rows_plugin as _plugin
-from vllm_plugin.vllm_surface.door import *  # noqa: F403  (the door's functions: door.__all__)
+from vllm_plugin.vllm_surface.door import (
+    invalidation_drain,
+    load,
+    locate,
+    mm_fields_config,
+    mm_worker,
+    served_image_processor,
+    serving_tokens_keywords,
+    touchpoint,
+    vllm_version,
+)
 from vllm_plugin.vllm_surface.model import CHECKED_VLLM, Kind, Located, Side, Touchpoint, Variant
 from vllm_plugin.vllm_surface.rows_other import HF_SURFACE, STDLIB_SURFACE
 
@@ -41,7 +50,15 @@ __all__ = [
     "Side",
     "Touchpoint",
     "Variant",
-    *_door.__all__,
+    "invalidation_drain",
+    "load",
+    "locate",
+    "mm_fields_config",
+    "mm_worker",
+    "served_image_processor",
+    "serving_tokens_keywords",
+    "touchpoint",
+    "vllm_version",
 ]
 
 SURFACE: tuple[Touchpoint, ...] = (

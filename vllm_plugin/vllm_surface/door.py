@@ -15,18 +15,6 @@ from typing import Any
 
 from vllm_plugin.vllm_surface.model import Located, Touchpoint
 
-__all__ = [
-    "invalidation_drain",
-    "load",
-    "locate",
-    "mm_fields_config",
-    "mm_worker",
-    "served_image_processor",
-    "serving_tokens_keywords",
-    "touchpoint",
-    "vllm_version",
-]
-
 
 @cache
 def _index() -> dict[str, Touchpoint]:
@@ -160,3 +148,10 @@ def serving_tokens_keywords(state: Any, version: str | None = None) -> dict[str,
     before the plugin's ``init_state``); none on 0.32."""
     keywords = locate("ServingTokens.__init__", version).keywords
     return {"online_derenderer": state.online_derenderer} if "online_derenderer" in keywords else {}
+
+
+__all__ = sorted(  # every public function above: the door's API, re-exported by the package
+    name
+    for name, obj in list(globals().items())
+    if callable(obj) and getattr(obj, "__module__", "") == __name__ and not name.startswith("_")
+)
