@@ -36,6 +36,7 @@ from vllm_plugin import metrics
 from vllm_plugin.cache import ByteBudgetLRU
 from vllm_plugin.config import PluginConfig
 from vllm_plugin.items import ItemLayout, decode_item
+from vllm_plugin.vllm_surface import load
 
 __all__ = ["MMRefResolver", "ResolvedItem"]
 
@@ -120,10 +121,8 @@ class MMRefResolver:
 
     def _resolve_raw_sync(self, body: RawRefBody, ref: str) -> ResolvedItem:
         from transformers import BatchFeature
-        from vllm.multimodal.inputs import MultiModalKwargsItems
-        from vllm.utils.torch_utils import set_default_torch_num_threads
 
-        with set_default_torch_num_threads():  # as vLLM's renderer runs its processor
+        with load("set_default_torch_num_threads")():  # as vLLM's renderer runs its processor
             processed = self.adapter.resolve_raw(
                 body,
                 self.store,
@@ -133,7 +132,7 @@ class MMRefResolver:
                 max_pixels=self.config.max_image_pixels,
             )
         hf_inputs = BatchFeature(dict(processed.tensors))
-        items = MultiModalKwargsItems.from_hf_inputs(hf_inputs, self.layout.fields_config(hf_inputs))
+        items = load("MultiModalKwargsItems.from_hf_inputs")(hf_inputs, self.layout.fields_config(hf_inputs))
         (item,) = items[self.adapter.vllm_modality]
         return ResolvedItem(
             # the full sha256 of the bytes read, not the ref's (possibly 16-hex) mm_hash prefix

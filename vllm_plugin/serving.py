@@ -49,6 +49,7 @@ from vllm_plugin.protocol import MMRefGenerateRequest, parse_request
 from vllm_plugin.resolver import MMRefResolver, ResolvedItem
 from vllm_plugin.seeds import SplitRule
 from vllm_plugin.serving_tokens import ResolvedSlot, pending_items
+from vllm_plugin.vllm_surface import load
 from vllm_plugin.weights import ENGINE_HASH_PREFIX, engine_hash, served_by, version_salt
 
 logger = logging.getLogger("vllm.mmref")
@@ -126,17 +127,15 @@ class MMRefServing:
             RequestValidationError: stock's refusal of the body (``protocol.parse_request``).
             MMRefError: the plugin's refusals (see :meth:`prepare`).
         """
-        from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateResponseBase
-        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-
+        error_response, response = load("ErrorResponse"), load("GenerateResponseBase")
         for attempt in (1, 2):
             prepared = await self.prepare(parse_request(body))  # parsed again: vLLM mutates requests
             with pending_items(prepared.slots):
                 result = await self.serving_tokens.serve_tokens(prepared.request, raw_request)
-            if isinstance(result, ErrorResponse):
+            if isinstance(result, error_response):
                 break
             self.record(prepared.sent)
-            if not isinstance(result, GenerateResponseBase) or served_by(result, prepared.version):
+            if not isinstance(result, response) or served_by(result, prepared.version):
                 break
             if attempt == 1:
                 logger.info("mmref: not generated under weights %r alone; generating again", prepared.version)
@@ -231,8 +230,6 @@ class MMRefServing:
         slots: list[ResolvedSlot],
         version: str,
     ) -> Any:
-        from vllm.entrypoints.scale_out.token_in_token_out.protocol import MultiModalFeatures
-
         self._check_ref_count(len(mm_refs))
         resolved = await asyncio.gather(
             *(self.resolver.resolve(e if isinstance(e, str) else e.ref) for e in mm_refs)
@@ -246,7 +243,7 @@ class MMRefServing:
         sent.extend((h, _recorded(item)) for h, item in zip(hashes, resolved, strict=True))
         m = self.adapter.vllm_modality
         slots.extend(ResolvedSlot(m, i, hashes[i], item.item) for i, item in enumerate(resolved))
-        return MultiModalFeatures(
+        return load("MultiModalFeatures")(
             mm_hashes={m: hashes},
             mm_placeholders={m: [{"offset": o, "length": n} for o, n in ranges]},
             kwargs_data={m: [None] * len(resolved)},
@@ -255,8 +252,6 @@ class MMRefServing:
     async def _check_features(
         self, features: Any, token_ids: list[int], sent: list, slots: list[ResolvedSlot], version: str
     ) -> Any:
-        from vllm.entrypoints.scale_out.token_in_token_out.protocol import MultiModalFeatures
-
         m = self.adapter.vllm_modality
         other = sorted(set(features.mm_hashes) - {m})
         if other:
@@ -275,6 +270,8 @@ class MMRefServing:
                         f"{m} item {i}: hashes starting with {ENGINE_HASH_PREFIX!r} are reserved for refs "
                         "this server resolves; send the ref, or a null slot"
                     )
+        if any(kwargs[i] is None and metadata[i] is None for i in range(len(hashes))):
+            await self.engine_items.settle()  # null slots: P0 current first (vLLM >= 0.33)
         jobs = [
             self._check_slot(i, hashes[i], kwargs[i], metadata[i], ranges[i], token_ids)
             for i in range(len(hashes))
@@ -287,7 +284,7 @@ class MMRefServing:
                 slots.append(ResolvedSlot(m, i, hashes[i], result.item))
             elif isinstance(result, CheckedItem):
                 sent.append((hashes[i], RecordedItem(result.num_placeholders)))
-        return MultiModalFeatures(
+        return load("MultiModalFeatures")(
             mm_hashes={m: hashes},
             mm_placeholders={m: ranges},
             kwargs_data={m: kwargs} if features.kwargs_data is not None else None,
@@ -335,13 +332,11 @@ class MMRefServing:
     def _check_inline(self, where: str, slot: str | None, metadata: str | None) -> CheckedItem:
         """Decode an inline item and its ``mm_metadata`` as vLLM will, merge them as vLLM merges
         them (``mm_features.merge_mm_kwargs_items``), check the result (worker thread)."""
-        from vllm.multimodal.inputs import MultiModalKwargsItem
-
         item = decode_item(slot, InvalidRequest, f"{where} (kwargs_data)") if slot is not None else None
         meta = (
             decode_item(metadata, InvalidRequest, f"{where} (mm_metadata)") if metadata is not None else None
         )
-        merged = MultiModalKwargsItem({**(item or {}), **(meta or {})})
+        merged = load("MultiModalKwargsItem")({**(item or {}), **(meta or {})})
         if item is None:  # metadata-only (encoder-cache transfer): only its grid and range are checked
             grid = self.resolver.layout.grid_of(merged, InvalidRequest, where)
             return CheckedItem(grid, self.adapter.num_placeholders(grid))

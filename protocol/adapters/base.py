@@ -120,12 +120,6 @@ class ImageAdapter(ABC):
 
         return AutoImageProcessor.from_pretrained(model_dir, backend=backend, local_files_only=True)
 
-    @classmethod
-    def served_image_processor(cls, mm_processor: Any) -> Any:
-        """The image-processor instance a running vLLM uses, from its multimodal processor
-        (``engine_client.renderer.get_mm_processor()``): ``info.get_hf_processor().image_processor``."""
-        return mm_processor.info.get_hf_processor().image_processor
-
     # --- family specifics -------------------------------------------------------------
 
     @abstractmethod
