@@ -84,7 +84,8 @@ def test_entry_point_loads_and_overrides_the_core_route(server, qwen2_vl_adapter
         f"body limit 90527062 bytes, grids of at most {most} patches, engine item cache lru "
         "(items as cache handles: yes)"
     ) in log
-    assert "mmref: routes attached (vLLM 0.32.0, supported >=0.32.0,<0.34; weight-update routes: off" in log
+    assert "mmref: routes attached (vLLM 0.32.0, supported >=0.32.0,<0.34)" in log
+    assert "mmref: weight-update routes /mmref/v1/weights/* off (VLLM_SERVER_DEV_MODE unset)" in log
 
 
 def test_generate_with_two_photo_refs_matches_chat_completions(server, tokenizer, photo_refs):
