@@ -141,11 +141,11 @@ TESTS: tuple[Touchpoint, ...] = (
         "method", "vllm/model_executor/models/qwen2_vl.py", "tests/test_forward.py",
         reached_as="called unbound with a config shim as self", positional=2),
     row("vllm.model_executor.models.qwen2_vl:Qwen2VLForConditionalGeneration.iter_mm_grid_thw", "method",
-        "vllm/model_executor/models/qwen2_vl.py", "tests/test_forward.py"),
+        "vllm/model_executor/models/qwen2_vl.py", "tests/helpers.py"),
     row("vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration.get_mrope_input_positions",
         "method", "vllm/model_executor/models/qwen2_5_vl.py", "tests/test_forward.py", positional=2),
     *(row(f"vllm.model_executor.models.{module}:{cls}._get_mrope_input_positions", "method",
-          "vllm/model_executor/models/qwen3_vl.py", "tests/test_forward.py", positional=0,
+          "vllm/model_executor/models/qwen3_vl.py", "tests/helpers.py", positional=0,
           keywords=("input_tokens", "mm_features", "config"), private=True, why=_MROPE_ORACLE_WHY)
       for module, cls in (("qwen3_vl", "Qwen3VLForConditionalGeneration"),
                           ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
@@ -155,14 +155,14 @@ TESTS: tuple[Touchpoint, ...] = (
 
 HF_SURFACE: tuple[Touchpoint, ...] = (
     row("transformers.configuration_utils:PreTrainedConfig._attn_implementation", "attribute",
-        "transformers/configuration_utils.py", "trainer_lib/attention.py",
+        "transformers/configuration_utils.py", "trainer_lib/prepare.py",
         "trainer_lib/forward.py", key="PretrainedConfig._attn_implementation", private=True,
         why=(
             "the attention backend a model runs with; transformers has a setter (set_attn_implementation) "
             "but no public getter"
         )),
     row("transformers.modeling_utils:PreTrainedModel.set_attn_implementation", "method",
-        "transformers/modeling_utils.py", "trainer_lib/attention.py", positional=1),
+        "transformers/modeling_utils.py", "trainer_lib/prepare.py", positional=1),
     row("transformers:AttentionInterface.register", "method", "transformers/utils/generic.py",
         "trainer_lib/attention.py", positional=2),
     row("transformers.masking_utils:AttentionMaskInterface", "class", "transformers/masking_utils.py",
