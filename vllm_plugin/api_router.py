@@ -15,6 +15,7 @@ from __future__ import annotations
 import email.message
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -246,41 +247,41 @@ def _updates(raw_request: Request) -> Any:
     return updates
 
 
-@weights_router.post("/mmref/v1/weights/update")
-async def update_weights(raw_request: Request) -> Response:
-    """Drain, ``reload_weights`` from ``weights_path``, bind ``version``, resume (``updates.py``)."""
+async def _weights_call(
+    raw_request: Request, fields: set[str], call: Callable[[Any, WeightsRequest], Awaitable[dict]]
+) -> Response:
+    """Parse the body (only ``fields`` allowed), run ``call(updates, body)``, answer its JSON or
+    the typed refusal."""
     try:
-        body = await _weights_request(raw_request, {"weights_path", "version", "timeout_s"})
-        if body.weights_path is None or body.version is None:
-            raise InvalidRequest("weights_path and version are required")
-        result = await _updates(raw_request).update(
-            weights_path=body.weights_path, version=body.version, timeout_s=body.timeout_s
-        )
+        body = await _weights_request(raw_request, fields)
+        result = await call(_updates(raw_request), body)
     except MMRefError as e:
         return error_response(e)
     return JSONResponse(content=result)
+
+
+@weights_router.post("/mmref/v1/weights/update")
+async def update_weights(raw_request: Request) -> Response:
+    """Drain, ``reload_weights`` from ``weights_path``, bind ``version``, resume (``updates.py``)."""
+
+    def update(updates: Any, body: WeightsRequest) -> Awaitable[dict]:
+        if body.weights_path is None or body.version is None:
+            raise InvalidRequest("weights_path and version are required")
+        return updates.update(weights_path=body.weights_path, version=body.version, timeout_s=body.timeout_s)
+
+    return await _weights_call(raw_request, {"weights_path", "version", "timeout_s"}, update)
 
 
 @weights_router.post("/mmref/v1/weights/hold")
 async def hold_weights(raw_request: Request) -> Response:
     """Drain and pause: the weights may then change through any of vLLM's weight routes."""
-    try:
-        body = await _weights_request(raw_request, {"timeout_s"})
-        result = await _updates(raw_request).hold(timeout_s=body.timeout_s)
-    except MMRefError as e:
-        return error_response(e)
-    return JSONResponse(content=result)
+    return await _weights_call(raw_request, {"timeout_s"}, lambda u, b: u.hold(timeout_s=b.timeout_s))
 
 
 @weights_router.post("/mmref/v1/weights/release")
 async def release_weights(raw_request: Request) -> Response:
     """Reset the caches, bind ``version`` (if given), resume."""
-    try:
-        body = await _weights_request(raw_request, {"version"})
-        result = await _updates(raw_request).release(version=body.version)
-    except MMRefError as e:
-        return error_response(e)
-    return JSONResponse(content=result)
+    return await _weights_call(raw_request, {"version"}, lambda u, b: u.release(version=b.version))
 
 
 def attach_router(app: FastAPI, *, dev_mode: bool) -> None:

@@ -322,34 +322,34 @@ class ImageAdapter(ABC):
             ) from e
         if form == "v2":
             content = put_content(store, data)
-            ref = ContentRef(
-                sha256=content.sha256,
-                ext=content.ext,
-                family=self.family,
-                grid=grid,
-                fingerprint=self.fingerprint,
+            sha256, media_type = content.sha256, content.media_type
+            ref = format_content_ref(
+                ContentRef(
+                    sha256=sha256,
+                    ext=content.ext,
+                    family=self.family,
+                    grid=grid,
+                    fingerprint=self.fingerprint,
+                )
             )
-            return RawMMRef(
-                ref=format_content_ref(ref),
-                sha256=content.sha256,
-                media_type=content.media_type,
-                grid=list(grid),
-                num_placeholders=self.num_placeholders(grid),
+        else:
+            assert isinstance(store, AssetStore)
+            stored = store.put_image(data)
+            sha256, media_type = stored.sha256, stored.media_type
+            ref = format_mmraw(
+                RawRefBody(
+                    family=self.family,
+                    modality="image",
+                    mm_hash=stored.mm_hash,
+                    payload=self.payload(grid),
+                    raw_image_uri=stored.uri,
+                    fingerprint=self.fingerprint,
+                )
             )
-        assert isinstance(store, AssetStore)
-        stored = store.put_image(data)
-        body = RawRefBody(
-            family=self.family,
-            modality="image",
-            mm_hash=stored.mm_hash,
-            payload=self.payload(grid),
-            raw_image_uri=stored.uri,
-            fingerprint=self.fingerprint,
-        )
         return RawMMRef(
-            ref=format_mmraw(body),
-            sha256=stored.sha256,
-            media_type=stored.media_type,
+            ref=ref,
+            sha256=sha256,
+            media_type=media_type,
             grid=list(grid),
             num_placeholders=self.num_placeholders(grid),
         )
