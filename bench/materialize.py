@@ -56,14 +56,16 @@ RSS_TARGET = 1.5
 COMPLETION = 16
 
 
-def make_batch(batch: int, group: int, adapter) -> list:
-    """``batch`` samples; each run of ``group`` consecutive samples shares one distinct photo."""
+def make_batch(batch: int, group: int, adapter, refs: list | None = None) -> list:
+    """``batch`` samples; each run of ``group`` consecutive samples shares one distinct photo
+    (``refs``: one per group; default: v1 refs of fresh photos in the bench store)."""
     from protocol.adapters import offload_image
     from protocol.placeholders import expand_image_placeholders
     from protocol.structs import MMRefs, TrainingSample
 
     pad = adapter.placeholder_token_id(_hf_config())
-    refs = [offload_image(j, bench_asset_root(), adapter) for j in unique_photos(batch // group)]
+    if refs is None:
+        refs = [offload_image(j, bench_asset_root(), adapter) for j in unique_photos(batch // group)]
     samples = []
     for i in range(batch):
         ref = refs[i // group]
@@ -240,9 +242,16 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--timing-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
+    parser.add_argument("--roots-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-roots", action="store_true", help="skip the S3 vs local rows")
     args = parser.parse_args()
     if args.timing_child:
         print(json.dumps(timing_child(args.repeat, args.profile)))
+        return
+    if args.roots_child:
+        from _materialize_roots import roots_timing
+
+        print(json.dumps(roots_timing(make_batch, BATCH, GROUP, args.repeat)))
         return
     if args.rss_child:
         kind, workers, batch = args.rss_child.split(",")
@@ -379,6 +388,18 @@ def main() -> None:
             ),
         ],
     )
+    if not args.no_roots:
+        from _materialize_roots import roots_rows
+
+        roots = run_child(["--roots-child", "--repeat", str(args.repeat)])
+        rows, targets = roots_rows(roots, ratio_row)
+        print_table(
+            f"asset roots: one materialize of the batch (v2 refs, {roots['processed']} distinct images, "
+            "2 workers), interleaved",
+            ("source", "median s", f"{args.repeat} runs s", "x local"),
+            rows,
+        )
+        print_table("targets: asset roots", ("measure", "value", "target", "verdict"), targets)
     if args.profile:
         print("\n### pyinstrument: one materialize, 2 workers\n")
         print(timing["profile"])

@@ -14,7 +14,7 @@ Per variant: placeholder tokens sampled, completions that hold one, median laten
 (and the bytes the field would take for the real Qwen2-VL vocabulary of 151,936 ids). Then one
 greedy request per variant: every control renormalizes the returned (processed) logprobs over the
 tokens left, so each sampled token's logprob moves by ``-log(1 - p_placeholder)``; the trainer
-must mask the same ids (``rollout_client.mask_in_trainer``) to match.
+must take the same ids out of its softmax (``packed_logprobs(..., suppressed_token_ids=)``) to match.
 
 Usage: ``.venv/bin/python bench/suppression.py [--samples 256] [--max-tokens 16]`` (~3 min).
 """

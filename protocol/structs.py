@@ -9,6 +9,7 @@ Cross-field rules live in ``__post_init__`` (a ``ValueError`` there becomes
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -85,7 +86,8 @@ class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, om
 
     The per-token lists all have ``L`` entries (checked on construction, decoding and
     ``msgspec.structs.replace``, a ``ValueError`` / ``msgspec.ValidationError`` naming the list).
-    On the wire it is a msgpack array in field order (``array_like``); defaults are omitted.
+    On the wire it is a msgpack array in field order (``array_like``), every field written; a
+    shorter array decodes with the missing trailing fields at their defaults.
     """
 
     input_ids: list[_NonNegInt]
@@ -104,6 +106,10 @@ class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, om
     lora_id: str | None = None
     is_padding: bool = False
     """A zero-loss pad kept out of metrics (``trainer_lib.planning.padding``)."""
+    sampling_temperature: float | None = None
+    """The temperature the completion was sampled at (``>= 0``, finite; 0 = greedy), or None when
+    unknown. A server run with ``--logprobs-mode processed_logprobs`` returns logprobs after
+    temperature: ``trainer_lib.recompute_logprobs`` warns when it computes at another one."""
 
     @classmethod
     def from_rollout(
@@ -112,6 +118,8 @@ class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, om
         completion_ids: list[int],
         completion_logprobs: list[float],
         images: list[RawMMRef] | None = None,
+        *,
+        sampling_temperature: float | None = None,
     ) -> TrainingSample:
         """The sample of one rollout, as the server answered it: ``L = len(prompt_ids) +
         len(completion_ids)`` tokens, loss on the completion only, the server's logprob on each
@@ -123,9 +131,11 @@ class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, om
             completion_ids: the completion's token ids.
             completion_logprobs: the server's logprob of each completion token (same length).
             images: the prompt's image refs in prompt order (None or empty: text only).
+            sampling_temperature: the temperature the completion was sampled at, if known.
 
         Raises:
-            ValueError: ``completion_logprobs`` and ``completion_ids`` differ in length.
+            ValueError: ``completion_logprobs`` and ``completion_ids`` differ in length, or a
+                negative or non-finite ``sampling_temperature``.
         """
         n, m = len(prompt_ids), len(completion_ids)
         if len(completion_logprobs) != m:
@@ -136,6 +146,7 @@ class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, om
             advantages=[0.0] * (n + m),
             inference_logprobs=[0.0] * n + list(completion_logprobs),
             mm_refs=MMRefs(items=list(images)) if images else None,
+            sampling_temperature=sampling_temperature,
         )
 
     @property
@@ -149,6 +160,9 @@ class TrainingSample(msgspec.Struct, kw_only=True, array_like=True, gc=False, om
         if self.mm_refs is not None and self.mm_refs.mm_token_type_ids is not None:
             if len(self.mm_refs.mm_token_type_ids) != n:
                 raise ValueError("mm_token_type_ids must have one entry per input id")
+        t = self.sampling_temperature
+        if t is not None and not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"sampling_temperature must be finite and >= 0, got {t}")
 
 
 class MicroBatch(msgspec.Struct, kw_only=True, array_like=True, gc=False, omit_defaults=True):

@@ -8,11 +8,11 @@ image processor config, for grids) are loaded on first use.
 - :class:`RolloutClient` / :class:`AsyncRolloutClient`: ``generate``, ``sample_group``, ``generate_tokens``.
 - :class:`Conversation`: multi-turn prompts in tokens, images kept as refs.
 - :class:`Sampling`, :class:`RetryPolicy`; errors in :mod:`rollout_client.errors` and :mod:`protocol.errors`.
-- :func:`check_trainer_temperature`, :mod:`rollout_client.suppression` (the trainer's side of the
-  placeholder suppression).
+- :mod:`rollout_client.suppression`: the sampler's placeholder suppression (the trainer takes the
+  same ids: ``trainer_lib.packed_logprobs(..., suppressed_token_ids=client.suppressed_token_ids())``;
+  it also warns when samples' ``sampling_temperature`` differs from its own).
 """
 
-from rollout_client.checks import check_trainer_temperature
 from rollout_client.client import AsyncRolloutClient, RolloutClient
 from rollout_client.conversation import Conversation, PreparedPrompt, PromptBuilder
 from rollout_client.errors import (
@@ -26,7 +26,6 @@ from rollout_client.images import Offloader
 from rollout_client.result import Rollout
 from rollout_client.retry import RetryPolicy
 from rollout_client.sampling import Sampling
-from rollout_client.suppression import mask_in_trainer
 from rollout_client.template import ChatTemplate
 
 __all__ = [
@@ -45,6 +44,4 @@ __all__ = [
     "Sampling",
     "ServerRefusal",
     "WeightVersionMismatch",
-    "check_trainer_temperature",
-    "mask_in_trainer",
 ]

@@ -224,7 +224,8 @@ class Conversation:
     def training_sample(self) -> TrainingSample:
         """The whole conversation as one sample: :attr:`token_ids`, loss and the server's logprobs
         on every assistant turn's sampled tokens (the text between turns is context), advantages
-        0.0, every image's ref.
+        0.0, every image's ref; ``sampling_temperature`` the turns' when they all share one, else
+        None (unknown: the trainer then checks nothing).
 
         Raises:
             ValueError: no turn recorded yet.
@@ -237,12 +238,14 @@ class Conversation:
             start = len(turn.prompt_ids)
             for i, lp in enumerate(turn.logprobs):
                 loss[start + i], logprobs[start + i] = True, lp
+        temps = {turn.temperature for turn in self.turns}
         return TrainingSample(
             input_ids=list(self._tokens or []),
             loss_mask=loss,
             advantages=[0.0] * n,
             inference_logprobs=logprobs,
             mm_refs=MMRefs(items=list(self._refs)) if self._refs else None,
+            sampling_temperature=temps.pop() if len(temps) == 1 else None,
         )
 
 

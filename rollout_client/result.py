@@ -67,9 +67,14 @@ class Rollout:
 
     def to_training_sample(self) -> TrainingSample:
         """The trainer's sample: ``P + C`` tokens, loss and the server's logprobs on the completion
-        (:meth:`protocol.structs.TrainingSample.from_rollout`); advantages 0.0 for the RL algorithm."""
+        (:meth:`protocol.structs.TrainingSample.from_rollout`), ``sampling_temperature`` the
+        rollout's; advantages 0.0 for the RL algorithm."""
         return TrainingSample.from_rollout(
-            self.prompt_ids, self.completion_ids, self.logprobs, list(self.images)
+            self.prompt_ids,
+            self.completion_ids,
+            self.logprobs,
+            list(self.images),
+            sampling_temperature=self.temperature,
         )
 
 

@@ -20,8 +20,8 @@ class Sampling:
     ``logit_bias`` entries are added to the client's suppression.
 
     Attributes:
-        temperature: > 0 samples, 0 is greedy. The trainer must use the same value
-            (:func:`rollout_client.check_trainer_temperature`).
+        temperature: > 0 samples, 0 is greedy. The trainer must use the same value (the
+            sample's ``sampling_temperature``: ``trainer_lib.recompute_logprobs`` warns otherwise).
         max_tokens: completion tokens at most.
         top_p: nucleus sampling; 1.0 (off) keeps the logprobs comparable with the trainer's.
         top_k: 0 (off) likewise.

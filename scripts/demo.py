@@ -9,11 +9,11 @@
    rematerialized pixels bit for bit against what the server fed the model;
 5. runs ``--steps`` RL steps (default 3), each: rollouts by ref through ``rollout_client`` (2 prompts
    x 8, each group sharing its images and one ``X-Session-ID``; the sampler never emits the image
-   placeholder, and the trainer removes the same token from its softmax), a toy reward, GRPO
-   advantages, ``plan_step`` + ``materialize_micro_batch`` + the packed forward/backward of a
-   clipped GRPO-style loss, an optimizer step, then the new weights pushed to the running server
-   with the one call (safetensors, then ``POST /mmref/v1/weights/update``: ``rl_server.push_weights``,
-   README "RL loop");
+   placeholder, and the trainer takes the same ids out of its softmax, ``suppressed_token_ids``),
+   a toy reward, GRPO advantages, ``plan_step`` + ``materialize_micro_batch`` + the packed
+   forward/backward of a clipped GRPO-style loss, an optimizer step, then the new weights pushed
+   to the running server with the one call (safetensors, then ``POST /mmref/v1/weights/update``:
+   ``rl_server.push_weights``, README "RL loop");
 6. per step, the server-vs-trainer logprob mismatch on the step's rollouts, recomputed by the
    trainer under its current weights (the server must serve them: within 1e-4 mean against float32,
    within ``BF16_NOISE_FACTOR`` x the trainer's own bf16 noise against bfloat16) and, as the
@@ -49,7 +49,7 @@ from protocol.adapters import load_adapter, offload_image
 from protocol.placeholders import expand_image_placeholders
 from protocol.structs import TrainingSample
 from rl_server import push_weights, save_weights, weight_version
-from rollout_client import ChatTemplate, Offloader, PreparedPrompt, RolloutClient, Sampling, mask_in_trainer
+from rollout_client import ChatTemplate, Offloader, PreparedPrompt, RolloutClient, Sampling
 from tiny_models import SERVE_DTYPES
 from trainer_lib import materialize
 from trainer_lib.positions import mrope_model_types
@@ -102,7 +102,7 @@ def greedy_refs_vs_urls(ctx: dict, client, prompt: list[int], images, text: str)
     return len(rollouts.body(PreparedPrompt(prompt, tuple(images)), greedy)), len(json.dumps(by_url))
 
 
-def mismatch_bound(model, samples, spec, config, serve_dtype: str) -> tuple[float, object]:
+def mismatch_bound(model, samples, spec, config, serve_dtype: str, suppressed) -> tuple[float, object]:
     """1e-4 against a float32 server; against bfloat16, ``BF16_NOISE_FACTOR`` x the trainer's own
     bf16-vs-fp32 mean |d| on the same samples (docs/PACKING.md §9). Returns ``(bound, noise)``."""
     import copy
@@ -111,8 +111,9 @@ def mismatch_bound(model, samples, spec, config, serve_dtype: str) -> tuple[floa
 
     if serve_dtype == "float32":
         return 1e-4, None
-    fp32 = recompute_logprobs(samples, model, spec, config, seq_len=2048)
-    bf16 = recompute_logprobs(samples, copy.deepcopy(model).to(torch.bfloat16), spec, config, seq_len=2048)
+    kw = dict(seq_len=2048, suppressed_token_ids=suppressed)
+    fp32 = recompute_logprobs(samples, model, spec, config, **kw)
+    bf16 = recompute_logprobs(samples, copy.deepcopy(model).to(torch.bfloat16), spec, config, **kw)
     noise = logprob_mismatch(
         torch.cat([lp for lp, _ in bf16]), torch.cat([lp for lp, _ in fp32]), torch.cat([m for _, m in fp32])
     )
@@ -146,10 +147,11 @@ def rl_step(ctx: dict, client, step: int) -> dict:
     samples = grpo_advantages(samples, rewards, GROUP)
     model, spec, config, previous = ctx["model"], ctx["spec"], ctx["materialize"], ctx["previous"]
     root = ctx["output_root"]
-    bound, noise = mismatch_bound(model, samples, spec, config, ctx["serve_dtype"])
-    control = previous_weights_mismatch(previous, samples, spec, config) if step else None
+    suppressed = ctx["rollouts"].suppressed_token_ids()  # the sampler's logit_bias -100 ids
+    bound, noise = mismatch_bound(model, samples, spec, config, ctx["serve_dtype"], suppressed)
+    control = previous_weights_mismatch(previous, samples, spec, config, suppressed) if step else None
     previous.load_state_dict(model.state_dict())  # the weights these rollouts were served under
-    result = train_step(model, ctx["optimizer"], samples, spec, config)
+    result = train_step(model, ctx["optimizer"], samples, spec, config, suppressed)
     new_version = f"step-{step + 1}"
     t0 = time.monotonic()
     pushed = push_weights(client, save_weights(model, root / "weights" / new_version), new_version, 120)
@@ -213,7 +215,6 @@ def setup(args) -> dict:
         for names, (_, text) in zip(photos, texts, strict=True)
     ]  # fmt: skip
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    mask_in_trainer(model, [pad_id])  # the server samples without <|image_pad|>: so does the trainer
     backend = prepare_model_for_packing(model)
     previous = copy.deepcopy(model)  # the control: the weights before the latest push
     return {

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,9 +68,15 @@ class StepResult:
 
 
 def train_step(
-    model, optimizer, samples: list[TrainingSample], spec: PackingSpec, config: MaterializeConfig
+    model,
+    optimizer,
+    samples: list[TrainingSample],
+    spec: PackingSpec,
+    config: MaterializeConfig,
+    suppressed: Sequence[int] = (),
 ) -> StepResult:
-    """One optimizer step of the GRPO-style objective over ``samples`` (see the module doc)."""
+    """One optimizer step of the GRPO-style objective over ``samples`` (see the module doc);
+    ``suppressed``: the token ids the sampler never drew, out of the trainer's softmax too."""
     t0 = time.monotonic()
     plan = plan_step(samples, spec, dp_size=1, mini_batch_size=len(samples), seq_len=2048)
     (ranks,) = plan.mini_batches  # one mini-batch: one optimizer step
@@ -78,7 +85,8 @@ def train_step(
     trainer, server, masks, loss = [], [], [], 0.0
     for packed in ranks[0].micro_batches:
         m = materialize_micro_batch(packed, spec, config)
-        out = packed_logprobs(model, packed_inputs(m.packed, m.features, model, spec))
+        inputs = packed_inputs(m.packed, m.features, model, spec)
+        out = packed_logprobs(model, inputs, suppressed_token_ids=suppressed)
         wire = m.packed.micro_batch
         old = torch.tensor(wire.inference_logprobs)
         adv = torch.tensor(wire.advantages)
@@ -102,11 +110,17 @@ def data_url(ref: RawMMRef) -> str:
 
 
 def previous_weights_mismatch(
-    previous, samples: list[TrainingSample], spec: PackingSpec, config: MaterializeConfig
+    previous,
+    samples: list[TrainingSample],
+    spec: PackingSpec,
+    config: MaterializeConfig,
+    suppressed: Sequence[int] = (),
 ) -> float:
     """Mean |d| between the server's logprobs of ``samples`` and the trainer's recompute under
     ``previous`` (a model holding the weights before the latest push)."""
-    per_sample = recompute_logprobs(samples, previous, spec, config, seq_len=2048)
+    per_sample = recompute_logprobs(
+        samples, previous, spec, config, seq_len=2048, suppressed_token_ids=suppressed
+    )
     trainer = torch.cat([lp for lp, _ in per_sample])
     mask = torch.cat([m for _, m in per_sample])
     server = torch.cat([torch.tensor(s.inference_logprobs) for s in samples])

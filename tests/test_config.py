@@ -49,9 +49,51 @@ def test_materialize_config(monkeypatch, tmp_path):
     monkeypatch.setenv("MMREF_MISSING_POLICY", "error")
     monkeypatch.setenv("MMREF_MAX_WORKERS", "4")
     kwargs = MaterializeConfig().materialize_kwargs()
-    assert kwargs["policy"] == "error" and kwargs["max_workers"] == 4 and kwargs["asset_root"] == tmp_path
+    assert kwargs["policy"] == "error" and kwargs["max_workers"] == 4
+    source = kwargs["asset_root"]  # the roots materialize reads: the folder, v1 refs by path under it
+    assert source.describe() == [str(tmp_path)] and source.legacy.root == tmp_path
     monkeypatch.setenv("MMREF_MISSING_POLICY", "ignore")
     with pytest.raises(ValidationError, match="missing_policy"):
+        MaterializeConfig()
+
+
+def test_materialize_config_asset_roots(monkeypatch, tmp_path):
+    """MMREF_ASSET_ROOTS (comma-separated or JSON), the read cache and the store client settings,
+    the plugin's names; MMREF_ASSET_ROOT optional once roots are given, one of the two required."""
+    monkeypatch.delenv("MMREF_ASSET_ROOT", raising=False)
+    with pytest.raises(ValidationError, match="MMREF_ASSET_ROOTS"):
+        MaterializeConfig()
+    (tmp_path / "a").mkdir()
+    monkeypatch.setenv("MMREF_ASSET_ROOTS", f"{tmp_path}/a, file://{tmp_path}/b")
+    monkeypatch.setenv("MMREF_READ_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MMREF_READ_CACHE_BYTES", "1048576")
+    for name, value in (("TIMEOUT_S", "3"), ("CONNECT_TIMEOUT_S", "1"), ("MAX_RETRIES", "0"),
+                        ("RETRY_TIMEOUT_S", "5"), ("ALLOW_HTTP", "true")):  # fmt: skip
+        monkeypatch.setenv(f"MMREF_STORE_{name}", value)
+    config = MaterializeConfig()
+    assert config.asset_root is None and config.asset_roots == [f"{tmp_path}/a", f"file://{tmp_path}/b"]
+    source = config.image_source()
+    assert source is config.image_source() and source.legacy is None  # built once per config
+    assert (
+        source.describe() == [str(tmp_path / "a"), str(tmp_path / "b")] and source.cache.max_bytes == 1 << 20
+    )
+    client = config.store_client()
+    assert (client.timeout_s, client.connect_timeout_s, client.max_retries) == (3.0, 1.0, 0)
+    assert client.retry_timeout_s == 5.0 and client.allow_http
+    monkeypatch.setenv("MMREF_ASSET_ROOTS", f'["{tmp_path}/a"]')
+    monkeypatch.setenv("MMREF_ASSET_ROOT", str(tmp_path))
+    config = MaterializeConfig()
+    assert (
+        config.image_source().describe() == [str(tmp_path / "a")]
+        and config.image_source().legacy.root == tmp_path
+    )
+    for bad in ("relative/path", "s3://user:secret@bucket/x", "ftp://host/x"):
+        monkeypatch.setenv("MMREF_ASSET_ROOTS", bad)
+        with pytest.raises(ValidationError, match="MMREF_ASSET_ROOTS"):
+            MaterializeConfig()
+    monkeypatch.setenv("MMREF_ASSET_ROOTS", "")
+    monkeypatch.setenv("MMREF_STORE_MAX_RETRIES", "-1")
+    with pytest.raises(ValidationError, match="store_max_retries"):
         MaterializeConfig()
 
 

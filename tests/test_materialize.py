@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -13,7 +14,14 @@ import torch
 
 from helpers import REPO, photo_bytes
 from protocol.adapters import offload_image
-from protocol.errors import AssetNotFound, AssetOutsideRoot, AssetTooLarge, GridMismatch, PlaceholderMismatch
+from protocol.errors import (
+    AssetNotFound,
+    AssetOutsideRoot,
+    AssetTooLarge,
+    GridMismatch,
+    PlaceholderMismatch,
+    UnsupportedFamily,
+)
 from protocol.images import load_image
 from protocol.refs import format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample
@@ -66,7 +74,7 @@ def test_sixteen_samples_sharing_two_images_process_two(store, qwen2_vl_adapter)
     assert batch.features["pixel_values"].dtype == torch.float32  # normalized, as the HF model takes
 
 
-def test_missing_image_placeholder_zero_loss_zeroes_only_that_sample(store, qwen2_vl_adapter, tmp_path):
+def test_missing_image_placeholder_zero_loss_zeroes_only_that_sample(store, qwen2_vl_adapter, caplog):
     root, refs = store
     good = refs["coffee"]
     gone_uri = (root / "images" / "ffffffffffffffff.jpg").as_uri()
@@ -74,7 +82,14 @@ def test_missing_image_placeholder_zero_loss_zeroes_only_that_sample(store, qwen
         msgspec.structs.replace(parse_ref(good.ref), raw_image_uri=gone_uri, mm_hash="f" * 32)
     ))  # fmt: skip
     samples = [sample([good]), sample([missing, good]), sample([])]
-    batch = materialize(samples, qwen2_vl_adapter, root)
+    with caplog.at_level(logging.WARNING, logger="trainer_lib.materialize"):
+        batch = materialize(samples, qwen2_vl_adapter, root)
+    (record,) = caplog.records  # one WARNING per batch: by code, slots, zeroed samples, the root
+    assert (
+        "1 distinct image(s) replaced" in record.getMessage() and "asset_not_found 1" in record.getMessage()
+    )
+    assert "loss zeroed for 1 of 3 sample(s)" in record.getMessage() and str(root) in record.getMessage()
+    assert batch.stats.failed_by_code == {"asset_not_found": 1}
     assert batch.placeholder_refs == [missing.ref]
     assert batch.stats.placeholders == 1 and batch.stats.zeroed_samples == 1
     assert [any(s.loss_mask) for s in batch.samples] == [True, False, True]
@@ -87,7 +102,21 @@ def test_missing_image_placeholder_zero_loss_zeroes_only_that_sample(store, qwen
 
     with pytest.raises(AssetNotFound) as info:
         materialize(samples, qwen2_vl_adapter, root, policy="error")
-    assert info.value.ref == missing.ref
+    assert info.value.ref == missing.ref and f"trainer asset roots checked: {root}" in info.value.message
+
+
+def test_errors_speak_of_the_adapter_and_the_roots(store, qwen2_vl_adapter, tmp_path):
+    root, refs = store
+    body = parse_ref(refs["coffee"].ref)
+    other = msgspec.structs.replace(
+        refs["coffee"], ref=format_mmraw(msgspec.structs.replace(body, family="qwen2_5_vl"))
+    )
+    with pytest.raises(UnsupportedFamily, match="not the adapter's family 'qwen2_vl'"):
+        materialize([sample([other])], qwen2_vl_adapter, root)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    with pytest.raises(AssetOutsideRoot, match=f"roots checked: {elsewhere}"):
+        materialize([sample([refs["coffee"]])], qwen2_vl_adapter, elsewhere)
 
 
 def test_refs_outside_the_root_always_raise(store, qwen2_vl_adapter, tmp_path):

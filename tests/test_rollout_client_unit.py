@@ -1,9 +1,9 @@
 """rollout_client without a server: import weight, prompts (single and multi-turn) against the chat
-template, sampling parameters, retry policy, offloading once per content, the temperature check."""
+template, sampling parameters, retry policy, offloading once per content, the sampling temperature
+carried to the trainer's sample."""
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 
@@ -18,10 +18,9 @@ from rollout_client import (
     RetryPolicy,
     Rollout,
     Sampling,
-    check_trainer_temperature,
 )
 from rollout_client.retry import parse_retry_after
-from rollout_client.suppression import MASKED_LOGIT, logit_bias
+from rollout_client.suppression import logit_bias
 
 
 def test_import_is_torch_free():
@@ -95,6 +94,7 @@ def test_next_turn_is_the_template_of_the_whole_conversation(builder, finish):
     sample = conv.training_sample()
     assert sum(sample.loss_mask) == len(answer) * 2 + (finish == "stop")
     assert sample.input_ids == second.prompt_ids + answer
+    assert sample.sampling_temperature == 1.0  # both turns at the Rollout default
 
 
 def _refs(builder, messages):
@@ -155,34 +155,21 @@ def test_retry_policy_backoff_is_bounded_full_jitter():
         RetryPolicy(max_attempts=0)
 
 
-def test_temperature_check_warns(caplog):
-    rollouts = [Rollout([1], [2], [-0.1], "length", None, "v", temperature=t) for t in (1.0, 1.0, 0.0)]
-    with caplog.at_level(logging.WARNING, logger="rollout_client"):
-        assert check_trainer_temperature(rollouts, 1.0)
-        assert not caplog.records
-        assert not check_trainer_temperature(rollouts, 0.7)
-    (record,) = caplog.records
-    assert record.levelno == logging.WARNING and "3 rollout(s)" in record.getMessage()
+def test_training_samples_carry_the_sampling_temperature():
+    """The trainer's check (trainer_lib.check_sampling_temperature) reads it from the sample."""
+    import msgspec
 
+    from protocol.structs import TrainingSample, decode_sample, encode
 
-def test_trainer_mask_removes_the_ids_from_the_softmax(qwen2_vl_dir):
-    import torch
-    from transformers import AutoModelForImageTextToText
-
-    from rollout_client import mask_in_trainer
-
-    model = AutoModelForImageTextToText.from_pretrained(qwen2_vl_dir, dtype=torch.float32)
-    hidden = torch.randn(3, model.config.text_config.hidden_size)
-    head = model.get_output_embeddings()
-    plain = torch.log_softmax(head(hidden), -1)
-    handle = mask_in_trainer(model, [261])
-    masked = torch.log_softmax(head(hidden), -1)
-    handle.remove()
-    assert torch.all(masked[:, 261] < MASKED_LOGIT / 2)
-    keep = [t for t in range(plain.shape[-1]) if t != 261]
-    shift = masked[:, keep] - plain[:, keep]
-    expected = -torch.log1p(-plain[:, 261].exp())
-    assert torch.allclose(shift, expected[:, None].expand_as(shift), atol=1e-6)
+    rollouts = [Rollout([1], [2], [-0.1], "length", None, "v", temperature=t) for t in (1.0, 0.7, 0.0)]
+    samples = [r.to_training_sample() for r in rollouts]
+    assert [s.sampling_temperature for s in samples] == [1.0, 0.7, 0.0]
+    assert all(decode_sample(encode(s)) == s for s in samples)
+    without = TrainingSample.from_rollout([1], [2], [-0.1])
+    assert without.sampling_temperature is None
+    wire = msgspec.msgpack.decode(encode(without))
+    assert len(wire) == 9 and wire[8] is None
+    assert decode_sample(msgspec.msgpack.encode(wire[:8])) == without  # a sample of before: None
 
 
 # --- the calls' logic, both transports, against scripted answers (httpx.MockTransport) -------------

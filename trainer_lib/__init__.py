@@ -25,9 +25,11 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
   kernel (:mod:`trainer_lib.attention`) and, for hybrid models, the Gated DeltaNet path
   (:mod:`trainer_lib.linear_attention`, :func:`linear_attention_path` reports it);
   :class:`PackingUnsupported` and the model-call keywords in :mod:`trainer_lib.packed_call`.
-- :func:`packed_logprobs` — the packed forward (:mod:`trainer_lib.forward`).
+- :func:`packed_logprobs` — the packed forward, suppressed ids out of its softmax
+  (:mod:`trainer_lib.forward`).
 - :func:`fail_fast`, :func:`check_all_ranks` — rank-wide errors (:mod:`trainer_lib.distributed`).
-- :func:`recompute_logprobs`, :func:`logprob_mismatch` — trainer vs inference (:mod:`trainer_lib.mismatch`).
+- :func:`recompute_logprobs`, :func:`logprob_mismatch`, :func:`check_sampling_temperature` — trainer vs
+  inference (:mod:`trainer_lib.mismatch`).
 - :class:`MaterializeConfig` — ``MMREF_*`` settings (:mod:`trainer_lib.config`).
 """
 
@@ -35,7 +37,7 @@ from protocol.placeholders import locate_image_runs
 from trainer_lib.attention import VARLEN_ATTENTION, register_varlen_attention
 from trainer_lib.config import MaterializeConfig
 from trainer_lib.distributed import RankFailed, check_all_ranks, fail_fast
-from trainer_lib.forward import ForwardResult, packed_logprobs
+from trainer_lib.forward import SUPPRESSED_LOGIT, ForwardResult, packed_logprobs
 from trainer_lib.linear_attention import linear_attention_path
 from trainer_lib.materialize import (
     MaterializedBatch,
@@ -45,7 +47,13 @@ from trainer_lib.materialize import (
     materialize_micro_batch,
 )
 from trainer_lib.micro_batch import ImageSpan, PackedBatch, PackedMicroBatch, SampleSlot
-from trainer_lib.mismatch import BF16_NOISE_FACTOR, MismatchStats, logprob_mismatch, recompute_logprobs
+from trainer_lib.mismatch import (
+    BF16_NOISE_FACTOR,
+    MismatchStats,
+    check_sampling_temperature,
+    logprob_mismatch,
+    recompute_logprobs,
+)
 from trainer_lib.model_inputs import PackedInputs, check_placeholder_alignment, packed_inputs
 from trainer_lib.packed_call import CU_SEQLENS_KWARG, PackingUnsupported
 from trainer_lib.planning.cost import CostModel
@@ -61,6 +69,7 @@ from trainer_lib.spec import PackingSpec
 __all__ = [
     "BF16_NOISE_FACTOR",
     "CU_SEQLENS_KWARG",
+    "SUPPRESSED_LOGIT",
     "VARLEN_ATTENTION",
     "CostModel",
     "ForwardResult",
@@ -84,6 +93,7 @@ __all__ = [
     "check_all_ranks",
     "check_packable",
     "check_placeholder_alignment",
+    "check_sampling_temperature",
     "cu_seqlens",
     "deal_mini_batch",
     "fail_fast",

@@ -9,6 +9,7 @@ no ``[L, vocab]`` tensor at once).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,13 @@ from trainer_lib.model_inputs import PackedInputs
 from trainer_lib.packed_call import CU_SEQLENS_KWARG, MAX_SEQLEN_KWARG, PackingUnsupported
 from trainer_lib.prepare import check_packable
 
-__all__ = ["ForwardResult", "packed_logprobs"]
+__all__ = ["SUPPRESSED_LOGIT", "ForwardResult", "packed_logprobs"]
+
+SUPPRESSED_LOGIT = -1.0e4
+"""The logit a suppressed token gets (after the temperature division): ``exp`` of it relative to
+any real logit is 0 in float32, like the server's ``logit_bias`` of -100 (``e^-100``), and unlike
+``-inf`` it keeps the logprob of a prompt position whose token is suppressed (the image
+placeholder) finite: no NaN where a loss mask multiplies it by 0."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,7 @@ def packed_logprobs(
     inputs: PackedInputs,
     *,
     temperature: float = 1.0,
+    suppressed_token_ids: Sequence[int] = (),
     chunk_size: int = 4096,
 ) -> ForwardResult:
     """Forward one packed micro-batch; per-token logprobs of the packed tokens.
@@ -78,8 +86,14 @@ def packed_logprobs(
             importance ratio needs; valid with top_p=1 and top_k off) are after temperature, so
             pass the sampling temperature; vLLM's default ``raw_logprobs`` are before it
             (vllm/v1/sample/sampler.py), so pass 1.0.
+        suppressed_token_ids: token ids the sampler never drew (``rollout_client`` biases the
+            image placeholder by ``logit_bias`` -100, ``client.suppressed_token_ids()``): their
+            logits are set to :data:`SUPPRESSED_LOGIT` after the temperature division, before the
+            log-softmax, so the logprobs are the server's processed ones (without it each token's
+            logprob is off by ``-log(1 - p_suppressed)``, ~2e-3 on the tiny model).
 
     Raises:
+        ValueError: a suppressed id outside the vocabulary.
         PackingUnsupported: see :func:`check_packable`; a hybrid model whose linear-attention
             path is not installed (:func:`~trainer_lib.prepare_model_for_packing` not called).
     """
@@ -96,6 +110,7 @@ def packed_logprobs(
         kwargs[CU_SEQLENS_KWARG] = inputs.cu_seqlens
     if backend == VARLEN_ATTENTION:
         kwargs[MAX_SEQLEN_KWARG] = inputs.max_seqlen
+    suppressed = _suppressed_index(model, suppressed_token_ids, inputs.input_ids.device)
     dtype = next(model.parameters()).dtype
     pixels = None if inputs.pixel_values is None else inputs.pixel_values.to(dtype)
     grid = inputs.image_grid_thw
@@ -112,22 +127,46 @@ def packed_logprobs(
         **kwargs,
     )
     hidden = out.last_hidden_state[0, :-1]  # position t predicts token t+1
-    logprobs = _token_logprobs(model, hidden, inputs, temperature, chunk_size)
+    logprobs = _token_logprobs(model, hidden, inputs, temperature, suppressed, chunk_size)
     return ForwardResult(
         logprobs=logprobs, loss_mask=inputs.loss_mask, backend=backend, linear_attention=linear
     )
 
 
+def _suppressed_index(
+    model: torch.nn.Module, ids: Sequence[int], device: torch.device
+) -> torch.Tensor | None:
+    """int64 ``[k]`` of the distinct suppressed ids on ``device``; None when there are none.
+
+    Raises:
+        ValueError: an id outside ``[0, vocab)`` (``vocab``: the LM head's output rows)."""
+    distinct = sorted({int(t) for t in ids})
+    if not distinct:
+        return None
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if distinct[0] < 0 or distinct[-1] >= vocab:
+        raise ValueError(f"suppressed_token_ids {distinct} must lie in [0, {vocab}) (the LM head's rows)")
+    return torch.tensor(distinct, dtype=torch.long, device=device)
+
+
 def _token_logprobs(
-    model: torch.nn.Module, hidden: torch.Tensor, inputs: PackedInputs, temperature: float, chunk_size: int
+    model: torch.nn.Module,
+    hidden: torch.Tensor,
+    inputs: PackedInputs,
+    temperature: float,
+    suppressed: torch.Tensor | None,
+    chunk_size: int,
 ) -> torch.Tensor:
     """float32 ``[L]`` from ``hidden [L - 1, H]`` (positions ``0..L-2``, predicting tokens ``1..L-1``):
-    the LM head in ``chunk_size``-token chunks, no ``[L, vocab]`` tensor at once; 0 at sample starts."""
+    the LM head in ``chunk_size``-token chunks, no ``[L, vocab]`` tensor at once; the ``suppressed``
+    ids' logits at :data:`SUPPRESSED_LOGIT` after the temperature; 0 at sample starts."""
     targets = inputs.input_ids[0, 1:]
     head = model.get_output_embeddings()
     pieces = []
     for lo in range(0, hidden.shape[0], chunk_size):
         logits = head(hidden[lo : lo + chunk_size]).float() / temperature
+        if suppressed is not None:
+            logits = logits.index_fill(-1, suppressed, SUPPRESSED_LOGIT)
         picked = logits.gather(-1, targets[lo : lo + chunk_size, None]).squeeze(-1)
         pieces.append(picked - torch.logsumexp(logits, dim=-1))
     logprobs = torch.cat([torch.zeros(1, device=hidden.device), *pieces])

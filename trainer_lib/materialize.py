@@ -3,19 +3,26 @@
 Each distinct ref in a batch is read, hash-checked, decoded and processed once, by
 :meth:`protocol.adapters.ImageAdapter.resolve_raw` — the same function the server
 plugin runs — on a bounded thread pool; the result is placed into every slot that
-names it. A missing or unreadable image is either an error naming the ref
-(``policy="error"``) or replaced by zero features of the ref's grid with that
-sample's whole loss mask zeroed (``policy="placeholder_zero_loss"``): the sample still
-runs through the model (shapes and collectives stay aligned) but trains nothing.
+names it. Bytes come from the trainer's asset roots (:class:`protocol.roots.AssetRoots`:
+``MMREF_ASSET_ROOTS`` folders and object stores through the node's read cache, v1 refs at
+their path under ``MMREF_ASSET_ROOT`` or by content). A missing or unreadable image is either an
+error naming the ref and the roots checked (``policy="error"``) or replaced by zero features of
+the ref's grid with that sample's whole loss mask zeroed (``policy="placeholder_zero_loss"``,
+one WARNING per batch): the sample still runs through the model (shapes and collectives stay
+aligned) but trains nothing. An unreachable store (``StoreUnavailable``) is never replaced: the
+image may exist, so the step must be retried.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
@@ -33,8 +40,9 @@ from protocol.errors import (
 )
 from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
 from protocol.placeholders import check_placeholder_counts, locate_image_runs
-from protocol.refs import FileRef, RawRefBody, parse_ref
-from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore
+from protocol.refs import ContentRef, FileRef, RawRefBody, parse_ref
+from protocol.roots import AssetRoots, LocalRoot
+from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore, ImageSource
 from protocol.structs import TrainingSample
 from trainer_lib import metrics
 from trainer_lib.config import MaterializeConfig
@@ -46,6 +54,8 @@ __all__ = [
     "MaterializedBatch",
     "MaterializedMicroBatch",
     "MissingPolicy",
+    "describe_source",
+    "image_source",
     "materialize",
     "materialize_micro_batch",
 ]
@@ -53,7 +63,9 @@ __all__ = [
 MissingPolicy = Literal["placeholder_zero_loss", "error"]
 _REPLACEABLE = (AssetNotFound, ImageUnreadable, HashMismatch, AssetTooLarge)
 """Errors a placeholder may stand in for. Others (outside root, invalid ref, wrong family or
-fingerprint, grid mismatch) mean the batch is wrong, not the image: they always raise."""
+fingerprint, grid mismatch) mean the batch is wrong, not the image, and ``StoreUnavailable``
+means the image may exist: they always raise."""
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,6 +83,8 @@ class MaterializeStats:
     """Slots filled with zero features because the image was missing or unreadable."""
     zeroed_samples: int = 0
     """Samples whose whole loss mask was zeroed (one of their images was replaced)."""
+    failed_by_code: dict[str, int] = field(default_factory=dict)
+    """Distinct refs replaced by zero features, by error code (``asset_not_found``, ...)."""
 
 
 @dataclass
@@ -98,7 +112,7 @@ class MaterializedBatch:
 def materialize(
     samples: Sequence[TrainingSample],
     adapter: ImageAdapter,
-    asset_root: str | os.PathLike[str],
+    asset_root: str | os.PathLike[str] | ImageSource,
     *,
     policy: MissingPolicy = "placeholder_zero_loss",
     max_workers: int = 2,
@@ -114,7 +128,10 @@ def materialize(
         samples: training samples; ``mm_refs`` may be None (text-only).
         adapter: the family's adapter (``protocol.adapters.load_adapter(model_dir)``); its
             fingerprint must match the refs'.
-        asset_root: every image must resolve inside this folder.
+        asset_root: where images are read: the trainer's :class:`protocol.roots.AssetRoots`
+            (``MaterializeConfig.image_source()``) or one :class:`AssetStore`, or a folder: v1
+            refs at their ``file://`` path inside it, else by content under it (a store copied
+            or mounted elsewhere), v2 refs at ``images/<sha256[:16]><ext>`` under it.
         policy: ``"placeholder_zero_loss"`` or ``"error"`` for missing/unreadable images.
         max_workers: threads reading and processing distinct images (at least 1).
         device_normalize: vLLM's raw (un-normalized) pixels instead of the normalized pixels an HF
@@ -128,8 +145,9 @@ def materialize(
 
     Raises:
         MMRefError subclasses: under ``"error"`` any ref that fails; under either policy a ref
-            that is invalid, outside the root, or for another family/fingerprint/grid. The error's
-            ``ref`` names the ref.
+            that is invalid, outside the root, or for another family/fingerprint/grid, and
+            ``StoreUnavailable`` (a root could not be asked: retry the step). The error's ``ref``
+            names the ref, a read error's message the roots checked.
         GridMismatch, PlaceholderMismatch: a ``RawMMRef`` whose ``grid``/``num_placeholders``
             disagree with its ref string, or a sample whose prompt does not fit its refs.
         ValueError: an unknown policy or ``max_workers < 1``.
@@ -139,10 +157,12 @@ def materialize(
     if max_workers < 1:
         raise ValueError(f"max_workers must be >= 1, got {max_workers}")
     per_sample, bodies, grids = _checked_refs(samples, adapter, placeholder_token_id)
+    source = image_source(asset_root)
     resolve = functools.partial(
         _resolve,
         adapter=adapter,
-        store=AssetStore(asset_root),
+        store=source,
+        roots=describe_source(source),
         replace=policy == "placeholder_zero_loss",
         device_normalize=device_normalize,
         max_bytes=max_image_bytes,
@@ -150,12 +170,49 @@ def materialize(
     )
     with ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="mmref-mat") as pool:
         results = dict(zip(bodies, pool.map(resolve, bodies.items()), strict=True))
-    return _assemble(samples, per_sample, results, grids, adapter, dedup=dedup)
+    batch = _assemble(samples, per_sample, results, grids, adapter, dedup=dedup)
+    if batch.stats.placeholders:
+        _warn_replaced(batch.stats, len(samples), describe_source(source))
+    return batch
+
+
+def image_source(asset_root: str | os.PathLike[str] | ImageSource) -> ImageSource:
+    """``asset_root`` as an :class:`ImageSource`: an ``AssetRoots`` or ``AssetStore`` as given; a
+    folder as ``AssetRoots([folder], legacy_root=folder)`` (v1 refs by path, else by content under
+    it; v2 refs under it)."""
+    if hasattr(asset_root, "read_image"):
+        return asset_root  # type: ignore[return-value]
+    folder = Path(asset_root).resolve()  # type: ignore[arg-type]
+    return AssetRoots([LocalRoot(folder)], legacy_root=folder)
+
+
+def describe_source(source: ImageSource) -> list[str]:
+    """The folders and URLs ``source`` reads, in order (never a credential: root URLs carry none)."""
+    if isinstance(source, AssetRoots):
+        legacy = [str(source.legacy.root)] if source.legacy is not None else []
+        return list(dict.fromkeys([*legacy, *source.describe()]))
+    if isinstance(source, AssetStore):
+        return [str(source.root)]
+    return [type(source).__name__]
+
+
+def _warn_replaced(stats: MaterializeStats, n_samples: int, roots: list[str]) -> None:
+    """The one WARNING of a batch with replaced images: counts by error code, zeroed samples, roots."""
+    _log.warning(
+        "materialize: %d distinct image(s) replaced by zero features (%s; %d image slot(s)); loss zeroed "
+        "for %d of %d sample(s); asset roots checked: %s",
+        sum(stats.failed_by_code.values()),
+        ", ".join(f"{code} {n}" for code, n in sorted(stats.failed_by_code.items())),
+        stats.placeholders,
+        stats.zeroed_samples,
+        n_samples,
+        ", ".join(roots) or "none",
+    )
 
 
 def _checked_refs(
     samples: Sequence[TrainingSample], adapter: ImageAdapter, placeholder_token_id: int | None
-) -> tuple[list[list[str]], dict[str, RawRefBody], dict[str, tuple[int, ...]]]:
+) -> tuple[list[list[str]], dict[str, RawRefBody | ContentRef], dict[str, tuple[int, ...]]]:
     """Before any file is read: each sample's ref strings, every distinct ref's parsed body
     (first-seen order) and its grid (family, fingerprint and payload checked, the grid bounded by
     ``adapter.check_ref``); every sample checked against them (:func:`_check_sample`)."""
@@ -168,21 +225,23 @@ def _checked_refs(
 
 
 def _resolve(
-    ref_and_body: tuple[str, RawRefBody],
+    ref_and_body: tuple[str, RawRefBody | ContentRef],
     *,
     adapter: ImageAdapter,
-    store: AssetStore,
+    store: ImageSource,
+    roots: list[str],
     replace: bool,
     **kwargs: Any,
 ) -> ProcessedImage | MMRefError:
-    """``adapter.resolve_raw`` of one ref; with ``replace``, a replaceable error is returned, not raised."""
+    """``adapter.resolve_raw`` of one ref; with ``replace``, a replaceable error is returned, not
+    raised; a raised one names the roots checked (same type, code and ref)."""
     ref, body = ref_and_body
     try:
         return adapter.resolve_raw(body, store, ref=ref, **kwargs)
-    except _REPLACEABLE as e:
-        if not replace:
-            raise
-        return e
+    except MMRefError as e:
+        if replace and isinstance(e, _REPLACEABLE):
+            return e
+        raise type(e)(f"{e.message} (trainer asset roots checked: {', '.join(roots)})", ref=e.ref) from e
 
 
 def _assemble(
@@ -198,6 +257,7 @@ def _assemble(
     zeroed loss mask where it failed), count, and collate."""
     stats = MaterializeStats(unique_refs=len(results))
     stats.processed = sum(isinstance(r, ProcessedImage) for r in results.values())
+    stats.failed_by_code = dict(Counter(r.code for r in results.values() if isinstance(r, MMRefError)))
     placeholders: dict[str, ProcessedImage] = {}
     items: list[ProcessedImage] = []
     out_samples: list[TrainingSample] = []
@@ -341,7 +401,11 @@ def _check_sample(
         )
 
 
-def _raw_body(ref: str) -> RawRefBody:
+def _raw_body(ref: str) -> RawRefBody | ContentRef:
+    """A raw image ref's parsed body (v1 ``mmraw:`` or v2 ``mmraw:v2:``).
+
+    Raises:
+        InvalidRef: a ref that does not parse, or an ``mmfile:v1`` feature ref."""
     parsed = parse_ref(ref)
     if isinstance(parsed, FileRef):
         raise InvalidRef("mmfile:v1 refs are not materialized by this version yet", ref=ref)

@@ -14,6 +14,8 @@ by precision, and anything well above it (a wrong image: 20-30x) is not (docs/PA
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,7 +29,15 @@ from trainer_lib.model_inputs import packed_inputs
 from trainer_lib.planning.packing import pack_samples
 from trainer_lib.spec import PackingSpec
 
-__all__ = ["BF16_NOISE_FACTOR", "MismatchStats", "logprob_mismatch", "recompute_logprobs"]
+__all__ = [
+    "BF16_NOISE_FACTOR",
+    "MismatchStats",
+    "check_sampling_temperature",
+    "logprob_mismatch",
+    "recompute_logprobs",
+]
+
+_log = logging.getLogger(__name__)
 
 BF16_NOISE_FACTOR = 3.0
 """Mean |d| of a float32 trainer vs a bf16 engine, in units of the trainer's own bf16-vs-fp32 mean
@@ -65,6 +75,39 @@ def logprob_mismatch(trainer: torch.Tensor, inference: torch.Tensor, mask: torch
     )
 
 
+def check_sampling_temperature(
+    samples: Sequence[TrainingSample], temperature: float, *, rel_tol: float = 1e-6
+) -> bool:
+    """Whether every sample that records its ``sampling_temperature`` was sampled at ``temperature``;
+    logs one WARNING (logger ``trainer_lib.mismatch``: how many samples at which temperatures, and
+    ``temperature``) if not.
+
+    A server run with ``--logprobs-mode processed_logprobs`` returns logprobs after temperature;
+    the trainer's (``packed_logprobs(..., temperature=T)``) match them only at the same ``T``
+    (measured on the tiny model: mean |d| ~2e-7 at the sampling temperature, ~5.7e-2 at 0.7
+    against 1.0). Greedy samples (temperature 0: vLLM's logprobs are then the unscaled ones) are
+    compared at 1.0; samples with ``sampling_temperature=None`` (unknown) are not compared.
+    """
+    seen: dict[float, int] = {}
+    for s in samples:
+        t = s.sampling_temperature
+        if t is not None:
+            t = t if t > 0 else 1.0
+            seen[t] = seen.get(t, 0) + 1
+    other = {t: n for t, n in seen.items() if not math.isclose(t, temperature, rel_tol=rel_tol)}
+    if not other:
+        return True
+    _log.warning(
+        "trainer logprobs at temperature %g, but %d of %d sample(s) were sampled otherwise (%s): their "
+        "logprobs will not match the server's processed logprobs (pass the sampling temperature)",
+        temperature,
+        sum(other.values()),
+        len(samples),
+        ", ".join(f"{n} at {t:g}" for t, n in sorted(other.items())),
+    )
+    return False
+
+
 def recompute_logprobs(
     samples: Sequence[TrainingSample],
     model: torch.nn.Module,
@@ -74,28 +117,36 @@ def recompute_logprobs(
     seq_len: int,
     micro_batch_max_tokens: int | None = None,
     temperature: float = 1.0,
+    suppressed_token_ids: Sequence[int] = (),
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Materialize, pack, run the packed forward; per sample ``(logprobs fp32 [len], loss_mask bool [len])``.
 
     ``logprobs[t]`` is the trainer's logprob of ``input_ids[t]`` given the sample's earlier tokens
     (0 at t=0), aligned with ``TrainingSample.inference_logprobs``. ``temperature``: the sampling
     temperature for a server run with ``--logprobs-mode processed_logprobs``, 1.0 for vLLM's
-    default ``raw_logprobs`` (see :func:`trainer_lib.packed_logprobs`). The loss mask is the sample's,
-    zeroed if one of its images was replaced by a placeholder (``config.missing_policy``), without
-    its first token. ``spec``: the family's facts (``PackingSpec.from_adapter(adapter, model,
-    pad_token_id=...)``; no pad is made here); ``config``: the materialize settings. The model
-    must already be prepared (:func:`trainer_lib.prepare_model_for_packing`).
+    default ``raw_logprobs`` (see :func:`trainer_lib.packed_logprobs`); samples recording another
+    ``sampling_temperature`` are logged at WARNING (:func:`check_sampling_temperature`).
+    ``suppressed_token_ids``: the ids the sampler never drew (``client.suppressed_token_ids()``),
+    taken out of the softmax as the server did (:func:`trainer_lib.packed_logprobs`). The loss
+    mask is the sample's, zeroed if one of its images was replaced by a placeholder
+    (``config.missing_policy``), without its first token. ``spec``: the family's facts
+    (``PackingSpec.from_adapter(adapter, model, pad_token_id=...)``; no pad is made here);
+    ``config``: the materialize settings. The model must already be prepared
+    (:func:`trainer_lib.prepare_model_for_packing`).
 
     Raises:
         MMRefError subclasses, PlaceholderMismatch, PackingUnsupported: see the steps.
     """
+    check_sampling_temperature(samples, temperature)
     step = pack_samples(samples, spec, seq_len=seq_len, micro_batch_max_tokens=micro_batch_max_tokens)
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
     for packed in step.micro_batches:
         materialized = materialize_micro_batch(packed, spec, config)
         inputs = packed_inputs(materialized.packed, materialized.features, model, spec)
         with torch.no_grad():
-            result = packed_logprobs(model, inputs, temperature=temperature)
+            result = packed_logprobs(
+                model, inputs, temperature=temperature, suppressed_token_ids=suppressed_token_ids
+            )
         for slot in materialized.packed.slots:
             if slot.sample_index is None or slot.is_padding:
                 continue

@@ -233,7 +233,7 @@ class ImageAdapter(ABC):
         """
         if body.family != self.family:
             raise UnsupportedFamily(
-                f"ref family {body.family!r} is not the served family {self.family!r}", ref=ref
+                f"ref family {body.family!r} is not the adapter's family {self.family!r}", ref=ref
             )
         if body.fingerprint is not None and body.fingerprint != self.fingerprint:
             raise FingerprintMismatch(
