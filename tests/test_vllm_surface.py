@@ -171,6 +171,20 @@ def test_the_plugin_imports_vllm_only_through_the_door():
     assert _imports("vllm", outside) == {}
 
 
+def test_the_trainer_reaches_transformers_internals_only_through_its_door():
+    """No module of ``trainer_lib/`` but ``hf_surface.py`` imports a transformers-internal name (a
+    module below ``transformers``) or names a private transformers attribute."""
+    trainer = [str(p.relative_to(REPO)) for p in sorted((REPO / "trainer_lib").rglob("*.py"))]
+    outside = tuple(p for p in trainer if p != "trainer_lib/hf_surface.py")
+    internal = {k: v for k, v in _imports("transformers", outside).items() if k[0] != "transformers"}
+    assert internal == {}, internal
+    private = {tp.qualname.rsplit(".", 1)[-1] for tp in HF_SURFACE if tp.private}
+    for path in outside:
+        tree = ast.parse((REPO / path).read_text())
+        names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not names & private, (path, names & private)
+
+
 def test_protocol_takes_nothing_from_the_plugin():
     assert _imports("vllm_plugin", ("protocol",)) == {}
 
