@@ -513,6 +513,22 @@ class MotoS3:
             "MMREF_STORE_ALLOW_HTTP": "1",
         }
 
+    @contextlib.contextmanager
+    def environment(self) -> Iterator[None]:
+        """:meth:`env` set in this process (the AWS chain of obstore's clients here), restored after."""
+        import os
+
+        saved = {k: os.environ.get(k) for k in self.env()}
+        os.environ.update(self.env())
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
     def make_bucket(self, name: str) -> str:
         """Create a bucket with a plain HTTP PUT; returns ``s3://<name>``."""
         import httpx

@@ -17,9 +17,9 @@ group of a client that retries those answers completes on the other replica.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import os
 import sys
 import time
 import uuid
@@ -66,8 +66,6 @@ def fleet(moto_s3, qwen2_vl_dir, tmp_path_factory) -> Iterator[Fleet]:
     from obstore.store import from_url
 
     work = tmp_path_factory.mktemp("fleet")
-    saved = {k: os.environ.get(k) for k in moto_s3.env()}
-    os.environ.update(moto_s3.env())  # this process offloads to S3 and edits the bucket
     bucket = f"fleet-{uuid.uuid4().hex[:8]}"
     moto_s3.make_bucket(bucket)
     s3 = f"s3://{bucket}/fleet"
@@ -77,33 +75,29 @@ def fleet(moto_s3, qwen2_vl_dir, tmp_path_factory) -> Iterator[Fleet]:
     env_a = {**moto_s3.env(), **common, "MMREF_ASSET_ROOTS": f"{mount_a},{s3}",
              "MMREF_READ_CACHE_DIR": str(work / "cache-a")}  # fmt: skip
     env_b = {**moto_s3.env(proxy.url), **common, "MMREF_ASSET_ROOTS": s3}
-    with ThreadPoolExecutor(2) as pool:
-        a, b = pool.map(
-            lambda e: start_server(
-                qwen2_vl_dir, None, work / f"{e[0]}.log", extra_args=SERVER_ARGS, extra_env=e[1]
-            ),
-            [("a", env_a), ("b", env_b)],
-        )
-    try:
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+        stack.callback(proxy.close)
+        stack.enter_context(moto_s3.environment())  # this process offloads to S3 and edits the bucket
+        starting = [
+            pool.submit(
+                start_server, qwen2_vl_dir, None, work / f"{name}.log", extra_args=SERVER_ARGS, extra_env=env
+            )
+            for name, env in (("a", env_a), ("b", env_b))
+        ]
+        results = [f.exception() or f.result() for f in starting]  # both started (or failed)
+        for server in results:
+            if not isinstance(server, BaseException):
+                stack.callback(server.stop)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        a, b = results
         warm_up(a)
         warm_up(b)
         router, process = start_router([a.url, b.url], work / "router.log")
+        stack.callback(process.kill)
         handle = from_url(f"s3://{bucket}", client_options={"allow_http": True})
         yield Fleet(a, b, router, process, proxy, s3, handle, mount_a, trainer_mount)
-    finally:
-        for server in (a, b):
-            server.stop()
-        if "process" in locals():
-            process.kill()
-        proxy.close()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-# --- helpers --------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")

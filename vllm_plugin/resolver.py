@@ -135,15 +135,7 @@ class MMRefResolver:
         def work() -> ResolvedItem:
             limit = self.config.max_image_bytes
             data, digest = self.store.read_content(sha256, ext, max_bytes=limit, ref=handle)
-            with load("set_default_torch_num_threads")():  # as vLLM's renderer runs its processor
-                processed = self.adapter.process_bytes(
-                    data,
-                    digest,
-                    ref=handle,
-                    device_normalize=self.device_normalize,
-                    max_pixels=self.config.max_image_pixels,
-                )
-            return self._raw_item(processed, ext)
+            return self._raw_item(self._pixels(self.adapter.process_bytes, data, digest, ref=handle), ext)
 
         return await self._compute(f"handle:{sha256}{ext}", "handle", work)
 
@@ -163,16 +155,21 @@ class MMRefResolver:
 
     def _resolve_raw_sync(self, body: RawRefBody | ContentRef, ref: str) -> ResolvedItem:
         source = _ExtRecorder(self.store)
-        with load("set_default_torch_num_threads")():  # as vLLM's renderer runs its processor
-            processed = self.adapter.resolve_raw(
-                body,
-                source,
-                ref=ref,
-                device_normalize=self.device_normalize,
-                max_bytes=self.config.max_image_bytes,
-                max_pixels=self.config.max_image_pixels,
-            )
+        limit = self.config.max_image_bytes
+        processed = self._pixels(self.adapter.resolve_raw, body, source, ref=ref, max_bytes=limit)
         return self._raw_item(processed, source.ext)
+
+    def _pixels(self, path: Callable[..., ProcessedImage], *args: Any, **kwargs: Any) -> ProcessedImage:
+        """An adapter's pixel path (``resolve_raw``, ``process_bytes``) with this server's pixel
+        mode and pixel limit, under vLLM's torch thread setting (as vLLM's renderer runs its
+        processor)."""
+        with load("set_default_torch_num_threads")():
+            return path(
+                *args,
+                device_normalize=self.device_normalize,
+                max_pixels=self.config.max_image_pixels,
+                **kwargs,
+            )
 
     def _raw_item(self, processed: ProcessedImage, ext: str) -> ResolvedItem:
         """vLLM's item for a processed image whose bytes are stored as ``images/<sha256[:16]><ext>``."""
