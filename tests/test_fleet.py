@@ -216,6 +216,9 @@ def test_a_handle_under_other_weights_or_opaque_is_not_cached(fleet, qwen2_vl_ad
     for server in (fleet.a, fleet.b):
         for mm_hash in (other_version, feature_like):
             assert refusal(post(server.url, by_handle(ref, mm_hash))) == (404, "not_cached")
+    many = by_handle(ref, minted)  # 65 image handles: stock's --limit-mm-per-prompt refuses them here
+    many["features"] = {k: {"image": v["image"] * 65} for k, v in many["features"].items()}
+    assert refusal(post(fleet.b.url, many))[0] == 400  # (MMREF_MAX_REFS_PER_REQUEST counts them too)
     obstore.delete(fleet.bucket, f"fleet/{store_key(ref)}")  # the content is gone: a handle B never held
     assert refusal(post(fleet.b.url, by_handle(ref, minted))) == (404, "asset_not_found")
 

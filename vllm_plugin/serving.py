@@ -224,7 +224,8 @@ class MMRefServing:
     def _check_ref_count(self, n: int) -> None:
         if n > self.config.max_refs_per_request:
             raise InvalidRequest(
-                f"{n} refs in one request; MMREF_MAX_REFS_PER_REQUEST is {self.config.max_refs_per_request}"
+                f"{n} refs (or image handles) in one request; MMREF_MAX_REFS_PER_REQUEST is "
+                f"{self.config.max_refs_per_request}"
             )
 
     # --- the two request forms -----------------------------------------------------------
@@ -269,7 +270,12 @@ class MMRefServing:
         ranges = list(features.mm_placeholders.get(m, ()))
         kwargs = list((features.kwargs_data or {}).get(m) or [None] * len(hashes))
         metadata = list((features.mm_metadata or {}).get(m) or [None] * len(hashes))
-        self._check_ref_count(sum(1 for s in kwargs if s is not None and is_ref(s)))
+        # each ref slot, and each null slot naming an image (it may be read and processed), costs a read
+        reads = [
+            is_ref(s) if s is not None else parse_handle(h) is not None
+            for h, s in zip(hashes, kwargs, strict=True)
+        ]
+        self._check_ref_count(sum(reads))
         for i, (mm_hash, slot) in enumerate(zip(hashes, kwargs, strict=True)):
             if not (slot is not None and is_ref(slot)) and mm_hash.startswith(ENGINE_HASH_PREFIX):
                 if slot is not None or metadata[i] is not None:
