@@ -98,12 +98,14 @@ class MMRefEndpointPlugin:
         state.mmref_updates = WeightUpdates(engine_client, admission, serving.weight_version)
         resolver = serving.resolver
         logger.info(
-            "mmref: serving refs for %s (fingerprint %s, %s pixels, backend %s) from %s; body limit %d "
-            "bytes, grids of at most %d patches, engine item cache %s (items as cache handles: %s)",
+            "mmref: serving refs for %s (fingerprint %s, %s pixels, backend %s) from asset roots %s "
+            "(v1 refs and feature files under %s); body limit %d bytes, grids of at most %d patches, "
+            "engine item cache %s (items as cache handles: %s)",
             serving.adapter.family,
             serving.adapter.fingerprint,
             resolver.pixel_mode,
             serving.adapter.backend,
+            resolver.store.describe(),  # as configured: never a credential (protocol/roots.py)
             serving.config.asset_root,
             serving.max_body_bytes,
             serving.adapter.grid_limits()[1],

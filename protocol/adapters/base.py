@@ -275,16 +275,37 @@ class ImageAdapter(ABC):
         """
         claimed = self.check_ref(body, ref=ref)
         data, sha256 = store.read_image(body, max_bytes=max_bytes, ref=ref)
-        image = load_image(data, max_pixels=max_pixels, ref=ref)
-        try:
-            processed = self.process(image, device_normalize=device_normalize)
-        except ValueError as e:  # e.g. smart_resize: aspect ratio > 200
-            raise ImageUnreadable(f"{self.family} processor refused the image: {e}", ref=ref) from e
+        processed = self.process_bytes(
+            data, sha256, ref=ref, device_normalize=device_normalize, max_pixels=max_pixels
+        )
         if processed.grid != claimed:
             raise GridMismatch(
                 f"ref claims {self.grid_field} {list(claimed)}, processor gives {list(processed.grid)}",
                 ref=ref,
             )
+        return processed
+
+    def process_bytes(
+        self,
+        data: bytes,
+        sha256: str,
+        *,
+        ref: str | None = None,
+        device_normalize: bool = False,
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ) -> ProcessedImage:
+        """The pixel path of :meth:`resolve_raw` on bytes already read and checked (``sha256``:
+        their full hex digest): vLLM-style decode, then the processor. No claim is checked.
+
+        Raises:
+            ImageUnreadable, AssetTooLarge: see :func:`protocol.images.load_image`; the processor
+                refused the image (e.g. an aspect ratio above 200).
+        """
+        image = load_image(data, max_pixels=max_pixels, ref=ref)
+        try:
+            processed = self.process(image, device_normalize=device_normalize)
+        except ValueError as e:  # e.g. smart_resize: aspect ratio > 200
+            raise ImageUnreadable(f"{self.family} processor refused the image: {e}", ref=ref) from e
         return dataclasses.replace(processed, sha256=sha256)
 
     def offload(
