@@ -26,11 +26,11 @@ import argparse
 import base64
 import collections
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 from _common import print_facts, print_table, unique_photos
+from traffic import Traffic
 
 PROCEDURES = ("readme-async", "keep-noclear", "abort", "nopause", "mmref")
 
@@ -116,55 +116,34 @@ def push(client, procedure: str, weights: Path, version: str) -> dict:
     return {}
 
 
-class Traffic:
-    """``clients`` threads sending ref and data-URL requests until stopped; counts every answer."""
+def traffic(server, data: dict, clients: int, max_tokens: int) -> Traffic:
+    """``clients`` threads, a third on vLLM's chat route (data URLs), the rest by ref."""
+    sampling = {"temperature": 1.0, "max_tokens": max_tokens}
 
-    def __init__(self, server, data: dict, clients: int, max_tokens: int) -> None:
-        self.server, self.data, self.max_tokens = server, data, max_tokens
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(k,), daemon=True) for k in range(clients)]
+    def send(client, k: int, i: int):
+        if k % 3 == 2:
+            body = {**data["chat"][i % 6], **sampling, "logprobs": True}
+            return "chat", client.post("/v1/chat/completions", json=body)
+        body = {**data["ref"][(k + i) % 6], "sampling_params": {**sampling, "logprobs": 0}}
+        return "ref", client.post("/inference/v1/generate", json=body)
 
-    def _run(self, k: int) -> None:
-        sampling = {"temperature": 1.0, "max_tokens": self.max_tokens}
-        with self.server.client(timeout=120) as c:
-            i = 0
-            while not self.stop.is_set():
-                i += 1
-                if k % 3 == 2:  # a third of the clients on vLLM's own chat route
-                    route, path = "chat", "/v1/chat/completions"
-                    body = {**self.data["chat"][i % 6], **sampling, "logprobs": True}
-                else:
-                    route, path = "ref", "/inference/v1/generate"
-                    body = {**self.data["ref"][(k + i) % 6], "sampling_params": {**sampling, "logprobs": 0}}
-                try:
-                    r = c.post(path, json=body)
-                except Exception as e:
-                    self.counts[f"{route} {type(e).__name__}"] += 1
-                    time.sleep(0.2)
-                    continue
-                self.counts[f"{route} {r.status_code}"] += 1
-                if r.status_code == 200:
-                    choice = r.json()["choices"][0]
-                    if choice.get("finish_reason") == "abort":
-                        self.counts[f"{route} 200 cut short (abort)"] += 1
-                    if r.headers.get("x-mmref-weight-version") is None:
-                        self.counts[f"{route} 200 without a version header"] += 1
+    return Traffic(server, clients, send, timeout=120)
 
-    def __enter__(self) -> Traffic:
-        for t in self.threads:
-            t.start()
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=150)
+def answer_counts(load: Traffic) -> collections.Counter[str]:
+    """The answers by route and status, plus those cut short and those without a version header."""
+    counts = collections.Counter(load.counts)
+    for route, _, _, r in load.answers:
+        if r.json()["choices"][0].get("finish_reason") == "abort":
+            counts[f"{route} 200 cut short (abort)"] += 1
+        if r.headers.get("x-mmref-weight-version") is None:
+            counts[f"{route} 200 without a version header"] += 1
+    return counts
 
 
 def soak(server, data: dict, args) -> dict:
     pushes, failure, answers = 0, None, []
-    with server.client(timeout=300) as c, Traffic(server, data, args.clients, args.max_tokens) as traffic:
+    with server.client(timeout=300) as c, traffic(server, data, args.clients, args.max_tokens) as load:
         time.sleep(2)
         t0 = time.monotonic()
         for k in range(args.pushes):
@@ -194,7 +173,7 @@ def soak(server, data: dict, args) -> dict:
         "seconds": seconds,
         "failure": failure,
         "alive": alive,
-        "traffic": traffic,
+        "counts": answer_counts(load),
         "updates": [a for a in answers if a],
         "log": server.log()[:log_at_end],
     }
@@ -254,7 +233,7 @@ def main() -> None:
         result = soak(server, data, args)
     finally:
         server.stop()
-    counts = result["traffic"].counts
+    counts = result["counts"]
     rows = [
         ("procedure", args.procedure),
         ("pushes done / asked", f"{result['pushes']} / {args.pushes} in {result['seconds']:.0f} s"),

@@ -489,11 +489,7 @@ class AssetRoots:
             InvalidRef: a v1 URI that is not an absolute local ``file://`` URI.
         """
         if isinstance(body, ContentRef):
-            if self.cache is not None:
-                cached = self.cache.get(body.sha256, max_bytes=max_bytes)
-                if cached is not None:
-                    return cached, body.sha256
-            return self._first_holding([(r, body.key) for r in self.roots], body.sha256, max_bytes, ref, None)
+            return self.read_content(body.sha256, body.ext, max_bytes=max_bytes, ref=ref)
         path = file_uri_to_path(body.raw_image_uri, ref=ref)
         first_error: AssetOutsideRoot | AssetNotFound | None = None
         if self.legacy is not None:
@@ -504,6 +500,25 @@ class AssetRoots:
         return self._first_holding(
             self._relocations(path, body.mm_hash), body.mm_hash, max_bytes, ref, first_error
         )
+
+    def read_content(
+        self, sha256: str, ext: str, *, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, ref: str | None = None
+    ) -> tuple[bytes, str]:
+        """The bytes whose full hex sha256 is ``sha256``, stored as ``images/<sha256[:16]><ext>``:
+        the cache, then each root in order (what a v2 ref reads; also a content-named cache
+        handle of the server, which carries the same two parts).
+
+        Raises:
+            ValueError: ``sha256`` not 64 lowercase hex, or ``ext`` not a store extension.
+            StoreUnavailable, HashMismatch, AssetNotFound, AssetTooLarge, AssetOutsideRoot: see
+                :meth:`read_image`.
+        """
+        key = image_key(sha256, ext)
+        if self.cache is not None:
+            cached = self.cache.get(sha256, max_bytes=max_bytes)
+            if cached is not None:
+                return cached, sha256
+        return self._first_holding([(r, key) for r in self.roots], sha256, max_bytes, ref, None)
 
     def _relocations(self, path: str, mm_hash: str) -> list[tuple[AssetRoot, str]]:
         """Where a v1 ref's file may be now: its ``[run_<id>/assets/]images/<name>`` tail under the

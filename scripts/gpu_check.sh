@@ -4,7 +4,9 @@
 # bit-identical), the same for tiny Qwen3.5 / Qwen3.5-MoE with flash-linear-attention's varlen kernels
 # (and their leak control), bench/packed_forward.py (Qwen2-VL-2B shapes, fwd+bwd tokens/s, peak
 # memory at caps 16k/8k), then bench/cost_model.py (seconds per micro-batch against the FLOP cost
-# model). Logs go to $OUT (or /tmp).
+# model), then the vLLM 0.33 serve smoke (scripts/gpu_smoke_vllm033.sh: the CUDA wheel, the plugin, a
+# ref request equal to its data URL; it prints SKIP with the reason where its wheel folder, the
+# 0.33 wheel or a dependency is missing). Logs go to $OUT (or /tmp).
 # Prepare here first: `bash scripts/gpu_wheels.sh` and `make_tiny_models.py --family all`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,5 +29,13 @@ tests_rc=${PIPESTATUS[0]}
 bench_rc=${PIPESTATUS[0]}
 "$PY" bench/cost_model.py 2>&1 | tee "$LOGS/cost_model.md"
 cost_rc=${PIPESTATUS[0]}
-echo "gpu tests rc=$tests_rc, bench rc=$bench_rc, cost model rc=$cost_rc"
-exit $((tests_rc || bench_rc || cost_rc))
+# its own venv and logs (outside $OUT, which takes 8 files); only its report comes back
+env -u PYTHONPATH OUT=/tmp/mmref-vllm033 PYTHON="$PY" bash scripts/gpu_smoke_vllm033.sh 2>&1 | tee "$LOGS/vllm033_smoke.txt"
+smoke_rc=${PIPESTATUS[0]}
+if [ "$smoke_rc" -eq 1 ] && [ -f /tmp/mmref-vllm033/server.log ]; then
+  tail -40 /tmp/mmref-vllm033/server.log >>"$LOGS/vllm033_smoke.txt"
+fi
+case $smoke_rc in 0) smoke=pass ;; 3) smoke=skip ;; *) smoke="fail rc=$smoke_rc" ;; esac
+echo "gpu tests rc=$tests_rc, bench rc=$bench_rc, cost model rc=$cost_rc, vllm 0.33 smoke: $smoke"
+[ "$smoke_rc" -eq 3 ] && smoke_rc=0  # a skip says why on its own line; it fails nothing
+exit $((tests_rc || bench_rc || cost_rc || smoke_rc))

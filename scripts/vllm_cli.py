@@ -7,30 +7,36 @@ same serve subcommand (``vllm.entrypoints.cli.serve.ServeSubcommand``: argument 
 validation, ``run_server`` or ``run_multi_api_server`` for ``--api-server-count`` > 1) with the
 same set-up calls as ``main()``, minus that one lookup. It patches nothing. Where the ``vllm``
 distribution is installed (CUDA wheels), use ``vllm serve`` itself.
+
+Its vLLM names come through the door (``vllm_plugin/vllm_surface``): ``cli_env_setup`` and
+``VLLM_SUBCMD_PARSER_EPILOG`` moved in vLLM 0.33 (``vllm.entrypoints.common.startup``), and the
+door's table says where each lives in the installed release.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 __all__ = ["main"]
 
+_REPO = str(Path(__file__).resolve().parent.parent)
+if _REPO not in sys.path:  # run as a script: the door is in this repository
+    sys.path.insert(0, _REPO)
+
+from vllm_plugin.vllm_surface import load  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> None:
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.serve.utils.api_utils import VLLM_SUBCMD_PARSER_EPILOG, cli_env_setup
-    from vllm.logger import configure_logging_from_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    cli_env_setup()
-    parser = FlexibleArgumentParser(
-        description="vLLM CLI (serve only)", epilog=VLLM_SUBCMD_PARSER_EPILOG.format(subcmd="serve")
+    load("cli_env_setup")()
+    parser = load("FlexibleArgumentParser")(
+        description="vLLM CLI (serve only)", epilog=load("VLLM_SUBCMD_PARSER_EPILOG").format(subcmd="serve")
     )
     subparsers = parser.add_subparsers(required=True, dest="subparser")
-    command = ServeSubcommand()
+    command = load("ServeSubcommand")()
     command.subparser_init(subparsers).set_defaults(dispatch_function=command.cmd)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    configure_logging_from_args(args)
+    load("configure_logging_from_args")(args)
     command.validate(args)
     args.dispatch_function(args)
 

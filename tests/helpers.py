@@ -515,6 +515,22 @@ class MotoS3:
             "MMREF_STORE_ALLOW_HTTP": "1",
         }
 
+    @contextlib.contextmanager
+    def environment(self) -> Iterator[None]:
+        """:meth:`env` set in this process (the AWS chain of obstore's clients here), restored after."""
+        import os
+
+        saved = {k: os.environ.get(k) for k in self.env()}
+        os.environ.update(self.env())
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
     def make_bucket(self, name: str) -> str:
         """Create a bucket with a plain HTTP PUT; returns ``s3://<name>``."""
         import httpx
@@ -538,21 +554,41 @@ class MotoS3:
 
 class DelayProxy:
     """A TCP proxy on 127.0.0.1 in front of ``upstream_port``, for store faults: ``delay_s`` holds
-    every upstream answer that long (a slow endpoint); :meth:`close` stops listening (endpoint
-    down: connection refused). Threads, bounded by the test's own timeouts; stops with the test."""
+    every upstream answer that long (a slow endpoint; read at each chunk, so it may be changed
+    while connections are open); :meth:`close` stops listening (endpoint down: connection
+    refused), :meth:`reopen` listens again on the same port. Threads, bounded by the test's own
+    timeouts; stops with the test."""
 
     def __init__(self, upstream_port: int, *, delay_s: float = 0.0) -> None:
+        self.upstream_port = upstream_port
+        self.delay_s = delay_s
+        self.port = 0
+        self._listen()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def _listen(self) -> None:
         import socket
         import threading
 
-        self.upstream_port = upstream_port
-        self.delay_s = delay_s
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = socket.create_server(("127.0.0.1", self.port))
         self.port = self._listener.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
         self._closed = threading.Event()
         self._sockets: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def reopen(self) -> None:
+        """Listen again, on the same port (after :meth:`close`; the old listener's accept thread
+        lets go of the port within moments)."""
+        import time
+
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                return self._listen()
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def _accept(self) -> None:
         import socket
@@ -569,15 +605,16 @@ class DelayProxy:
                 client.close()
                 continue
             self._sockets += [client, upstream]
-            threading.Thread(target=self._pipe, args=(client, upstream, 0.0), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, self.delay_s), daemon=True).start()
+            closed = self._closed
+            threading.Thread(target=self._pipe, args=(client, upstream, False, closed), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True, closed), daemon=True).start()
 
-    def _pipe(self, src, dst, delay_s: float) -> None:
+    def _pipe(self, src, dst, delayed: bool, closed) -> None:
         try:
             while chunk := src.recv(65536):
-                if delay_s:
-                    self._closed.wait(delay_s)  # woken early by close()
-                if self._closed.is_set():
+                if delayed and self.delay_s:
+                    closed.wait(self.delay_s)  # woken early by close()
+                if closed.is_set():
                     return
                 dst.sendall(chunk)
         except OSError:
@@ -591,7 +628,13 @@ class DelayProxy:
 
     def close(self) -> None:
         """Stop listening and drop every connection (the endpoint is down from now on)."""
+        import socket
+
         self._closed.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        except OSError:
+            pass
         self._listener.close()
         for s in self._sockets:
             try:

@@ -12,6 +12,7 @@ from helpers import photo_bytes
 from protocol import errors
 from protocol.features import feature_path
 from protocol.refs import FileRef, format_mmfile, format_mmraw, parse_ref
+from protocol.store import AssetStore
 from rollout_client import Sampling
 
 __all__ = ["REFUSALS", "refusal_case"]
@@ -48,9 +49,10 @@ def _fresh(client, name: str, size: tuple[int, int]):
     return client.offloader.offload(photo_bytes(name, size=size))
 
 
-def refusal_case(name: str, client, tmp_path, asset_root, max_image_bytes: int):
+def refusal_case(name: str, client, tmp_path, asset_root, max_image_bytes: int, store=None):
     """``(prompt_ids, refs, sampling, extra_body)`` of the request the plugin refuses with code ``name``
-    (``max_image_bytes``: the server's ``MMREF_MAX_IMAGE_BYTES``)."""
+    (``max_image_bytes``: the server's ``MMREF_MAX_IMAGE_BYTES``; ``store``: the
+    ``store_endpoints.KeyFaultStore`` among the server's ``MMREF_ASSET_ROOTS``)."""
     ref = _fresh(client, "astronaut", (280, 280))
     n = ref.num_placeholders
     body = parse_ref(ref.ref)
@@ -99,6 +101,11 @@ def refusal_case(name: str, client, tmp_path, asset_root, max_image_bytes: int):
         return _prompt(client, [n]), [format_mmfile(ids)], SHORT, None
     if name == "seed_unsupported":
         return _prompt(client, [n]), [ref.ref], Sampling(max_tokens=4, seed=7), None
+    if name == "store_unavailable":  # a v2 ref whose image is only behind a root that is down for it
+        image = photo_bytes("coffee", size=(283, 200))
+        lost = client.offloader.adapter.offload(image, AssetStore(tmp_path / "elsewhere"), form="v2")
+        store.kill(lost.sha256)
+        return _prompt(client, [lost.num_placeholders]), [lost.ref], SHORT, None
     if name == "invalid_request":
         features = {"mm_hashes": {}, "mm_placeholders": {}}
         return _prompt(client, [n]), [ref.ref], SHORT, {"features": features}

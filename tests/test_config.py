@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -42,6 +44,38 @@ def test_plugin_config_requires_an_asset_root(monkeypatch):
     monkeypatch.delenv("MMREF_ASSET_ROOT", raising=False)
     with pytest.raises(ValidationError, match="asset_root"):
         PluginConfig()
+
+
+def test_plugin_config_asset_roots(monkeypatch, tmp_path):
+    monkeypatch.delenv("MMREF_ASSET_ROOT", raising=False)
+    monkeypatch.setenv("MMREF_ASSET_ROOTS", f"{tmp_path / 'a'}, {tmp_path / 'b'}")
+    monkeypatch.setenv("MMREF_STORE_TIMEOUT_S", "3")
+    monkeypatch.setenv("MMREF_STORE_ALLOW_HTTP", "1")
+    cfg = PluginConfig()
+    assert cfg.asset_root is None and cfg.asset_roots == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert cfg.image_source().describe() == cfg.asset_roots and cfg.image_source() is cfg.image_source()
+    assert cfg.store_client().timeout_s == 3 and cfg.store_client().allow_http
+    monkeypatch.setenv("MMREF_ASSET_ROOTS", json.dumps(["s3://bucket/x", "https://cdn.example/mmref"]))
+    assert PluginConfig().asset_roots == ["s3://bucket/x", "https://cdn.example/mmref"]
+    monkeypatch.delenv("MMREF_ASSET_ROOTS")
+    monkeypatch.setenv("MMREF_ASSET_ROOT", str(tmp_path))
+    assert PluginConfig().image_source().describe() == [str(tmp_path)]  # the folder is the one root
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("relative/path", "not an absolute path"),
+        ("s3://user:secret@bucket/x", "no credentials"),
+        ("ftp://host/x", "scheme"),
+    ],
+)
+def test_plugin_config_refuses_bad_roots_naming_the_setting(monkeypatch, tmp_path, value, match):
+    monkeypatch.setenv("MMREF_ASSET_ROOT", str(tmp_path))
+    monkeypatch.setenv("MMREF_ASSET_ROOTS", value)
+    with pytest.raises(ValidationError, match=match) as info:
+        PluginConfig()
+    assert "MMREF_ASSET_ROOTS" in str(info.value) and "secret" not in str(info.value)
 
 
 def test_materialize_config(monkeypatch, tmp_path):

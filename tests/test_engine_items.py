@@ -249,3 +249,95 @@ def test_a_clear_holds_every_hand_off_until_the_engine_answers(lru_config):
 
     with ThreadPoolExecutor(1) as worker:
         asyncio.run(scenario(worker))
+
+
+class _Renderer033:
+    """Stands in for vLLM 0.33's renderer, which cannot be installed here (a CUDA-only wheel): what
+    the door's version branch picks is under test, not vLLM. Its method is 0.33's
+    ``_drain_mm_cache_invalidations`` (``vllm/renderers/base.py``): invalidate the queued misses."""
+
+    def __init__(self, sender, worker) -> None:
+        self.sender, self.worker = sender, worker
+        self.queued: set[str] = set()
+        self.drained_while_parked: list[bool] = []
+
+    def _drain_mm_cache_invalidations(self) -> None:
+        from concurrent.futures import TimeoutError as FutureTimeout
+
+        probe = self.worker.submit(lambda: None)  # runs at once unless the plugin parked the worker
+        try:
+            probe.result(timeout=0.1)
+            self.drained_while_parked.append(False)
+        except FutureTimeout:
+            self.drained_while_parked.append(True)
+        while self.queued:
+            self.sender.invalidate(self.queued.pop())
+
+
+def test_the_door_drains_deferred_invalidations_on_vllm_033_only():
+    from vllm_plugin.vllm_surface import invalidation_drain
+
+    class Renderer:  # a stand-in (see _Renderer033): counts its drains
+        drains = 0
+
+        def _drain_mm_cache_invalidations(self) -> None:
+            self.drains += 1
+
+    renderer = Renderer()
+    assert invalidation_drain(renderer, "0.32.0") is None  # 0.32 invalidates at once: nothing to drain
+    assert invalidation_drain(renderer) is None  # the installed release (0.32)
+    assert invalidation_drain(object(), "0.33.0") is None  # no such method: nothing to call
+    drain = invalidation_drain(renderer, "0.33.1+cu130")
+    assert drain is not None and renderer.drains == 0
+    drain()
+    assert renderer.drains == 1
+
+
+def test_a_missed_item_is_drained_before_p0_is_read_or_recorded(lru_config):
+    """vLLM 0.33 queues an engine cache miss instead of invalidating P0: the hand-off, a ``null``
+    slot's lookup (after ``settle``) and ``recorded_by_vllm`` drain the queue first, with vLLM's
+    worker parked. So a missed item travels with its data again and a ``null`` slot for it is
+    refused, instead of retrying into the same miss."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm.multimodal.cache import LruKeyReplicatedSenderCache
+    from vllm.multimodal.inputs import MultiModalKwargsItem, PlaceholderRange
+
+    sender = LruKeyReplicatedSenderCache(lru_config)
+
+    async def is_paused() -> bool:
+        return False
+
+    def request() -> dict:
+        return {
+            "mm_kwargs": {"image": [MultiModalKwargsItem.dummy(100)]},
+            "mm_hashes": {"image": ["mmref-a"]},
+            "mm_placeholders": {"image": [PlaceholderRange(offset=1, length=4)]},
+        }
+
+    async def hand_off(items: EngineItems) -> bool:
+        """Whether the item travelled as a handle."""
+        engine_input = request()
+        release = await items.enter()
+        items.hand_off(engine_input, _ours(engine_input))
+        release()
+        return engine_input["mm_kwargs"]["image"][0] is None
+
+    async def scenario(renderer: _Renderer033) -> None:
+        drain = renderer._drain_mm_cache_invalidations
+        items = EngineItems(sender, executor=renderer.worker, is_paused=is_paused, drain=drain)
+        assert not await hand_off(items) and await hand_off(items)  # data, then a handle
+        renderer.queued.add("mmref-a")  # the engine missed it (its output handler queues the hash)
+        assert not await hand_off(items)  # drained first: data again
+        renderer.queued.add("mmref-a")
+        assert items.lookup("mmref-a") == (True, None)  # not drained yet: P0 still "holds" it
+        await items.settle()
+        assert items.lookup("mmref-a") == (False, None)
+        assert not await hand_off(items)
+        renderer.queued.add("mmref-a")
+        assert await items.recorded_by_vllm("mmref-a") is None
+        assert renderer.drained_while_parked and all(renderer.drained_while_parked)
+
+    with ThreadPoolExecutor(1) as worker:
+        asyncio.run(scenario(_Renderer033(sender, worker)))

@@ -50,16 +50,8 @@ def s3(moto_s3):
     """A fresh bucket; the AWS chain variables set for this process while the module runs."""
     bucket = f"mmref-{uuid.uuid4().hex[:12]}"
     url = moto_s3.make_bucket(bucket)
-    saved = {k: os.environ.get(k) for k in moto_s3.env()}
-    os.environ.update(moto_s3.env())
-    try:
+    with moto_s3.environment():
         yield moto_s3, bucket, url
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")

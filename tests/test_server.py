@@ -85,6 +85,7 @@ def test_entry_point_loads_and_overrides_the_core_route(server, qwen2_vl_adapter
         "(items as cache handles: yes)"
     ) in log
     assert "mmref: routes attached (vLLM 0.32.0, supported >=0.32.0,<0.34)" in log
+    assert "mmref: weight-update routes /mmref/v1/weights/* off (VLLM_SERVER_DEV_MODE unset)" in log
 
 
 def test_generate_with_two_photo_refs_matches_chat_completions(server, tokenizer, photo_refs):
@@ -404,8 +405,9 @@ def test_streaming_with_refs_gives_the_same_tokens(server, tokenizer, photo_refs
 
 
 def test_engine_hash_is_bound_to_the_full_image_bytes(server, tokenizer, photo_refs):
-    """Refs to the same bytes with a 16- or 32-hex mm_hash give vLLM one hash (sha256 of the bytes,
-    in the reserved ``mmref-`` namespace); another image gives another."""
+    """Refs to the same bytes with a 16- or 32-hex mm_hash give vLLM one hash (in the reserved
+    ``mmref-`` namespace, naming the bytes' full sha256 and store extension); another image gives
+    another."""
     good, other = photo_refs["coffee"], photo_refs["rocket"]
     short = forged(good, mm_hash=good.sha256[:16])
     ids = prompt_ids(tokenizer, [good])
@@ -416,7 +418,7 @@ def test_engine_hash_is_bound_to_the_full_image_bytes(server, tokenizer, photo_r
         return r.json()["features"]["mm_hashes"]["image"][0]
 
     full = engine_hash(good.ref)
-    assert full.startswith("mmref-") and len(full) == len("mmref-") + 64
+    assert full.startswith(f"mmref-{good.sha256}.jpg-") and len(full) == len("mmref-") + 64 + 4 + 1 + 32
     assert engine_hash(short) == full
     ids = prompt_ids(tokenizer, [other])
     assert engine_hash(other.ref) != full

@@ -48,7 +48,10 @@ def cli_server(qwen2_vl_dir, output_root, photo_refs, media, tmp_path_factory) -
         extra_env={"MMREF_MAX_BODY_BYTES": str(BODY_LIMIT), "VLLM_SERVER_DEV_MODE": "1"},
     )
     try:
-        warm_up(srv)
+        warm_up(srv)  # answered by whichever API process is up first
+        deadline = time.monotonic() + 120
+        while srv.log().count("mmref: serving refs") < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)  # the other one may still be in the plugin's init_state
         yield srv
     finally:
         srv.stop()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,9 +23,10 @@ from dataclasses import dataclass
 import httpx
 import msgspec
 import pytest
+from traffic import Traffic
 from transformers import AutoTokenizer
 
-from helpers import SERVER_ARGS, photo_bytes, refusal, rollout_sample, server_mismatch, start_server, warm_up
+from helpers import SERVER_ARGS, photo_bytes, refusal, rollout_sample, served, server_mismatch
 from protocol.adapters import offload_image
 from protocol.placeholders import expand_image_placeholders
 from rl_server import held, push_weights, weight_version
@@ -47,18 +47,15 @@ TEXT = "Name every object, its colour and where it is in the picture, in order. 
 @pytest.fixture(scope="module")
 def push_server(qwen2_vl_dir, output_root, photo_refs, tmp_path_factory):
     log = tmp_path_factory.mktemp("push_server") / "server.log"
-    srv = start_server(
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}
+    with served(
         qwen2_vl_dir,
         output_root,
         log,
         extra_args=(*SERVER_ARGS, "--enable-prefix-caching", "--no-enable-chunked-prefill"),
-        extra_env={"VLLM_SERVER_DEV_MODE": "1"},
-    )
-    try:
-        warm_up(srv)
+        extra_env=dev,
+    ) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @dataclass(frozen=True)
@@ -140,41 +137,16 @@ def wait_running(client: httpx.Client, timeout: float = 60) -> None:
         time.sleep(0.02)
 
 
-class Traffic:
-    """Client threads generating until stopped: four by ref, two on vLLM's chat route."""
+def traffic(server, prompts: list[Prompt]) -> Traffic:
+    """Six client threads: four by ref, two on vLLM's chat route, each cycling the prompts."""
 
-    def __init__(self, server, prompts: list[Prompt], pad: int) -> None:
-        self.server, self.prompts, self.pad = server, prompts, pad
-        self.statuses: collections.Counter[str] = collections.Counter()
-        self.answers: list[tuple[str, Prompt, httpx.Response]] = []
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(k,)) for k in range(6)]
+    def send(client: httpx.Client, k: int, i: int) -> tuple[str, httpx.Response]:
+        prompt = prompts[(k + i) % len(prompts)]
+        if k >= 4:
+            return "chat", by_chat(client, server.model, prompt)
+        return "ref", by_ref(client, prompt)
 
-    def _run(self, k: int) -> None:
-        route = "chat" if k >= 4 else "ref"
-        with self.server.client(timeout=300) as c:
-            i = k
-            while not self.stop.is_set():
-                prompt = self.prompts[i % len(self.prompts)]
-                i += 1
-                try:
-                    r = by_chat(c, self.server.model, prompt) if route == "chat" else by_ref(c, prompt)
-                except httpx.HTTPError as e:
-                    self.statuses[f"{route} {type(e).__name__}"] += 1
-                    continue
-                self.statuses[f"{route} {r.status_code}"] += 1
-                if r.status_code == 200:
-                    self.answers.append((route, prompt, r))
-
-    def __enter__(self) -> Traffic:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=300)
+    return Traffic(server, 6, send)
 
 
 def test_pushes_under_image_traffic_never_fail_mix_or_mislabel(
@@ -190,7 +162,7 @@ def test_pushes_under_image_traffic_never_fail_mix_or_mislabel(
     with push_server.client(timeout=300) as c:
         push_weights(c, a_dir, "push-0")
         models["push-0"] = a
-        with Traffic(push_server, *prompts) as traffic:
+        with traffic(push_server, prompts[0]) as load:
             time.sleep(1)
             for k in range(1, PUSHES + 1):
                 weights, model = (b_dir, b) if k % 2 else (a_dir, a)
@@ -202,11 +174,13 @@ def test_pushes_under_image_traffic_never_fail_mix_or_mislabel(
             time.sleep(1)
         assert weight_version(c) == f"push-{PUSHES}"
         assert c.get("/health").status_code == 200 and push_server.process.poll() is None
-    print(f"answers: {dict(traffic.statuses)}; requests drained by the pushes: {drained}")
-    assert set(traffic.statuses) == {"ref 200", "chat 200"}, traffic.statuses
+    print(f"answers: {dict(load.counts)}; requests drained by the pushes: {drained}")
+    assert set(load.counts) == {"ref 200", "chat 200"}, load.counts
     assert drained > 0, "no push met a request in flight: the test shows nothing"
     samples = collections.defaultdict(list)
-    for route, prompt, response in traffic.answers:
+    items = prompts[0]
+    for route, thread, i, response in load.answers:
+        prompt = items[(thread + i) % len(items)]
         sample, version = answer_sample(route, prompt, response, pad)
         if sample is not None:
             samples[models[version] is a].append(sample)

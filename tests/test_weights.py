@@ -3,6 +3,8 @@ the served weights (docs/WEIGHT-UPDATES.md). The real-server behaviour: tests/te
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from vllm.entrypoints.generate.base.protocol import validate_cache_salt
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
@@ -11,19 +13,43 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
 )
 from vllm.outputs import WeightVersionSpan
 
-from vllm_plugin.weights import ENGINE_HASH_PREFIX, engine_hash, served_by, version_salt
+from vllm_plugin.weights import (
+    ENGINE_HASH_PREFIX,
+    ContentHandle,
+    ContentKey,
+    binding_digest,
+    engine_hash,
+    parse_handle,
+    served_by,
+    version_salt,
+)
 
-KEY = "mmref:v1:" + "ab" * 32 + ":fp:raw"
+IMAGE = ContentKey("image", "ab" * 32, ".jpg", "f" * 32, "raw")
+FEATURE = ContentKey("feature", "ab" * 32, "", "f" * 32, "raw")
 
 
 def test_engine_hash_binds_content_and_version():
-    h = engine_hash(KEY, "step-1")
-    assert h.startswith(ENGINE_HASH_PREFIX) and len(h) == len(ENGINE_HASH_PREFIX) + 64
-    assert h == engine_hash(KEY, "step-1")
-    assert h != engine_hash(KEY, "step-2")
-    assert h != engine_hash(KEY.replace("ab", "cd", 1), "step-1")
-    # the NUL separator: a key/version split elsewhere is another hash
-    assert engine_hash(KEY + "1", "2") != engine_hash(KEY, "12")
+    for key in (IMAGE, FEATURE):
+        h = engine_hash(key, "step-1")
+        assert h.startswith(ENGINE_HASH_PREFIX) and h == engine_hash(key, "step-1")
+        assert h != engine_hash(key, "step-2")
+        assert h != engine_hash(dataclasses.replace(key, sha256="cd" * 32), "step-1")
+        assert h != engine_hash(dataclasses.replace(key, fingerprint="e" * 32), "step-1")
+    assert engine_hash(IMAGE, "1") != engine_hash(dataclasses.replace(IMAGE, pixel_mode="normalized"), "1")
+    assert engine_hash(IMAGE, "1") != engine_hash(dataclasses.replace(IMAGE, ext=".png"), "1")
+    # the binding's fields are framed: a split elsewhere is another digest
+    assert binding_digest("f1", "raw", "2") != binding_digest("f", "1raw", "2")
+
+
+def test_an_image_hash_names_its_content_and_binding_a_feature_hash_does_not():
+    h = engine_hash(IMAGE, "step-1")
+    binding = binding_digest(IMAGE.fingerprint, IMAGE.pixel_mode, "step-1")
+    assert h == f"mmref-{'ab' * 32}.jpg-{binding}" and len(h) == 107
+    assert parse_handle(h) == ContentHandle("ab" * 32, ".jpg", binding)
+    opaque = engine_hash(FEATURE, "step-1")
+    assert len(opaque) == len(ENGINE_HASH_PREFIX) + 64 and parse_handle(opaque) is None
+    for other in ("mmref-in-step", h + "0", h.replace(".jpg", ".bmp"), h.upper(), "x" + h[1:], h[:-1]):
+        assert parse_handle(other) is None, other
 
 
 @pytest.mark.parametrize("client_salt", [None, "salt-1", "x" * 128, "null"])

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from trainer_lib.hf_surface import register_attention, sdpa_attention_forward
 from trainer_lib.packed_call import CU_SEQLENS_KWARG, MAX_SEQLEN_KWARG, PackingUnsupported
 
 __all__ = ["VARLEN_ATTENTION", "register_varlen_attention"]
@@ -65,8 +66,6 @@ def _varlen_attention_forward(
     """
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not causal:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=False
         )
@@ -134,9 +133,5 @@ def register_varlen_attention() -> str:
     ``AttentionInterface.register(name, fn)`` plus ``AttentionMaskInterface.register(name,
     flash_attention_mask)`` (no dense mask is built). Safe to call on CPU.
     """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
-
-    AttentionInterface.register(VARLEN_ATTENTION, _varlen_attention_forward)
-    AttentionMaskInterface.register(VARLEN_ATTENTION, flash_attention_mask)
+    register_attention(VARLEN_ATTENTION, _varlen_attention_forward)
     return VARLEN_ATTENTION

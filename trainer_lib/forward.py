@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from trainer_lib.attention import VARLEN_ATTENTION
+from trainer_lib.hf_surface import attn_implementation, image_features
 from trainer_lib.linear_attention import linear_attention_path
 from trainer_lib.model_inputs import PackedInputs
 from trainer_lib.packed_call import CU_SEQLENS_KWARG, MAX_SEQLEN_KWARG, PackingUnsupported
@@ -60,7 +61,7 @@ def _repeated_image_features(model: torch.nn.Module, pixels: torch.Tensor, input
     ``inputs.image_index`` (a tuple of views, no copy). Gradients of repeated images accumulate
     into the one vision forward (tested equal to the per-slot path in fp32: ``tests/test_dedup.py``).
     """
-    enc = model.model.get_image_features(pixels, inputs.image_grid_thw, return_dict=True)
+    enc = image_features(model, pixels, inputs.image_grid_thw)
     index = inputs.image_index.tolist()
     enc.pooler_output = tuple(enc.pooler_output[i] for i in index)
     if getattr(enc, "deepstack_features", None) is not None:
@@ -107,7 +108,7 @@ def packed_logprobs(
             f"{model.config.model_type}: its linear-attention layers would carry state across packed "
             f"samples; call trainer_lib.prepare_model_for_packing(model) first"
         )
-    backend = model.config.get_text_config()._attn_implementation
+    backend = attn_implementation(model.config)
     inputs = inputs.to(next(model.parameters()).device)
     kwargs: dict[str, Any] = {}
     if backend == VARLEN_ATTENTION or linear is not None:

@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import inspect
 import itertools
-import sys
 import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -51,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from trainer_lib.hf_surface import gated_delta_rule_kernels
 from trainer_lib.packed_call import CU_SEQLENS_KWARG, PackingUnsupported
 
 __all__ = [
@@ -182,9 +181,7 @@ def _torch_kernels(layer_cls: type) -> _Kernels:
     """transformers' own torch conv and chunked delta rule of the layer's modeling module, run per
     segment with zero initial state (``inspect.unwrap`` skips the kernel dispatch, which would pick
     ``fla`` or ``causal_conv1d`` wherever they import, whether or not they can run here)."""
-    modeling = sys.modules[layer_cls.__module__]
-    conv_fn = inspect.unwrap(modeling.causal_conv1d_fn)
-    rule_fn = inspect.unwrap(modeling.torch_chunk_gated_delta_rule)
+    conv_fn, rule_fn = gated_delta_rule_kernels(layer_cls)
 
     def conv(
         x: torch.Tensor, weight: torch.Tensor, bias: Any, activation: str, cu: torch.Tensor

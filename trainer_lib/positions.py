@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from protocol.adapters import ADAPTERS
+from trainer_lib.hf_surface import model_class
 from trainer_lib.micro_batch import PackedMicroBatch
 
 __all__ = [
@@ -87,9 +88,7 @@ def rope_index_fn(model_or_config: Any) -> RopeIndexFn:
         fn = getattr(owner, "get_rope_index", None)
         if fn is not None and hasattr(owner, "get_vision_position_ids"):
             return fn
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING
-
-    cls = MODEL_MAPPING[type(config)]
+    cls = model_class(config)
     shim = types.SimpleNamespace(config=config)
     shim.get_vision_position_ids = types.MethodType(cls.get_vision_position_ids, shim)
     return types.MethodType(cls.get_rope_index, shim)

@@ -36,6 +36,7 @@ import logging
 import torch
 
 from trainer_lib.attention import VARLEN_ATTENTION, register_varlen_attention
+from trainer_lib.hf_surface import attn_implementation, set_attn_implementation
 from trainer_lib.linear_attention import (
     linear_attention_path,
     prepare_linear_attention,
@@ -91,8 +92,7 @@ def check_packable(
         raise PackingUnsupported(
             f"packed forward supports {list(mrope_model_types())}, not {config.model_type!r}"
         )
-    text = config.get_text_config()
-    backend = backend or text._attn_implementation
+    backend = backend or attn_implementation(config)
     device = _device(model).type
     allowed = _CUDA_BACKENDS if device == "cuda" else (*_CPU_BACKENDS, VARLEN_ATTENTION)
     if backend not in allowed:
@@ -130,8 +130,8 @@ def prepare_model_for_packing(
     path = check_packable(model, backend, linear_attention)
     if backend == VARLEN_ATTENTION:
         register_varlen_attention()
-    if model.config.get_text_config()._attn_implementation != backend:
-        model.set_attn_implementation(backend)
+    if attn_implementation(model.config) != backend:
+        set_attn_implementation(model, backend)
     if path is not None:
         prepare_linear_attention(model, path)
     _log.info("packed %s: attention %s, linear attention %s", model.config.model_type, backend, path)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import email.message
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -23,13 +24,12 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
-from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-from vllm.entrypoints.serve.utils.api_utils import load_aware_call, with_cancellation
 
 from protocol.errors import AssetTooLarge, HashMismatch, InvalidRequest, MMRefError
 from vllm_plugin import metrics
 from vllm_plugin.protocol import error_body, parse_request
 from vllm_plugin.serving import MMRefServing
+from vllm_plugin.vllm_surface import load
 from vllm_plugin.weights import WEIGHT_VERSION_HEADER
 
 __all__ = [
@@ -50,6 +50,8 @@ __all__ = [
 
 logger = logging.getLogger("vllm.mmref")  # a child of vLLM's configured logger
 router = APIRouter()
+_ErrorResponse = load("ErrorResponse")
+"""vLLM's error body (``vllm/entrypoints/serve/engine/protocol.py``): the route's documented answers."""
 
 _MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 _UNSUPPORTED_MEDIA = "Unsupported Media Type: Only 'application/json' is allowed"
@@ -74,8 +76,7 @@ def error_response(error: MMRefError) -> JSONResponse:
     Messages go through vLLM's ``sanitize_message`` (no object addresses, no server paths beyond
     the ref); a hash mismatch never echoes the digest of what the file holds.
     """
-    from vllm.entrypoints.serve.exception_handling.utils import sanitize_message
-
+    sanitize_message = load("sanitize_message")
     metrics.REF_ERRORS.labels(error.code).inc()
     message = error.message
     if isinstance(error, HashMismatch):
@@ -155,10 +156,10 @@ def _decode_json(raw: bytearray) -> Any:
     "/inference/v1/generate",
     responses={
         HTTPStatus.OK.value: {"content": {"text/event-stream": {}}},
-        HTTPStatus.BAD_REQUEST.value: {"model": ErrorResponse},
-        HTTPStatus.NOT_FOUND.value: {"model": ErrorResponse},
-        HTTPStatus.UNPROCESSABLE_ENTITY.value: {"model": ErrorResponse},
-        HTTPStatus.INTERNAL_SERVER_ERROR.value: {"model": ErrorResponse},
+        HTTPStatus.BAD_REQUEST.value: {"model": _ErrorResponse},
+        HTTPStatus.NOT_FOUND.value: {"model": _ErrorResponse},
+        HTTPStatus.UNPROCESSABLE_ENTITY.value: {"model": _ErrorResponse},
+        HTTPStatus.INTERNAL_SERVER_ERROR.value: {"model": _ErrorResponse},
     },
 )
 async def generate(raw_request: Request) -> Response:
@@ -171,25 +172,23 @@ async def generate(raw_request: Request) -> Response:
     return await _generate(body, raw_request)
 
 
-@with_cancellation  # as vLLM's own route: a client that hangs up aborts its generation
-@load_aware_call
+@load("with_cancellation")  # as vLLM's own route: a client that hangs up aborts its generation
+@load("load_aware_call")
 async def _generate(body: Any, raw_request: Request) -> Response:
     """:meth:`MMRefServing.serve` (its errors are stock's, or the plugin's typed refusals).
 
     The body is read before this runs: ``with_cancellation`` listens to the request's remaining
     messages for a disconnect (vllm/entrypoints/serve/utils/api_utils.py).
     """
-    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateResponseBase
-
     try:
         result, version = await mmref_serving(raw_request).serve(body, raw_request)
     except MMRefError as e:
         logger.info("mmref refused a generate request: %s %s", e.code, e.message[:300])
         return error_response(e)
-    if isinstance(result, ErrorResponse):
+    if isinstance(result, _ErrorResponse):
         return JSONResponse(content=result.model_dump(), status_code=result.error.code)
     headers = {WEIGHT_VERSION_HEADER: version}
-    if isinstance(result, GenerateResponseBase):
+    if isinstance(result, load("GenerateResponseBase")):
         return JSONResponse(content=result.model_dump(), headers=headers)
     return StreamingResponse(content=result, media_type="text/event-stream", headers=headers)
 
@@ -248,41 +247,41 @@ def _updates(raw_request: Request) -> Any:
     return updates
 
 
-@weights_router.post("/mmref/v1/weights/update")
-async def update_weights(raw_request: Request) -> Response:
-    """Drain, ``reload_weights`` from ``weights_path``, bind ``version``, resume (``updates.py``)."""
+async def _weights_call(
+    raw_request: Request, fields: set[str], call: Callable[[Any, WeightsRequest], Awaitable[dict]]
+) -> Response:
+    """Parse the body (only ``fields`` allowed), run ``call(updates, body)``, answer its JSON or
+    the typed refusal."""
     try:
-        body = await _weights_request(raw_request, {"weights_path", "version", "timeout_s"})
-        if body.weights_path is None or body.version is None:
-            raise InvalidRequest("weights_path and version are required")
-        result = await _updates(raw_request).update(
-            weights_path=body.weights_path, version=body.version, timeout_s=body.timeout_s
-        )
+        body = await _weights_request(raw_request, fields)
+        result = await call(_updates(raw_request), body)
     except MMRefError as e:
         return error_response(e)
     return JSONResponse(content=result)
+
+
+@weights_router.post("/mmref/v1/weights/update")
+async def update_weights(raw_request: Request) -> Response:
+    """Drain, ``reload_weights`` from ``weights_path``, bind ``version``, resume (``updates.py``)."""
+
+    def update(updates: Any, body: WeightsRequest) -> Awaitable[dict]:
+        if body.weights_path is None or body.version is None:
+            raise InvalidRequest("weights_path and version are required")
+        return updates.update(weights_path=body.weights_path, version=body.version, timeout_s=body.timeout_s)
+
+    return await _weights_call(raw_request, {"weights_path", "version", "timeout_s"}, update)
 
 
 @weights_router.post("/mmref/v1/weights/hold")
 async def hold_weights(raw_request: Request) -> Response:
     """Drain and pause: the weights may then change through any of vLLM's weight routes."""
-    try:
-        body = await _weights_request(raw_request, {"timeout_s"})
-        result = await _updates(raw_request).hold(timeout_s=body.timeout_s)
-    except MMRefError as e:
-        return error_response(e)
-    return JSONResponse(content=result)
+    return await _weights_call(raw_request, {"timeout_s"}, lambda u, b: u.hold(timeout_s=b.timeout_s))
 
 
 @weights_router.post("/mmref/v1/weights/release")
 async def release_weights(raw_request: Request) -> Response:
     """Reset the caches, bind ``version`` (if given), resume."""
-    try:
-        body = await _weights_request(raw_request, {"version"})
-        result = await _updates(raw_request).release(version=body.version)
-    except MMRefError as e:
-        return error_response(e)
-    return JSONResponse(content=result)
+    return await _weights_call(raw_request, {"version"}, lambda u, b: u.release(version=b.version))
 
 
 def attach_router(app: FastAPI, *, dev_mode: bool) -> None:

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
 
 from protocol.features import DEFAULT_MAX_FEATURE_BYTES
 from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
-from protocol.store import DEFAULT_MAX_IMAGE_BYTES, existing_asset_root
+from protocol.settings import RootSettings
+from protocol.store import DEFAULT_MAX_IMAGE_BYTES
 
 __all__ = ["PluginConfig"]
 
 
-class PluginConfig(BaseSettings):
+class PluginConfig(RootSettings):
     """Settings of the mmref endpoint plugin; each field reads ``MMREF_<NAME>``.
+
+    Where images are read (:class:`~protocol.settings.RootSettings`): ``asset_roots``
+    (``MMREF_ASSET_ROOTS``: ordered folders and object stores, through the node's read cache
+    ``read_cache_dir``; ``store_*``: object-store timeouts and retries) and ``asset_root``
+    (``MMREF_ASSET_ROOT``: v1 refs at their ``file://`` path inside it, ``mmfile`` feature files).
+    At least one of the two. The roots are opened by the plugin's ``init_state``
+    (:meth:`~protocol.settings.RootSettings.image_source`), after vLLM started its processes.
 
     Raises:
         pydantic.ValidationError: at start-up, naming the bad variable.
@@ -23,8 +29,6 @@ class PluginConfig(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MMREF_", extra="ignore", frozen=True)
 
-    asset_root: Path
-    """Folder every ref must resolve inside (after symlinks). Required; must exist."""
     cache_budget_bytes: int = Field(default=2 << 30, ge=0)
     """Bytes of resolved items (their tensors) the resolve cache keeps (LRU beyond)."""
     max_workers: int = Field(default=2, ge=1, le=64)
@@ -41,5 +45,3 @@ class PluginConfig(BaseSettings):
     """Most refs one request may carry (each costs a file read and a processor run)."""
     allowed_families: list[str] | None = None
     """If set (a JSON list, e.g. ``'["qwen2_vl"]'``), the served model's family must be among them."""
-
-    _absolute_existing_dir = field_validator("asset_root")(existing_asset_root)

@@ -40,7 +40,9 @@ processor path are recorded in P0 before their request reaches P1 (suspension po
 under mixed traffic and a full cache the two LRU orders can differ; a pause without a cache clear
 in the engine (``keep``), or resumed before it finished, leaves P1 holding items P0 dropped. vLLM
 answers a handle P1 lacks with a retryable error and P0 forgets the hash
-(``MultiModalCacheMissError``).
+(``MultiModalCacheMissError``): vLLM 0.32 at once; vLLM >= 0.33 queues it, and only a drain of the
+queue forgets it (vLLM's own processing drains first thing; the hand-off, :meth:`EngineItems.settle`
+and :meth:`EngineItems.recorded_by_vllm` drain too, with the worker parked: ``drain``).
 
 **``null`` slots** (:meth:`EngineItems.lookup`): vLLM serves a slot of ``null`` from P1 under that
 hash. The API process can know:
@@ -74,6 +76,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from vllm_plugin.vllm_surface import load
 from vllm_plugin.weights import NAMESPACE
 
 __all__ = ["IN_STEP_MARKER", "SEEN_HASHES", "CacheMode", "EngineItems", "RecordedItem", "Release"]
@@ -93,17 +96,11 @@ class CacheMode(str, Enum):
     @classmethod
     def of(cls, sender_cache: Any) -> CacheMode:
         """The mode of the API process's sender cache (``renderer.mm_processor_cache``)."""
-        from vllm.multimodal.cache import (
-            LruKeyReplicatedSenderCache,
-            MultiModalProcessorOnlyCache,
-            ShmObjectStoreSenderCache,
-        )
-
-        if sender_cache is None or isinstance(sender_cache, MultiModalProcessorOnlyCache):
+        if sender_cache is None or isinstance(sender_cache, load("MultiModalProcessorOnlyCache")):
             return cls.NONE
-        if isinstance(sender_cache, ShmObjectStoreSenderCache):
+        if isinstance(sender_cache, load("ShmObjectStoreSenderCache")):
             return cls.SHM
-        if isinstance(sender_cache, LruKeyReplicatedSenderCache):
+        if isinstance(sender_cache, load("LruKeyReplicatedSenderCache")):
             return cls.LRU
         return cls.UNKNOWN
 
@@ -156,6 +153,10 @@ class EngineItems:
             thread). Without it or ``executor``, items always travel with data.
         on_stats: called after each hand-off (``renderer.update_mm_cache_stats``: vLLM's
             ``vllm:mm_cache_*`` metrics then count the route's hits, as ``inject_into_mm_cache``).
+        drain: applies the cache-miss invalidations vLLM deferred (vLLM >= 0.33: the door's
+            ``invalidation_drain``; None on 0.32, which applies them at once). Run with the worker
+            parked, before P0 is read or recorded (:meth:`hand_off`, :meth:`settle`,
+            :meth:`recorded_by_vllm`), as vLLM runs it on the worker before its own processing.
     """
 
     def __init__(
@@ -165,9 +166,8 @@ class EngineItems:
         executor: Executor | None = None,
         is_paused: Callable[[], Awaitable[bool]] | None = None,
         on_stats: Callable[[], None] | None = None,
+        drain: Callable[[], None] | None = None,
     ) -> None:
-        from vllm.utils.cache import LRUCache
-
         self.mode = CacheMode.of(sender_cache)
         self.sender_cache = sender_cache
         self.mirrors = self.mode is CacheMode.LRU and executor is not None and is_paused is not None
@@ -175,8 +175,10 @@ class EngineItems:
         self._executor = executor
         self._is_paused = is_paused
         self._on_stats = on_stats
+        self._drain = drain
         self._confirming: asyncio.Task[None] | None = None
-        self._sent: LRUCache[str, RecordedItem] = LRUCache(SEEN_HASHES)
+        self._sent: Any = load("LRUCache")(SEEN_HASHES)
+        """``vllm.utils.cache.LRUCache[str, RecordedItem]``."""
 
     # --- hand-off ----------------------------------------------------------------------
 
@@ -246,11 +248,11 @@ class EngineItems:
         Returns:
             The hashes newly recorded (for :meth:`forget` if the request never reaches the engine).
         """
-        from vllm.multimodal.utils import argsort_mm_positions
-
         cache = self.sender_cache
         kwargs, hashes = engine_input["mm_kwargs"], engine_input["mm_hashes"]
-        order = argsort_mm_positions(engine_input["mm_placeholders"])
+        order = load("argsort_mm_positions")(engine_input["mm_placeholders"])
+        if self._drain is not None:  # a hash the engine missed is no longer "held" (vLLM >= 0.33)
+            self._drain()
         recorded: list[str] = []
         try:
             cache.touch_sender_cache_item(IN_STEP_MARKER)  # kept from the LRU end
@@ -278,6 +280,19 @@ class EngineItems:
 
     # --- null slots --------------------------------------------------------------------
 
+    async def settle(self) -> None:
+        """Apply the cache-miss invalidations vLLM deferred (vLLM >= 0.33; see ``drain``) before
+        :meth:`lookup` reads P0, with the worker parked (vLLM drains on it before its own
+        processing). Nothing to do on 0.32 or without a worker.
+        """
+        if self._drain is None or not self.mirrors:
+            return
+        release = await self.exclusive()
+        try:
+            self._drain()
+        finally:
+            release()
+
     def sent(self, mm_hash: str, item: RecordedItem) -> None:
         """An item went to the engine with data (the engine caches it under ``mm_hash``)."""
         if self.mode is CacheMode.LRU:
@@ -304,6 +319,8 @@ class EngineItems:
             return None
         release = await self.exclusive()
         try:
+            if self._drain is not None:
+                self._drain()
             if not self.sender_cache.is_cached_item(mm_hash):
                 return None
             _, updates = self.sender_cache.get_and_update_item(None, mm_hash)
@@ -323,12 +340,11 @@ def _embeds(details: Any) -> int:
 def _zero_byte_item() -> Any:
     """A ``MultiModalKwargsItem`` of size 0 for vLLM's caches (an empty tensor)."""
     import torch
-    from vllm.multimodal.inputs import MultiModalFieldElem, MultiModalKwargsItem, MultiModalSharedField
 
-    empty = MultiModalFieldElem(
-        data=torch.empty(0, dtype=torch.uint8), field=MultiModalSharedField(batch_size=1)
+    empty = load("MultiModalFieldElem")(
+        data=torch.empty(0, dtype=torch.uint8), field=load("MultiModalSharedField")(batch_size=1)
     )
-    return MultiModalKwargsItem({"mmref_marker": empty})
+    return load("MultiModalKwargsItem")({"mmref_marker": empty})
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

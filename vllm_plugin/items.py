@@ -29,6 +29,7 @@ from typing import Any
 
 from protocol.adapters import ImageAdapter
 from protocol.errors import MMRefError
+from vllm_plugin.vllm_surface import load
 
 __all__ = ["CheckedItem", "ItemLayout", "PixelRange", "decode_item", "encode_item"]
 
@@ -39,11 +40,9 @@ def _thread_codec() -> tuple[Any, Any]:
     """This thread's vLLM ``MsgpackEncoder``/``MsgpackDecoder`` (not thread-safe for tensors, so
     one per worker thread instead of ``mm_serde``'s module-level pair)."""
     if not hasattr(_codecs, "encoder"):
-        from vllm.multimodal.inputs import MultiModalKwargsItem
-        from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
-
-        _codecs.encoder = MsgpackEncoder(size_threshold=2**62)  # all tensors inline, as mm_serde
-        _codecs.decoder = MsgpackDecoder(t=MultiModalKwargsItem)
+        encoder = load("MsgpackEncoder")(size_threshold=2**62)  # all tensors inline, as mm_serde
+        _codecs.decoder = load("MsgpackDecoder")(t=load("MultiModalKwargsItem"))
+        _codecs.encoder = encoder
     return _codecs.encoder, _codecs.decoder
 
 
@@ -170,11 +169,10 @@ class ItemLayout:
             ValueError: not exactly one item of the served modality.
         """
         from transformers import BatchFeature
-        from vllm.multimodal.inputs import MultiModalKwargsItems
 
         batch = BatchFeature(dict(hf_inputs))
         config = self.fields_config(batch)
-        items = MultiModalKwargsItems.from_hf_inputs(batch, config)
+        items = load("MultiModalKwargsItems.from_hf_inputs")(batch, config)
         modality = self.adapter.vllm_modality
         if set(items) != {modality} or len(items[modality]) != 1:
             counts = {m: len(v) for m, v in items.items()}
@@ -240,9 +238,7 @@ class ItemLayout:
 
 
 def _is_flat(field: Any) -> bool:
-    from vllm.multimodal.inputs import MultiModalFlatField
-
-    return isinstance(field, MultiModalFlatField)
+    return isinstance(field, load("MultiModalFlatField"))
 
 
 def _well_formed(elem: Any) -> bool:

@@ -1,7 +1,8 @@
 """The ``vllm.endpoint_plugins`` entry point (``mmref = vllm_plugin.plugin:MMRefEndpointPlugin``).
 
 Loaded by the stock vLLM API server when ``VLLM_PLUGINS`` names ``mmref``. vLLM logs and swallows
-a plugin that fails to import or to instantiate, so this module imports nothing from vLLM: the
+a plugin that fails to import or to instantiate, so this module imports nothing from vLLM (its
+vLLM names come through ``vllm_plugin/vllm_surface``, the door, when called): the
 supported-version check runs in :meth:`MMRefEndpointPlugin.attach_router` and the settings checks
 in ``init_state``, whose exceptions stop the server instead of leaving the route missing.
 """
@@ -12,13 +13,17 @@ import logging
 from argparse import Namespace
 from typing import Any
 
+from vllm_plugin.vllm_surface import load, vllm_version
+
 __all__ = ["SUPPORTED_VLLM", "MMRefEndpointPlugin", "check_vllm_version"]
 
 logger = logging.getLogger("vllm.mmref")  # a child of vLLM's configured logger
 
 SUPPORTED_VLLM = ">=0.32.0,<0.34"
 """vLLM releases this plugin supports (the ``serve``/``serve-cuda`` extras of pyproject.toml say
-the same; a test keeps them equal). 0.32 is tested; 0.33 is supported blind (docs/DESIGN-DECISIONS.md)."""
+the same; a test keeps them equal): exactly the releases the door's table is checked against
+(``vllm_surface.CHECKED_VLLM``: 0.32 installed and run, 0.33 statically from its wheel,
+docs/VLLM-SURFACE.md)."""
 
 
 def check_vllm_version(version: str | None = None) -> str:
@@ -31,9 +36,7 @@ def check_vllm_version(version: str | None = None) -> str:
     from packaging.version import InvalidVersion, Version
 
     if version is None:
-        import vllm
-
-        version = str(vllm.__version__)
+        version = vllm_version()
     try:  # local tags and dev/rc suffixes do not matter: 0.33.1+cu130 and 0.33.0rc1 are 0.33.x
         ok = SpecifierSet(SUPPORTED_VLLM).contains(Version(version).base_version)
     except InvalidVersion:
@@ -57,12 +60,10 @@ class MMRefEndpointPlugin:
             RuntimeError: unsupported vLLM (see :func:`check_vllm_version`).
         """
         version = check_vllm_version()
-        import vllm.envs as envs
-
         from vllm_plugin import api_router
         from vllm_plugin.admission import AdmissionMiddleware
 
-        dev_mode = bool(envs.VLLM_SERVER_DEV_MODE)
+        dev_mode = bool(load("envs.VLLM_SERVER_DEV_MODE"))
         api_router.attach_router(app, dev_mode=dev_mode)
         app.add_middleware(AdmissionMiddleware)
         logger.info("mmref: routes attached (vLLM %s, supported %s)", version, SUPPORTED_VLLM)
@@ -97,12 +98,14 @@ class MMRefEndpointPlugin:
         state.mmref_updates = WeightUpdates(engine_client, admission, serving.weight_version)
         resolver = serving.resolver
         logger.info(
-            "mmref: serving refs for %s (fingerprint %s, %s pixels, backend %s) from %s; body limit %d "
-            "bytes, grids of at most %d patches, engine item cache %s (items as cache handles: %s)",
+            "mmref: serving refs for %s (fingerprint %s, %s pixels, backend %s) from asset roots %s "
+            "(v1 refs and feature files under %s); body limit %d bytes, grids of at most %d patches, "
+            "engine item cache %s (items as cache handles: %s)",
             serving.adapter.family,
             serving.adapter.fingerprint,
             resolver.pixel_mode,
             serving.adapter.backend,
+            resolver.store.describe(),  # as configured: never a credential (protocol/roots.py)
             serving.config.asset_root,
             serving.max_body_bytes,
             serving.adapter.grid_limits()[1],

@@ -20,10 +20,10 @@ from typing import Annotated, Any
 import msgspec
 from fastapi.exceptions import RequestValidationError
 from pydantic import PlainSerializer, PlainValidator, ValidationError, model_validator
-from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 
 from protocol.errors import InvalidRef, InvalidRequest, MMRefError
 from protocol.structs import RawMMRef
+from vllm_plugin.vllm_surface import load
 
 __all__ = ["ERROR_TYPES", "MMRefEntry", "MMRefGenerateRequest", "error_body", "parse_request"]
 
@@ -55,7 +55,11 @@ MMRefEntry = Annotated[
 """One image of ``mm_refs``: an ``mmraw:``/``mmfile:v1:`` string or a ``RawMMRef`` object."""
 
 
-class MMRefGenerateRequest(GenerateRequest):
+_GenerateRequest = load("GenerateRequest")
+"""vLLM's ``GenerateRequest`` (``vllm/entrypoints/scale_out/token_in_token_out/protocol.py``)."""
+
+
+class MMRefGenerateRequest(_GenerateRequest):  # type: ignore[misc,valid-type]
     """vLLM's ``GenerateRequest`` with top-level refs.
 
     ``mm_refs`` (prompt order) replace ``features``: the server resolves each ref and locates

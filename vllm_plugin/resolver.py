@@ -1,21 +1,26 @@
-"""One ref in, one processed vLLM item out: the confined read, the checks and the cache.
+"""One ref in, one processed vLLM item out: the read from the asset roots, the checks and the cache.
 
-- ``mmraw:`` refs: read from the confined asset root, sha256-checked, decoded like vLLM, processed
-  by the model's own HF image processor (the instance vLLM itself uses, under vLLM's own torch
-  thread setting), grid-checked, and built into vLLM's ``MultiModalKwargsItem`` with the model's
-  field config, exactly as vLLM's processor builds it.
+- ``mmraw:`` refs (v1, and content-named ``mmraw:v2:``): read through the server's asset roots
+  (:meth:`protocol.settings.RootSettings.image_source`: ``MMREF_ASSET_ROOTS`` in order, the node's
+  read cache; v1 refs at their ``file://`` path confined to ``MMREF_ASSET_ROOT`` first),
+  sha256-checked, decoded like vLLM, processed by the model's own HF image processor (the instance
+  vLLM itself uses, under vLLM's own torch thread setting), grid-checked, and built into vLLM's
+  ``MultiModalKwargsItem`` with the model's field config, exactly as vLLM's processor builds it.
+- content-named cache handles (:meth:`MMRefResolver.resolve_handle`): an image engine hash this
+  replica's engine does not hold, resolved from the same roots by the content it names (the same
+  pixel path, ``ImageAdapter.process_bytes``; no grid is claimed, the request's range is checked).
 - ``mmfile:v1:`` refs: envelope, payload sha256 and fingerprint checked, payload decoded with
   vLLM's decoder and checked against the served model's item layout and pixel mode.
 - The item stays a ``MultiModalKwargsItem`` in this process: it reaches vLLM's engine input as is
   (``serving_tokens.py``), never through vLLM's base64/msgpack wire format.
 - A grid a ref or a feature file claims is bounded by the served processor's limits
   (``ImageAdapter.check_grid``) before anything is sized from it.
-- A resolved item's content key is ``"mmref:v1:" + sha256(image bytes) + ":" + fingerprint + ":" +
-  pixel mode`` (``"mmref:v1:file:" + payload sha256 + ":" + fingerprint`` for feature files):
+- A resolved item's content key (``weights.ContentKey``): the full sha256 of the image bytes read
+  and their store extension (or the feature payload's sha256), the fingerprint and the pixel mode;
   content- and processing-bound, never a client uuid; ``weights.engine_hash`` binds it to the
   weight version for vLLM's caches.
-- Results are cached by the sha256 of the whole ref string (byte-bounded LRU, single-flight,
-  failures never cached).
+- Results are cached by the sha256 of the whole ref string (handles: by their content; byte-bounded
+  LRU, single-flight, failures never cached).
 """
 
 from __future__ import annotations
@@ -23,19 +28,23 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.adapters import ImageAdapter
-from protocol.errors import CorruptFeature, FingerprintMismatch, GridMismatch
+from protocol.adapters import ImageAdapter, ProcessedImage
+from protocol.errors import CorruptFeature, FingerprintMismatch, GridMismatch, InvalidRef, MMRefError
 from protocol.features import read_feature_item
-from protocol.refs import FileRef, RawRefBody, parse_ref
-from protocol.store import AssetStore
+from protocol.images import sniff_media_type
+from protocol.refs import ContentRef, FileRef, RawRefBody, parse_ref
+from protocol.roots import AssetRoots
 from vllm_plugin import metrics
 from vllm_plugin.cache import ByteBudgetLRU
 from vllm_plugin.config import PluginConfig
 from vllm_plugin.items import ItemLayout, decode_item
+from vllm_plugin.vllm_surface import load
+from vllm_plugin.weights import ContentKey
 
 __all__ = ["MMRefResolver", "ResolvedItem"]
 
@@ -44,7 +53,7 @@ __all__ = ["MMRefResolver", "ResolvedItem"]
 class ResolvedItem:
     """One ref, resolved: what takes a ``features`` slot of the engine input."""
 
-    content_key: str
+    content_key: ContentKey
     """What the item's engine hash binds besides the weight version (``weights.engine_hash``)."""
     item: Any
     """vLLM's ``MultiModalKwargsItem`` (shared by every request that uses the ref: never mutated)."""
@@ -62,9 +71,14 @@ class MMRefResolver:
 
     Args:
         adapter: the served family's adapter (wrapping vLLM's own HF image processor).
-        config: plugin settings (asset root, limits, cache budget).
+        config: plugin settings (asset roots, limits, cache budget); its roots are opened here
+            (object-store clients: build the resolver in the process that serves, after vLLM's
+            processes started).
         layout: the served model's item layout (built from its field config).
         device_normalize: the engine's resolved ``mm_device_do_normalize``.
+
+    Raises:
+        ValueError: a root that does not open (:meth:`~protocol.settings.RootSettings.image_source`).
     """
 
     def __init__(
@@ -78,7 +92,7 @@ class MMRefResolver:
         self.adapter = adapter
         self.config = config
         self.layout = layout
-        self.store = AssetStore(config.asset_root)
+        self.store: AssetRoots = config.image_source()
         self.device_normalize = device_normalize
         self.pixel_mode = "raw" if device_normalize else "normalized"
         self.cache: ByteBudgetLRU[ResolvedItem] = ByteBudgetLRU(
@@ -101,43 +115,72 @@ class MMRefResolver:
         if cached is not None:
             return cached
         parsed = parse_ref(ref)
-        if isinstance(parsed, RawRefBody):
+        if isinstance(parsed, RawRefBody | ContentRef):
             self.adapter.check_ref(parsed, ref=ref)  # cheap checks (grid bound too) before queueing work
-            work, kind = self._resolve_raw_sync, "mmraw"
-        else:
-            work, kind = self._resolve_file_sync, "mmfile"
+            return await self._compute(key, "mmraw", lambda: self._resolve_raw_sync(parsed, ref))
+        return await self._compute(key, "mmfile", lambda: self._resolve_file_sync(parsed, ref))
+
+    async def resolve_handle(self, sha256: str, ext: str, handle: str) -> ResolvedItem:
+        """Resolve the image a content-named engine hash names (``weights.parse_handle``) from this
+        server's roots: the bytes whose sha256 is ``sha256`` at ``images/<sha256[:16]><ext>``,
+        processed as a ref's (cached by content; no grid is claimed: the caller checks the
+        request's placeholder range against the item).
+
+        Raises:
+            StoreUnavailable, AssetNotFound, HashMismatch, AssetTooLarge: see
+                :meth:`protocol.roots.AssetRoots.read_content` (errors name ``handle``).
+            ImageUnreadable: see :meth:`protocol.adapters.ImageAdapter.process_bytes`.
+        """
+
+        def work() -> ResolvedItem:
+            limit = self.config.max_image_bytes
+            data, digest = self.store.read_content(sha256, ext, max_bytes=limit, ref=handle)
+            return self._raw_item(self._pixels(self.adapter.process_bytes, data, digest, ref=handle), ext)
+
+        return await self._compute(f"handle:{sha256}{ext}", "handle", work)
+
+    async def _compute(self, key: str, kind: str, work: Callable[[], ResolvedItem]) -> ResolvedItem:
+        """``work`` in the worker pool, timed and counted, through the cache (single-flight)."""
 
         def timed() -> ResolvedItem:
             start = time.perf_counter()
-            item = work(parsed, ref)
+            item = work()
             metrics.RESOLVE_SECONDS.labels(kind).observe(time.perf_counter() - start)
-            if kind == "mmraw":
+            if kind != "mmfile":
                 metrics.IMAGES_MATERIALIZED.inc()
             return item
 
         loop = asyncio.get_running_loop()
         return await self.cache.get_or_compute(key, lambda: loop.run_in_executor(self.pool, timed))
 
-    def _resolve_raw_sync(self, body: RawRefBody, ref: str) -> ResolvedItem:
-        from transformers import BatchFeature
-        from vllm.multimodal.inputs import MultiModalKwargsItems
-        from vllm.utils.torch_utils import set_default_torch_num_threads
+    def _resolve_raw_sync(self, body: RawRefBody | ContentRef, ref: str) -> ResolvedItem:
+        source = _ExtRecorder(self.store)
+        limit = self.config.max_image_bytes
+        processed = self._pixels(self.adapter.resolve_raw, body, source, ref=ref, max_bytes=limit)
+        return self._raw_item(processed, source.ext)
 
-        with set_default_torch_num_threads():  # as vLLM's renderer runs its processor
-            processed = self.adapter.resolve_raw(
-                body,
-                self.store,
-                ref=ref,
+    def _pixels(self, path: Callable[..., ProcessedImage], *args: Any, **kwargs: Any) -> ProcessedImage:
+        """An adapter's pixel path (``resolve_raw``, ``process_bytes``) with this server's pixel
+        mode and pixel limit, under vLLM's torch thread setting (as vLLM's renderer runs its
+        processor)."""
+        with load("set_default_torch_num_threads")():
+            return path(
+                *args,
                 device_normalize=self.device_normalize,
-                max_bytes=self.config.max_image_bytes,
                 max_pixels=self.config.max_image_pixels,
+                **kwargs,
             )
+
+    def _raw_item(self, processed: ProcessedImage, ext: str) -> ResolvedItem:
+        """vLLM's item for a processed image whose bytes are stored as ``images/<sha256[:16]><ext>``."""
+        from transformers import BatchFeature
+
         hf_inputs = BatchFeature(dict(processed.tensors))
-        items = MultiModalKwargsItems.from_hf_inputs(hf_inputs, self.layout.fields_config(hf_inputs))
+        items = load("MultiModalKwargsItems.from_hf_inputs")(hf_inputs, self.layout.fields_config(hf_inputs))
         (item,) = items[self.adapter.vllm_modality]
         return ResolvedItem(
             # the full sha256 of the bytes read, not the ref's (possibly 16-hex) mm_hash prefix
-            content_key=f"mmref:v1:{processed.sha256}:{self.adapter.fingerprint}:{self.pixel_mode}",
+            content_key=ContentKey("image", processed.sha256, ext, self.adapter.fingerprint, self.pixel_mode),
             item=item,
             grid=processed.grid,
             num_placeholders=processed.num_placeholders,
@@ -146,6 +189,8 @@ class MMRefResolver:
     def _resolve_file_sync(self, ref_ids: FileRef, ref: str) -> ResolvedItem:
         """An ``mmfile:v1`` item: envelope, payload sha256 and fingerprint checked, payload decoded
         with vLLM, its grid bounded, its layout, placeholder length and pixel mode checked."""
+        if self.config.asset_root is None:
+            raise InvalidRef("mmfile refs are read under MMREF_ASSET_ROOT: this server has none", ref=ref)
         item_file = read_feature_item(
             self.config.asset_root,
             ref_ids,
@@ -171,8 +216,34 @@ class MMRefResolver:
                 ref=ref,
             )
         return ResolvedItem(
-            content_key=f"mmref:v1:file:{item_file.envelope.payload_sha256}:{self.adapter.fingerprint}",
+            content_key=ContentKey(
+                "feature", item_file.envelope.payload_sha256, "", self.adapter.fingerprint, self.pixel_mode
+            ),
             item=item,
             grid=checked.grid,
             num_placeholders=checked.num_placeholders,
         )
+
+
+class _ExtRecorder:
+    """An ``ImageSource`` over the server's roots that keeps the store extension of the image it
+    read: a v2 ref's own, or, for a v1 ref, the one its bytes are stored under
+    (``protocol.images.sniff_media_type``; ``.img`` for bytes no allowed format opens, which the
+    decode then refuses)."""
+
+    def __init__(self, source: AssetRoots) -> None:
+        self.source = source
+        self.ext = ".img"
+
+    def read_image(
+        self, body: RawRefBody | ContentRef, *, max_bytes: int, ref: str | None = None
+    ) -> tuple[bytes, str]:
+        data, digest = self.source.read_image(body, max_bytes=max_bytes, ref=ref)
+        if isinstance(body, ContentRef):
+            self.ext = body.ext
+        else:
+            try:
+                self.ext = sniff_media_type(data)[1]
+            except MMRefError:
+                self.ext = ".img"
+        return data, digest

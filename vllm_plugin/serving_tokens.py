@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_plugin.engine_items import EngineItems
+from vllm_plugin.vllm_surface import load, serving_tokens_keywords
 
 __all__ = ["HandOffClient", "ResolvedSlot", "build_serving_tokens", "pending_items"]
 
@@ -175,13 +176,8 @@ def _fill(engine_input: Any, slots: tuple[ResolvedSlot, ...]) -> None:
 def build_serving_tokens(engine_client: Any, engine_items: EngineItems, state: Any, args: Any) -> Any:
     """vLLM's ``ServingTokens`` over :class:`HandOffClient`, with the app's own instance's settings
     (vLLM 0.32 builds one for every generate server) or, without one, those vLLM's
-    ``scale_out/factories.py`` derives from the CLI arguments. vLLM 0.33's constructor also takes
-    an ``online_derenderer``; it is passed when the constructor has that parameter (not verified
-    on 0.33)."""
-    import inspect
-
-    from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
-
+    ``scale_out/factories.py`` derives from the CLI arguments. vLLM 0.33's constructor also
+    requires an ``online_derenderer`` (the door's version-keyed ``serving_tokens_keywords``)."""
     app = getattr(state, "serving_tokens", None)
     settings = {
         "request_logger": getattr(app, "request_logger", getattr(state, "request_logger", None)),
@@ -189,10 +185,9 @@ def build_serving_tokens(engine_client: Any, engine_items: EngineItems, state: A
         "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
         "enable_log_outputs": args.enable_log_outputs,
         "force_no_detokenize": args.tokens_only,
+        **serving_tokens_keywords(state),
     }
-    if "online_derenderer" in inspect.signature(ServingTokens.__init__).parameters:
-        settings["online_derenderer"] = state.online_derenderer
-    return ServingTokens(
+    return load("ServingTokens")(
         HandOffClient(engine_client, engine_items),
         state.openai_serving_models,
         state.online_renderer,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from argparse import Namespace
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from protocol.errors import UnsupportedFamily
@@ -15,6 +14,13 @@ from vllm_plugin.resolver import MMRefResolver
 from vllm_plugin.seeds import SplitRule
 from vllm_plugin.serving import MMRefServing
 from vllm_plugin.serving_tokens import build_serving_tokens
+from vllm_plugin.vllm_surface import (
+    invalidation_drain,
+    load,
+    mm_fields_config,
+    mm_worker,
+    served_image_processor,
+)
 from vllm_plugin.weights import VersionReader
 
 __all__ = ["build_serving", "default_body_limit", "engine_items", "refuse_unsafe_settings"]
@@ -29,8 +35,6 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
     Raises:
         pydantic.ValidationError, UnsupportedFamily, RuntimeError: see ``plugin.init_state``.
     """
-    from vllm.platforms import current_platform
-
     from protocol.adapters import adapter_class
 
     config = PluginConfig()
@@ -45,8 +49,8 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
     renderer = engine_client.renderer
     mm_processor = renderer.get_mm_processor()
     adapter_cls = adapter_class(model_type)
-    adapter = adapter_cls(adapter_cls.served_image_processor(mm_processor), family=model_type)
-    layout = ItemLayout(adapter, lambda hf_inputs: mm_processor._get_mm_fields_config(hf_inputs, {}))
+    adapter = adapter_cls(served_image_processor(mm_processor), family=model_type)
+    layout = ItemLayout(adapter, mm_fields_config(mm_processor))
     resolver = MMRefResolver(
         adapter,
         config,
@@ -68,7 +72,7 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
         ec_transfer=vllm_config.ec_transfer_config is not None,
         max_body_bytes=body_limit,
         weight_version=VersionReader(engine_client.get_weight_version),
-        split_rule=SplitRule.for_engine(vllm_config, is_cpu=current_platform.is_cpu()),
+        split_rule=SplitRule.for_engine(vllm_config, is_cpu=load("current_platform").is_cpu()),
     )
 
 
@@ -98,18 +102,17 @@ def engine_items(renderer: Any, engine_client: Any) -> EngineItems:
     """The route's view of the engine's items, over vLLM's sender cache and its multimodal worker.
 
     vLLM runs every sender-cache operation on the renderer's single multimodal worker thread
-    (``renderer._mm_executor``, private in vLLM 0.32: ``ThreadPoolExecutor(max_workers=1)``); the
-    hand-off parks that thread (``engine_items.py``). A renderer without such a worker gets no
-    hand-off through the sender cache: items then always travel with their data.
+    (the door's :func:`~vllm_plugin.vllm_surface.mm_worker`); the hand-off parks that thread
+    (``engine_items.py``) and there applies the cache-miss invalidations vLLM >= 0.33 defers
+    (:func:`~vllm_plugin.vllm_surface.invalidation_drain`). A renderer without such a worker gets
+    no hand-off through the sender cache: items then always travel with their data.
     """
-    executor = getattr(renderer, "_mm_executor", None)
-    if not (isinstance(executor, ThreadPoolExecutor) and executor._max_workers == 1):
-        executor = None
     return EngineItems(
         renderer.mm_processor_cache,
-        executor=executor,
+        executor=mm_worker(renderer),
         is_paused=engine_client.is_paused,
         on_stats=renderer.update_mm_cache_stats,
+        drain=invalidation_drain(renderer),
     )
 
 
@@ -126,9 +129,7 @@ def refuse_unsafe_settings(model_config: Any) -> None:
     Raises:
         RuntimeError: naming the setting.
     """
-    import vllm.envs as envs
-
-    if envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
+    if load("envs.VLLM_ALLOW_INSECURE_SERIALIZATION"):
         raise RuntimeError(
             "mmref refuses VLLM_ALLOW_INSECURE_SERIALIZATION=1: mmfile feature payloads from the "
             "shared store would be unpickled"

@@ -7,7 +7,9 @@ update an unchanged key serves what the old weights computed. Every request thro
 generate route is bound to the version vLLM reports for its weights:
 
 - a resolved ref's engine hash carries the version (:func:`engine_hash`): no embedding and no block
-  holding one from other weights can match;
+  holding one from other weights can match. An image's engine hash also names its content (the
+  full sha256 and store extension, :class:`ContentHandle`), so any replica can resolve a cache
+  handle it never minted from its own asset roots and check the binding (:func:`binding_digest`);
 - the request's ``cache_salt`` carries it (:func:`version_salt`): the first prefix block's hash
   includes the salt and every later block chains it, so text-only blocks are bound too;
 - the answer names it (:data:`WEIGHT_VERSION_HEADER`), and a non-streamed answer that vLLM's
@@ -24,15 +26,24 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from protocol.refs import IMAGE_EXTS
 
 __all__ = [
+    "BINDING_HEX",
     "ENGINE_HASH_PREFIX",
     "NAMESPACE",
     "WEIGHT_VERSION_HEADER",
+    "ContentHandle",
+    "ContentKey",
     "VersionReader",
+    "binding_digest",
     "engine_hash",
+    "parse_handle",
     "served_by",
     "version_salt",
 ]
@@ -43,23 +54,86 @@ salts, and the sender-cache marker (``engine_items.IN_STEP_MARKER``). Client ite
 hashes may not claim it (``serving.py``)."""
 
 ENGINE_HASH_PREFIX = NAMESPACE
-"""Prefix of a resolved ref's engine hash (``mmref-`` + 64 hex)."""
+"""Prefix of a resolved ref's engine hash (:func:`engine_hash`)."""
+
+BINDING_HEX = 32
+"""Hex characters of an image engine hash's binding digest (128 bits)."""
+
+_HANDLE_RE = re.compile(
+    re.escape(NAMESPACE)
+    + r"(?P<sha256>[a-f0-9]{64})(?P<ext>"
+    + "|".join(re.escape(e) for e in IMAGE_EXTS)
+    + rf")-(?P<binding>[a-f0-9]{{{BINDING_HEX}}})"
+)
 
 WEIGHT_VERSION_HEADER = "x-mmref-weight-version"
 """Response header naming the weight version an answer was generated under."""
 
 
-def engine_hash(content_key: str, weight_version: str) -> str:
-    """The hash vLLM caches a resolved ref under (``mm_hashes``): ``"mmref-"`` + 64 hex,
-    sha256 of ``content_key`` + NUL + ``weight_version``.
+@dataclass(frozen=True)
+class ContentKey:
+    """What a resolved item's engine hash binds besides the weight version."""
+
+    kind: Literal["image", "feature"]
+    """A raw image (``mmraw`` refs, handles) or a processed feature file (``mmfile:v1``)."""
+    sha256: str
+    """Full hex sha256 of the image bytes, or of the feature file's payload."""
+    ext: str
+    """The image's store extension (``.jpg`` ...: its key ``images/<sha256[:16]><ext>``); ``""``
+    for a feature file."""
+    fingerprint: str
+    """The served layout fingerprint the item was processed under."""
+    pixel_mode: str
+    """``"raw"`` (uint8, normalized on device) or ``"normalized"`` (float32)."""
+
+
+@dataclass(frozen=True)
+class ContentHandle:
+    """The parts of an image engine hash: what any replica needs to resolve it and check it."""
+
+    sha256: str
+    ext: str
+    binding: str
+    """:func:`binding_digest` of the fingerprint, pixel mode and weight version it was minted under."""
+
+
+def binding_digest(fingerprint: str, pixel_mode: str, weight_version: str) -> str:
+    """:data:`BINDING_HEX` hex of sha256 over (fingerprint, pixel mode, weight version): the
+    processing and the weights an image engine hash is bound to. Recomputed by a replica from
+    its own served layout and current version; equal only where both match."""
+    text = json.dumps(["mmref-binding-v1", fingerprint, pixel_mode, weight_version])
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:BINDING_HEX]
+
+
+def engine_hash(content_key: ContentKey, weight_version: str) -> str:
+    """The hash vLLM caches a resolved ref under (``mm_hashes``).
+
+    - an image: ``"mmref-" + sha256 + ext + "-" + binding`` (the full 64-hex sha256 of its bytes,
+      its store extension, :func:`binding_digest`; 107-108 characters). It names the content, so
+      a replica that does not hold the item finds the bytes under its own roots
+      (:func:`parse_handle`), and the binding, so it can tell whether its engine would compute
+      the same item under the same weights.
+    - a feature file: ``"mmref-" + 64 hex``, sha256 of ``"mmref:v1:file:" + payload sha256 + ":" +
+      fingerprint`` + NUL + version: opaque (a feature file lives under one server's
+      ``MMREF_ASSET_ROOT``; a replica that does not hold it answers ``not_cached``).
 
     vLLM keys its encoder cache (vision embeddings) by this hash and mixes it into the prefix-cache
     hashes of the blocks the item's placeholders fall in; binding it to the served weights'
     version means an embedding or KV block computed under other weights can never match.
-    ``content_key`` contains no NUL (``resolver.ResolvedItem.content_key``).
     """
-    key = f"{content_key}\0{weight_version}".encode("utf-8", "surrogatepass")
-    return ENGINE_HASH_PREFIX + hashlib.sha256(key).hexdigest()
+    key = content_key
+    if key.kind == "image":
+        binding = binding_digest(key.fingerprint, key.pixel_mode, weight_version)
+        return f"{NAMESPACE}{key.sha256}{key.ext}-{binding}"
+    text = f"mmref:v1:file:{key.sha256}:{key.fingerprint}\0{weight_version}"
+    return ENGINE_HASH_PREFIX + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def parse_handle(mm_hash: str) -> ContentHandle | None:
+    """The content and binding an image engine hash names (None: any other string, a feature
+    file's opaque hash included)."""
+    m = _HANDLE_RE.fullmatch(mm_hash)
+    return None if m is None else ContentHandle(m["sha256"], m["ext"], m["binding"])
 
 
 def version_salt(client_salt: str | None, weight_version: str) -> str:

@@ -120,12 +120,6 @@ class ImageAdapter(ABC):
 
         return AutoImageProcessor.from_pretrained(model_dir, backend=backend, local_files_only=True)
 
-    @classmethod
-    def served_image_processor(cls, mm_processor: Any) -> Any:
-        """The image-processor instance a running vLLM uses, from its multimodal processor
-        (``engine_client.renderer.get_mm_processor()``): ``info.get_hf_processor().image_processor``."""
-        return mm_processor.info.get_hf_processor().image_processor
-
     # --- family specifics -------------------------------------------------------------
 
     @abstractmethod
@@ -281,16 +275,37 @@ class ImageAdapter(ABC):
         """
         claimed = self.check_ref(body, ref=ref)
         data, sha256 = store.read_image(body, max_bytes=max_bytes, ref=ref)
-        image = load_image(data, max_pixels=max_pixels, ref=ref)
-        try:
-            processed = self.process(image, device_normalize=device_normalize)
-        except ValueError as e:  # e.g. smart_resize: aspect ratio > 200
-            raise ImageUnreadable(f"{self.family} processor refused the image: {e}", ref=ref) from e
+        processed = self.process_bytes(
+            data, sha256, ref=ref, device_normalize=device_normalize, max_pixels=max_pixels
+        )
         if processed.grid != claimed:
             raise GridMismatch(
                 f"ref claims {self.grid_field} {list(claimed)}, processor gives {list(processed.grid)}",
                 ref=ref,
             )
+        return processed
+
+    def process_bytes(
+        self,
+        data: bytes,
+        sha256: str,
+        *,
+        ref: str | None = None,
+        device_normalize: bool = False,
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+    ) -> ProcessedImage:
+        """The pixel path of :meth:`resolve_raw` on bytes already read and checked (``sha256``:
+        their full hex digest): vLLM-style decode, then the processor. No claim is checked.
+
+        Raises:
+            ImageUnreadable, AssetTooLarge: see :func:`protocol.images.load_image`; the processor
+                refused the image (e.g. an aspect ratio above 200).
+        """
+        image = load_image(data, max_pixels=max_pixels, ref=ref)
+        try:
+            processed = self.process(image, device_normalize=device_normalize)
+        except ValueError as e:  # e.g. smart_resize: aspect ratio > 200
+            raise ImageUnreadable(f"{self.family} processor refused the image: {e}", ref=ref) from e
         return dataclasses.replace(processed, sha256=sha256)
 
     def offload(
@@ -328,34 +343,34 @@ class ImageAdapter(ABC):
             ) from e
         if form == "v2":
             content = put_content(store, data)
-            ref = ContentRef(
-                sha256=content.sha256,
-                ext=content.ext,
-                family=self.family,
-                grid=grid,
-                fingerprint=self.fingerprint,
+            sha256, media_type = content.sha256, content.media_type
+            ref = format_content_ref(
+                ContentRef(
+                    sha256=sha256,
+                    ext=content.ext,
+                    family=self.family,
+                    grid=grid,
+                    fingerprint=self.fingerprint,
+                )
             )
-            return RawMMRef(
-                ref=format_content_ref(ref),
-                sha256=content.sha256,
-                media_type=content.media_type,
-                grid=list(grid),
-                num_placeholders=self.num_placeholders(grid),
+        else:
+            assert isinstance(store, AssetStore)
+            stored = store.put_image(data)
+            sha256, media_type = stored.sha256, stored.media_type
+            ref = format_mmraw(
+                RawRefBody(
+                    family=self.family,
+                    modality="image",
+                    mm_hash=stored.mm_hash,
+                    payload=self.payload(grid),
+                    raw_image_uri=stored.uri,
+                    fingerprint=self.fingerprint,
+                )
             )
-        assert isinstance(store, AssetStore)
-        stored = store.put_image(data)
-        body = RawRefBody(
-            family=self.family,
-            modality="image",
-            mm_hash=stored.mm_hash,
-            payload=self.payload(grid),
-            raw_image_uri=stored.uri,
-            fingerprint=self.fingerprint,
-        )
         return RawMMRef(
-            ref=format_mmraw(body),
-            sha256=stored.sha256,
-            media_type=stored.media_type,
+            ref=ref,
+            sha256=sha256,
+            media_type=media_type,
             grid=list(grid),
             num_placeholders=self.num_placeholders(grid),
         )

@@ -163,11 +163,6 @@ class KimiK25Adapter(ImageAdapter):
         return int(hf_config.image_token_id)
 
     @classmethod
-    def served_image_processor(cls, mm_processor: Any) -> Any:
-        """vLLM's ``KimiK25ProcessingInfo`` holds the fused processor itself (``info.image_processor``)."""
-        return mm_processor.info.image_processor
-
-    @classmethod
     def load_image_processor(cls, model_dir: Any, *, backend: str | None = None) -> Any:
         """vLLM's ``KimiK25FusedVisionProcessor`` from a model folder, as vLLM loads it (needs vLLM, numba).
 

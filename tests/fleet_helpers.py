@@ -1,0 +1,225 @@
+"""The fleet of ``tests/test_fleet.py``: two plugin replicas behind vllm-router, one S3 bucket, and
+the calls its tests make (the router's command line, /metrics counters, v2 refs offloaded to S3,
+request bodies by ref and by cache handle, killing a replica)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from helpers import DelayProxy, VLLMServer, photo_array
+from vllm_server import free_port
+
+__all__ = [
+    "DEADLINE_S",
+    "GREEDY",
+    "LONG",
+    "PAD",
+    "ROUTER",
+    "STORE",
+    "Fleet",
+    "S3Offloader",
+    "body",
+    "by_handle",
+    "counters",
+    "delta",
+    "kill",
+    "metric",
+    "offload",
+    "post",
+    "resolved_hash",
+    "start_router",
+    "store_key",
+    "tokens",
+    "unique_image",
+    "wait_running",
+]
+
+
+ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+"""vllm-router's console script (the ``dev`` extra)."""
+
+
+STORE = {
+    "MMREF_STORE_TIMEOUT_S": "1",
+    "MMREF_STORE_CONNECT_TIMEOUT_S": "0.5",
+    "MMREF_STORE_MAX_RETRIES": "1",
+    "MMREF_STORE_RETRY_TIMEOUT_S": "2",
+}
+"""The replicas' object-store requests: one read of one root ends within 3 s."""
+
+
+DEADLINE_S = 3.0 + 2.0
+"""That bound, plus slack for a loaded 2-core machine."""
+
+
+GREEDY = {"temperature": 0, "max_tokens": 4}
+
+
+PAD = 261
+
+
+@dataclass
+class Fleet:
+    a: VLLMServer
+    b: VLLMServer
+    router: str
+    router_process: subprocess.Popen
+    proxy: DelayProxy
+    """B's way to the store (cut or slowed by the fault tests)."""
+    s3: str
+    """The shared root, ``s3://<bucket>/fleet``."""
+    bucket: object
+    """obstore's handle on the whole bucket: the tests' hands behind the parties' backs."""
+    mount_a: Path
+    trainer_mount: Path
+
+    def replica(self, name: str) -> VLLMServer:
+        return {"a": self.a, "b": self.b}[name]
+
+
+def start_router(workers: list[str], log: Path) -> tuple[str, subprocess.Popen]:
+    port = free_port()
+    cmd = [
+        ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+        "--policy", "consistent_hash", "--prometheus-port", str(free_port()),
+        "--cb-failure-threshold", "1", "--cb-timeout-duration-secs", "2",
+        "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+    ]  # fmt: skip
+    process = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return url, process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise TimeoutError(f"vllm-router not up: {log.read_text()[-3000:]}")
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus series on ``url``'s /metrics (label values must match when given)."""
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if not line.startswith(name) or line[len(name) : len(name) + 1] not in ("{", " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def counters(fleet: Fleet, name: str, **labels: str) -> dict[str, float]:
+    return {k: metric(fleet.replica(k).url, name, **labels) for k in ("a", "b")}
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def unique_image(tag: str) -> bytes:
+    """A real photo (112x112 PNG) with one pixel set from ``tag``: a content no other test stored."""
+    import io
+
+    from PIL import Image
+
+    photo = photo_array(("astronaut", "coffee", "chelsea", "rocket")[int(tag[-1:], 36) % 4])
+    image = Image.fromarray(photo).resize((112, 112))
+    image.putpixel((0, 0), tuple(hashlib.sha256(tag.encode()).digest()[:3]))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def offload(fleet: Fleet, adapter, tag: str):
+    """``tag``'s image offloaded as the rollout side does here: to S3 only, a v2 ref."""
+    from protocol.adapters import offload_image
+    from protocol.roots import ObjectRoot, StoreClientConfig
+
+    return offload_image(
+        unique_image(tag), ObjectRoot(fleet.s3, StoreClientConfig(allow_http=True)), adapter, form="v2"
+    )
+
+
+def body(ref, **sampling) -> dict:
+    ids = [1, 259, *[PAD] * ref.num_placeholders, 260, 2]
+    return {"token_ids": ids, "mm_refs": [ref.ref], "sampling_params": {**GREEDY, **sampling}}
+
+
+def tokens(response: httpx.Response) -> list[int]:
+    assert response.status_code == 200, response.text[:400]
+    return response.json()["choices"][0]["token_ids"]
+
+
+def post(url: str, payload: dict, session: str | None = None, **kwargs) -> httpx.Response:
+    headers = {"X-Session-ID": session} if session else {}
+    return httpx.post(f"{url}/inference/v1/generate", json=payload, headers=headers, timeout=120, **kwargs)
+
+
+class S3Offloader:
+    """The rollout client's offloader, writing v2 refs to S3 only (the rollout party here)."""
+
+    def __init__(self, fleet: Fleet, adapter) -> None:
+        self.fleet, self.adapter = fleet, adapter
+
+    def offload(self, image) -> object:
+        from protocol.adapters import offload_image
+        from protocol.roots import ObjectRoot, StoreClientConfig
+        from rollout_client.images import image_bytes
+
+        root = ObjectRoot(self.fleet.s3, StoreClientConfig(allow_http=True))
+        return offload_image(image_bytes(image), root, self.adapter, form="v2")
+
+
+def store_key(ref) -> str:
+    from protocol.refs import parse_ref
+
+    return parse_ref(ref.ref).key
+
+
+def resolved_hash(url: str, ref) -> str:
+    r = httpx.post(
+        f"{url}/inference/v1/resolve", json={k: v for k, v in body(ref).items() if k != "sampling_params"}
+    )
+    assert r.status_code == 200, r.text[:300]
+    return r.json()["features"]["mm_hashes"]["image"][0]
+
+
+def by_handle(ref, mm_hash: str) -> dict:
+    ids = body(ref)["token_ids"]
+    features = {
+        "mm_hashes": {"image": [mm_hash]},
+        "mm_placeholders": {"image": [{"offset": ids.index(PAD), "length": ref.num_placeholders}]},
+        "kwargs_data": {"image": [None]},
+    }
+    return {"token_ids": ids, "features": features, "sampling_params": GREEDY}
+
+
+LONG = {"temperature": 1.0, "max_tokens": 192, "ignore_eos": True}
+"""Long enough to be in flight when the replica dies (~2-4 s on the tiny model, 2 cores)."""
+
+
+def kill(server: VLLMServer) -> None:
+    """SIGKILL the API server and its engine processes (no shutdown: a crashed machine)."""
+    import psutil
+
+    parent = psutil.Process(server.process.pid)
+    for process in [parent, *parent.children(recursive=True)]:
+        process.kill()
+
+
+def wait_running(server: VLLMServer, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while metric(server.url, "vllm:num_requests_running") < 1:
+        assert time.monotonic() < deadline, "no request ever ran on the replica"
+        time.sleep(0.05)

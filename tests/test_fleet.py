@@ -1,0 +1,361 @@
+"""Two plugin replicas behind vllm-router (issue 28, the README's "Fleet" commands), one S3 bucket.
+
+A real S3 endpoint (moto's server, its own process), two real vLLM servers with the plugin and
+real vllm-router in front (``--policy consistent_hash``: the ``X-Session-ID`` header picks the
+replica). Each party reads the bucket its own way: replica A a local mount first, then S3 (with a
+node read cache); replica B S3 only, through a TCP proxy the tests slow down or cut; the rollout
+side offloads to S3 only; the trainer reads a local mount (a copy of the bucket).
+
+What is shown: an RL group under one ``X-Session-ID`` lands on one replica (its resolve-cache
+counters on /metrics); streaming through the router; a cache handle minted on one replica served
+on the other with the same tokens; the store faults on the plugin (endpoint down 503 with the
+server up, object deleted 404, replaced 409, slow 503 within the deadline); msgpack behind the
+router (415, the router's); a typed refusal counted once fleet-wide (never retried by the router);
+one replica killed mid-run: what the router answers for the requests it had in flight, and every
+group of a client that retries those answers completes on the other replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import msgspec
+import pytest
+
+from fleet_helpers import (
+    DEADLINE_S,
+    LONG,
+    STORE,
+    Fleet,
+    S3Offloader,
+    body,
+    by_handle,
+    counters,
+    delta,
+    kill,
+    metric,
+    offload,
+    post,
+    resolved_hash,
+    start_router,
+    store_key,
+    tokens,
+    unique_image,
+    wait_running,
+)
+from helpers import SERVER_ARGS, DelayProxy, refusal, warm_up
+from vllm_server import start_server
+
+if sys.version_info < (3, 11):
+    pytest.skip("obstore (the fleet extra) needs Python >= 3.11", allow_module_level=True)
+import obstore  # a dev dependency on 3.11+: a missing install fails here, not skips
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def fleet(moto_s3, qwen2_vl_dir, tmp_path_factory) -> Iterator[Fleet]:
+    from obstore.store import from_url
+
+    work = tmp_path_factory.mktemp("fleet")
+    bucket = f"fleet-{uuid.uuid4().hex[:8]}"
+    moto_s3.make_bucket(bucket)
+    s3 = f"s3://{bucket}/fleet"
+    proxy = DelayProxy(moto_s3.port)
+    mount_a, trainer_mount = work / "mount-a", work / "trainer-mount"
+    common = {**STORE, "MMREF_STORE_ALLOW_HTTP": "1"}
+    env_a = {**moto_s3.env(), **common, "MMREF_ASSET_ROOTS": f"{mount_a},{s3}",
+             "MMREF_READ_CACHE_DIR": str(work / "cache-a")}  # fmt: skip
+    env_b = {**moto_s3.env(proxy.url), **common, "MMREF_ASSET_ROOTS": s3}
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
+        stack.callback(proxy.close)
+        stack.enter_context(moto_s3.environment())  # this process offloads to S3 and edits the bucket
+        starting = [
+            pool.submit(
+                start_server, qwen2_vl_dir, None, work / f"{name}.log", extra_args=SERVER_ARGS, extra_env=env
+            )
+            for name, env in (("a", env_a), ("b", env_b))
+        ]
+        results = [f.exception() or f.result() for f in starting]  # both started (or failed)
+        for server in results:
+            if not isinstance(server, BaseException):
+                stack.callback(server.stop)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        a, b = results
+        warm_up(a)
+        warm_up(b)
+        router, process = start_router([a.url, b.url], work / "router.log")
+        stack.callback(process.kill)
+        handle = from_url(f"s3://{bucket}", client_options={"allow_http": True})
+        yield Fleet(a, b, router, process, proxy, s3, handle, mount_a, trainer_mount)
+
+
+@pytest.fixture(scope="module")
+def sessions(fleet) -> dict[str, list[str]]:
+    """Two ``X-Session-ID`` values the router sends to each replica (found by asking: the ring
+    depends on the replicas' ports)."""
+    found: dict[str, list[str]] = {"a": [], "b": []}
+    probe = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1}}
+    for k in range(64):
+        before = counters(fleet, "vllm:request_success_total")
+        post(fleet.router, probe, f"s{k}").raise_for_status()
+        (where,) = [r for r, d in delta(counters(fleet, "vllm:request_success_total"), before).items() if d]
+        found[where].append(f"s{k}")
+        if min(len(v) for v in found.values()) >= 2:
+            return found
+    raise AssertionError(f"the router used one replica for 64 sessions: {found}")
+
+
+# --- routing ---------------------------------------------------------------------------------------
+
+
+def test_an_rl_group_lands_on_one_replica(fleet, qwen2_vl_dir, qwen2_vl_adapter):
+    """Each group of 8 (the rollout client: one ``X-Session-ID`` per group, its 8 requests at
+    once) is resolved once on one replica: that replica's resolve cache counts 1 miss and 7
+    hits, the other replica's nothing."""
+    from rollout_client import RolloutClient, Sampling
+
+    with RolloutClient(
+        fleet.router, qwen2_vl_dir, fleet.mount_a, offloader=S3Offloader(fleet, qwen2_vl_adapter)
+    ) as client:
+        for g in range(3):
+            messages = [{"role": "user", "content": [{"type": "image", "image": unique_image(f"group{g}")},
+                                                     {"type": "text", "text": "What is it?"}]}]  # fmt: skip
+            misses, hits = (
+                counters(fleet, "mmref_cache_misses_total"),
+                counters(fleet, "mmref_cache_hits_total"),
+            )
+            group = client.sample_group(messages, 8, Sampling(max_tokens=4))
+            assert len(group) == 8 and all(r.completion_ids for r in group)
+            got = (delta(counters(fleet, "mmref_cache_misses_total"), misses),
+                   delta(counters(fleet, "mmref_cache_hits_total"), hits))  # fmt: skip
+            assert sorted(zip(*(sorted(d.items()) for d in got), strict=True)) in (
+                [(("a", 0.0), ("a", 0.0)), (("b", 1.0), ("b", 7.0))],
+                [(("a", 1.0), ("a", 7.0)), (("b", 0.0), ("b", 0.0))],
+            ), got
+
+
+def test_streaming_through_the_router(fleet, qwen2_vl_adapter, sessions):
+    ref = offload(fleet, qwen2_vl_adapter, "stream1")
+    whole = tokens(post(fleet.router, body(ref, max_tokens=8), sessions["b"][0]))
+    r = post(fleet.router, {**body(ref, max_tokens=8), "stream": True}, sessions["b"][0])
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    streamed = [t for e in events[:-1] for ch in json.loads(e)["choices"] for t in ch["token_ids"]]
+    assert streamed == whole and r.headers["x-mmref-weight-version"]
+
+
+def test_msgpack_behind_the_router_is_the_routers_415(fleet, qwen2_vl_adapter, sessions):
+    """vllm-router reads JSON bodies only (it rewrites them): a msgpack body is refused by the
+    router itself, in plain text, before any replica sees it. Straight to a replica, it is served."""
+    ref = offload(fleet, qwen2_vl_adapter, "msgpack1")
+    packed = msgspec.msgpack.encode(body(ref))
+    headers = {"content-type": "application/msgpack", "X-Session-ID": sessions["a"][0]}
+    before = counters(fleet, "vllm:request_success_total")
+    r = httpx.post(f"{fleet.router}/inference/v1/generate", content=packed, headers=headers, timeout=60)
+    assert r.status_code == 415 and r.headers["content-type"].startswith("text/plain"), r.text
+    assert "application/json" in r.text
+    assert delta(counters(fleet, "vllm:request_success_total"), before) == {"a": 0.0, "b": 0.0}
+    direct = httpx.post(f"{fleet.a.url}/inference/v1/generate", content=packed, headers=headers, timeout=60)
+    assert tokens(direct) == tokens(post(fleet.a.url, body(ref)))
+
+
+def test_a_typed_refusal_reaches_one_replica_once(fleet, qwen2_vl_adapter, sessions):
+    """The router sends a 5xx again to every replica; the plugin answers each refusal with a
+    typed 4xx, which the router passes through: one request, one replica, counted once."""
+    ref = offload(fleet, qwen2_vl_adapter, "refused1")
+    short = body(ref)
+    short["token_ids"] = [t for i, t in enumerate(short["token_ids"]) if i != 3]  # one placeholder short
+    gone = offload(fleet, qwen2_vl_adapter, "gone2")
+    obstore.delete(fleet.bucket, f"fleet/{store_key(gone)}")
+    for payload, status, code in ((short, 422, "placeholder_mismatch"), (body(gone), 404, "asset_not_found")):
+        for session in (sessions["a"][0], sessions["b"][0]):
+            before = counters(fleet, "mmref_ref_errors_total", code=code)
+            assert refusal(post(fleet.router, payload, session)) == (status, code)
+            assert sum(delta(counters(fleet, "mmref_ref_errors_total", code=code), before).values()) == 1
+
+
+# --- cache handles on any replica ------------------------------------------------------------------
+
+
+def test_a_handle_minted_on_one_replica_is_served_on_the_other(fleet, qwen2_vl_adapter, sessions):
+    """A ``null`` slot naming an image hash that replica A minted: replica B, which never saw the
+    image, resolves it from the bucket (the hash names the content), checks the binding under its
+    own fingerprint, pixel mode and weight version, and answers A's tokens; through the router too."""
+    ref = offload(fleet, qwen2_vl_adapter, "handle1")
+    minted = resolved_hash(fleet.a.url, ref)
+    assert minted.startswith(f"mmref-{ref.sha256}.jpg-") or minted.startswith(f"mmref-{ref.sha256}.png-")
+    on_a = tokens(post(fleet.a.url, body(ref)))
+    misses = counters(fleet, "mmref_cache_misses_total")
+    assert tokens(post(fleet.b.url, by_handle(ref, minted))) == on_a
+    assert delta(counters(fleet, "mmref_cache_misses_total"), misses) == {"a": 0.0, "b": 1.0}
+    assert tokens(post(fleet.b.url, by_handle(ref, minted))) == on_a  # now held by B's engine
+    # the other way, through the router: minted on B, sent under a session the router gives A
+    other = offload(fleet, qwen2_vl_adapter, "handle2")
+    minted_b = resolved_hash(fleet.b.url, other)
+    on_b = tokens(post(fleet.b.url, body(other)))
+    assert tokens(post(fleet.router, by_handle(other, minted_b), sessions["a"][0])) == on_b
+
+
+def test_a_handle_under_other_weights_or_opaque_is_not_cached(fleet, qwen2_vl_adapter):
+    ref = offload(fleet, qwen2_vl_adapter, "handle3")
+    minted = resolved_hash(fleet.a.url, ref)
+    other_version = minted[:-32] + hashlib.sha256(b"another version").hexdigest()[:32]
+    feature_like = "mmref-" + hashlib.sha256(b"a feature file's payload").hexdigest()
+    for server in (fleet.a, fleet.b):
+        for mm_hash in (other_version, feature_like):
+            assert refusal(post(server.url, by_handle(ref, mm_hash))) == (404, "not_cached")
+    many = by_handle(ref, minted)  # 65 image handles: stock's --limit-mm-per-prompt refuses them here
+    many["features"] = {k: {"image": v["image"] * 65} for k, v in many["features"].items()}
+    assert refusal(post(fleet.b.url, many))[0] == 400  # (MMREF_MAX_REFS_PER_REQUEST counts them too)
+    obstore.delete(fleet.bucket, f"fleet/{store_key(ref)}")  # the content is gone: a handle B never held
+    assert refusal(post(fleet.b.url, by_handle(ref, minted))) == (404, "asset_not_found")
+
+
+# --- the store's faults, on the S3-only replica ----------------------------------------------------
+
+
+def test_store_endpoint_down_is_503_and_the_replica_stays_up(fleet, qwen2_vl_adapter, sessions):
+    held, lost = offload(fleet, qwen2_vl_adapter, "down1"), offload(fleet, qwen2_vl_adapter, "down2")
+    before = tokens(post(fleet.b.url, body(held)))
+    fleet.proxy.close()
+    try:
+        start = time.monotonic()
+        assert refusal(post(fleet.b.url, body(lost))) == (503, "store_unavailable")
+        assert time.monotonic() - start < DEADLINE_S
+        assert httpx.get(f"{fleet.b.url}/health").status_code == 200
+        assert tokens(post(fleet.b.url, body(held))) == before  # what it resolved before: still served
+        # through the router: B's 503 is sent again to A (a 5xx: the router retries it on another
+        # replica, its breaker takes B out for 2 s), and A reaches the store
+        errors = counters(fleet, "mmref_ref_errors_total", code="store_unavailable")
+        via_router = post(fleet.router, body(lost), sessions["b"][0])
+        routed = delta(counters(fleet, "mmref_ref_errors_total", code="store_unavailable"), errors)
+        assert tokens(via_router) and routed == {"a": 0.0, "b": 1.0}
+    finally:
+        fleet.proxy.reopen()
+    assert tokens(post(fleet.b.url, body(lost)))  # the endpoint is back: served (failures are not cached)
+
+
+def test_store_object_deleted_is_404_and_replaced_is_409(fleet, qwen2_vl_adapter):
+    gone, swapped = offload(fleet, qwen2_vl_adapter, "del1"), offload(fleet, qwen2_vl_adapter, "rep1")
+    obstore.delete(fleet.bucket, f"fleet/{store_key(gone)}")
+    obstore.put(fleet.bucket, f"fleet/{store_key(swapped)}", unique_image("someone else"))
+    assert refusal(post(fleet.b.url, body(gone))) == (404, "asset_not_found")
+    replaced = post(fleet.b.url, body(swapped))
+    assert refusal(replaced) == (409, "hash_mismatch") and swapped.sha256[:12] in replaced.text
+
+
+def test_slow_store_is_503_within_the_deadline(fleet, qwen2_vl_adapter):
+    ref = offload(fleet, qwen2_vl_adapter, "slow1")
+    fleet.proxy.delay_s = 30.0
+    try:
+        start = time.monotonic()
+        assert refusal(post(fleet.b.url, body(ref))) == (503, "store_unavailable")
+        elapsed = time.monotonic() - start
+    finally:
+        fleet.proxy.delay_s = 0.0
+        fleet.proxy.close()  # drop the held connections
+        fleet.proxy.reopen()
+    assert 1.0 <= elapsed < DEADLINE_S  # gave up on time: no hung request
+    assert tokens(post(fleet.b.url, body(ref)))
+
+
+# --- the trainer: the same pixels from its own mount -------------------------------------------------
+
+
+def test_the_trainer_materializes_what_each_replica_fed(fleet, qwen2_vl_adapter):
+    """Offloaded to S3 by the rollout side; replica A reads its local mount (a copy), replica B
+    the bucket, the trainer its own mount (another copy): every party gets the same pixels."""
+    from protocol.errors import InvalidRequest
+    from protocol.structs import TrainingSample
+    from trainer_lib import materialize
+    from vllm_plugin.items import decode_item
+
+    ref = offload(fleet, qwen2_vl_adapter, "trainer1")
+    key = store_key(ref)
+    data = bytes(obstore.get(fleet.bucket, f"fleet/{key}").bytes())
+    for mount in (fleet.mount_a, fleet.trainer_mount):
+        (mount / "images").mkdir(parents=True, exist_ok=True)
+        (mount / key).write_bytes(data)
+    ids = body(ref)["token_ids"]
+    sample = TrainingSample.from_rollout(ids, [5, 6], [-1.0, -1.0], [ref])
+    for server in (fleet.a, fleet.b):
+        r = httpx.post(f"{server.url}/inference/v1/resolve", json={"token_ids": ids, "mm_refs": [ref.ref]})
+        assert r.status_code == 200, r.text[:300]
+        item = decode_item(r.json()["features"]["kwargs_data"]["image"][0], InvalidRequest, "served item")
+        raw = r.json()["pixel_mode"] == "raw"
+        batch = materialize([sample], qwen2_vl_adapter, fleet.trainer_mount, device_normalize=raw)
+        assert batch.stats.processed == 1
+        assert batch.features["pixel_values"].dtype == item["pixel_values"].data.dtype
+        assert (batch.features["pixel_values"].double() - item["pixel_values"].data.double()).abs().max() == 0
+
+
+# --- one replica killed mid-run (last: B stays dead) ---------------------------------------------
+
+
+def test_a_replica_killed_mid_run_loses_nothing(fleet, qwen2_vl_dir, qwen2_vl_adapter, sessions):
+    """Replica B is killed (SIGKILL, engine included) with requests of both replicas' sessions in
+    flight through the router. Measured: the router sends a non-streamed request B never answered
+    again to A (the client gets A's 200), and cuts a stream B had begun (the client sees the body
+    end without ``[DONE]``: a transport error); a request that reaches the router after the kill and
+    before B leaves its ring gets a 500 "Request failed" in plain text (the rollout client here
+    retries 500 too). Every request of every session is answered in full; B's sessions are A's.
+    """
+    from rollout_client import RetryPolicy, RolloutClient, Sampling
+    from rollout_client.retry import RETRYABLE_STATUSES
+
+    retry = RetryPolicy(max_attempts=8, initial_backoff_s=0.2, max_backoff_s=1.0, deadline_s=300,
+                        statuses=RETRYABLE_STATUSES | {500})  # fmt: skip
+    ref = offload(fleet, qwen2_vl_adapter, "kill1")
+    bare: list[tuple[int | str, str]] = []  # requests on B with no retry: what the router answers
+
+    def send_bare(stream: bool) -> None:
+        try:
+            r = post(fleet.router, {**body(ref, **LONG), "stream": stream}, sessions["b"][0])
+            done = r.text.rstrip().endswith("data: [DONE]") if stream else r.status_code == 200
+            bare.append((r.status_code, f"{'stream' if stream else 'json'} done={done}: {r.text[-160:]!r}"))
+        except httpx.HTTPError as e:
+            bare.append((type(e).__name__, str(e)[:160]))
+
+    messages = [{"role": "user", "content": [{"type": "image", "image": unique_image("kill2")},
+                                             {"type": "text", "text": "And this?"}]}]  # fmt: skip
+    offloader = S3Offloader(fleet, qwen2_vl_adapter)
+    with RolloutClient(fleet.router, qwen2_vl_dir, fleet.mount_a, offloader=offloader, retry=retry) as client:
+        runs = [(s, k) for s in (*sessions["a"], *sessions["b"]) for k in range(3)]
+        with ThreadPoolExecutor(len(runs) + 2) as pool:
+            bares = [pool.submit(send_bare, stream) for stream in (False, True)]
+            futures = [
+                pool.submit(
+                    client.generate,
+                    messages,
+                    Sampling(temperature=1.0, max_tokens=192, extra={"ignore_eos": True}),
+                    session_id=s,
+                )
+                for s, _ in runs
+            ]
+            wait_running(fleet.b)
+            kill(fleet.b)
+            rollouts = [f.result(timeout=280) for f in futures]
+            for f in bares:
+                f.result(timeout=120)
+    assert all(len(r.completion_ids) == LONG["max_tokens"] for r in rollouts)  # nothing lost
+    retried = [r.attempts for r in rollouts if r.attempts > 1]
+    print(f"killed B: {len(retried)} of {len(rollouts)} requests sent again by the client; bare: {bare}")
+    for status, text in bare:  # answered in full, or a clean failure: never a 200 JSON cut short
+        assert "done=True" in text or status == "RemoteProtocolError" or int(status) >= 500, bare
+    # B's sessions are A's now
+    before = metric(fleet.a.url, "vllm:request_success_total")
+    for session in sessions["b"]:
+        assert tokens(post(fleet.router, body(ref), session))
+    assert metric(fleet.a.url, "vllm:request_success_total") - before == len(sessions["b"])

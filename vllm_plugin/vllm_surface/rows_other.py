@@ -1,0 +1,233 @@
+"""The rows of every other side: ``protocol/`` (the Kimi-K2.5 adapter's vLLM processor, which the
+trainer loads too), ``scripts/``, ``bench/`` and ``tests/`` (oracles, fixtures); transformers'
+internal names (:data:`HF_SURFACE`); the standard library's private ones (:data:`STDLIB_SURFACE`).
+Files only in ``used_in``: line numbers drift."""
+
+from __future__ import annotations
+
+from vllm_plugin.vllm_surface.model import Touchpoint, Variant, row
+
+__all__ = ["BENCH", "HF_SURFACE", "PROTOCOL", "SCRIPTS", "STDLIB_SURFACE", "TESTS"]
+
+_MROPE_ORACLE_WHY = (
+    "test oracle only: vLLM's own MRoPE positions of one prompt, which the public "
+    "get_mrope_input_positions computes on a model instance (weights) only"
+)
+
+# fmt: off
+PROTOCOL: tuple[Touchpoint, ...] = (
+    row("vllm.transformers_utils.processors.kimi_k25_vision_fused:KimiK25FusedVisionProcessor", "class",
+        "vllm/transformers_utils/processors/kimi_k25_vision_fused.py", "protocol/adapters/kimi_k25.py"),
+    row("vllm.transformers_utils.processors.kimi_k25_vision_fused:"
+        "KimiK25FusedVisionProcessor.from_pretrained",
+        "method", "vllm/transformers_utils/processors/kimi_k25_vision_fused.py",
+        "protocol/adapters/kimi_k25.py", positional=1, keywords=("local_files_only",)),
+    row("vllm.utils.import_utils:is_numba_available", "function", "vllm/utils/import_utils.py",
+        "protocol/adapters/kimi_k25.py", positional=0),
+)
+
+SCRIPTS: tuple[Touchpoint, ...] = (
+    row("vllm.entrypoints.openai.api_server:", "module", "vllm/entrypoints/openai/api_server.py",
+        "scripts/vllm_server.py", key="api_server module",
+        reached_as="python -m vllm.entrypoints.openai.api_server"),
+    row("vllm.entrypoints.cli.main:", "module", "vllm/entrypoints/cli/main.py", "scripts/vllm_server.py",
+        key="cli main module", reached_as="python -m vllm.entrypoints.cli.main serve"),
+    row("vllm.entrypoints.cli.serve:ServeSubcommand", "class", "vllm/entrypoints/cli/serve.py",
+        "scripts/vllm_cli.py", positional=0),
+    row("vllm.entrypoints.cli.serve:ServeSubcommand.subparser_init", "method",
+        "vllm/entrypoints/cli/serve.py", "scripts/vllm_cli.py", positional=1),
+    row("vllm.entrypoints.cli.serve:ServeSubcommand.cmd", "method", "vllm/entrypoints/cli/serve.py",
+        "scripts/vllm_cli.py", positional=1),
+    row("vllm.entrypoints.cli.serve:ServeSubcommand.validate", "method", "vllm/entrypoints/cli/serve.py",
+        "scripts/vllm_cli.py", positional=1),
+    row("vllm.entrypoints.serve.utils.api_utils:VLLM_SUBCMD_PARSER_EPILOG", "constant",
+        "vllm/entrypoints/serve/utils/api_utils.py", "scripts/vllm_cli.py",
+        variants=(Variant(">=0.33", module="vllm.entrypoints.common.startup",
+                          note="moved with cli_env_setup"),)),
+    row("vllm.entrypoints.serve.utils.api_utils:cli_env_setup", "function",
+        "vllm/entrypoints/serve/utils/api_utils.py", "scripts/vllm_cli.py",
+        positional=0,
+        variants=(Variant(">=0.33", module="vllm.entrypoints.common.startup",
+                          note="moved to vllm/entrypoints/common/startup.py"),)),
+    row("vllm.logger:configure_logging_from_args", "function", "vllm/logger.py", "scripts/vllm_cli.py",
+        positional=1),
+    row("vllm.utils.argparse_utils:FlexibleArgumentParser", "class", "vllm/utils/argparse_utils.py",
+        "scripts/vllm_cli.py", positional=0, keywords=("description", "epilog")),
+    row("vllm.entrypoints.scale_out.token_in_token_out.mm_serde:decode_mm_kwargs_item", "function",
+        "vllm/entrypoints/scale_out/token_in_token_out/mm_serde.py", "scripts/demo.py",
+        "tests/test_items.py", "tests/test_route_attacks.py", "tests/test_route_parity.py",
+        "tests/test_server.py", "tests/test_server_qwen35.py", positional=1),
+    row("vllm.entrypoints.scale_out.token_in_token_out.mm_serde:encode_mm_kwargs_item", "function",
+        "vllm/entrypoints/scale_out/token_in_token_out/mm_serde.py", "tests/test_route_attacks.py",
+        "tests/test_route_parity.py", "tests/test_server.py", positional=1),
+)
+
+BENCH: tuple[Touchpoint, ...] = (
+    row("vllm.entrypoints.scale_out.token_in_token_out.mm_features:extract_mm_features", "function",
+        "vllm/entrypoints/scale_out/token_in_token_out/mm_features.py", "bench/request_bytes.py",
+        positional=1),
+    row("vllm.entrypoints.scale_out.token_in_token_out.mm_features:mm_kwargs_from_features", "function",
+        "vllm/entrypoints/scale_out/token_in_token_out/mm_features.py", "bench/_miss_profile.py",
+        "bench/server.py", positional=1),
+    row("vllm.multimodal.hasher:MultiModalHasher.hash_kwargs", "method", "vllm/multimodal/hasher.py",
+        "bench/server.py", positional=1, keywords=("model_id", "image")),
+    row("vllm.multimodal.media.connector:MediaConnector", "class", "vllm/multimodal/media/connector.py",
+        "bench/server.py", positional=0),
+    row("vllm.multimodal.media.connector:MediaConnector.fetch_image", "method",
+        "vllm/multimodal/media/connector.py", "bench/server.py", positional=1),
+    row("vllm.config:ModelConfig", "class", "vllm/config/model.py", "bench/_common.py",
+        "tests/test_items.py", "tests/test_adapters_qwen.py", "tests/test_adapters_kimi.py",
+        "tests/test_engine_items.py", "tests/test_seeds.py", positional=0,
+        keywords=("model", "dtype", "max_model_len", "limit_mm_per_prompt", "mm_device_do_normalize",
+                  "trust_remote_code", "mm_processor_cache_gb")),
+    row("vllm.multimodal:MULTIMODAL_REGISTRY", "constant", "vllm/multimodal/__init__.py",
+        "bench/_common.py", "tests/test_items.py", "tests/test_adapters_qwen.py",
+        "tests/test_adapters_kimi.py"),
+    row("vllm.multimodal.registry:MultiModalRegistry.create_processor", "method",
+        "vllm/multimodal/registry.py", "bench/_common.py", "tests/test_items.py",
+        "tests/test_adapters_qwen.py", "tests/test_adapters_kimi.py",
+        reached_as="MULTIMODAL_REGISTRY.create_processor(model_config)", positional=1),
+)
+
+TESTS: tuple[Touchpoint, ...] = (
+    row("vllm.config:CacheConfig", "class", "vllm/config/cache.py", "tests/test_seeds.py", positional=0,
+        keywords=("mamba_cache_mode",)),
+    row("vllm.config:SchedulerConfig", "class", "vllm/config/scheduler.py", "tests/test_seeds.py",
+        positional=0,
+        keywords=("max_model_len", "max_num_batched_tokens", "is_encoder_decoder", "enable_chunked_prefill",
+                  "long_prefill_token_threshold")),
+    row("vllm.entrypoints.generate.base.protocol:validate_cache_salt", "function",
+        "vllm/entrypoints/generate/base/protocol.py", "tests/test_weights.py",
+        positional=1),
+    row("vllm.entrypoints.scale_out.token_in_token_out.protocol:GenerateTokensChoice", "class",
+        "vllm/entrypoints/scale_out/token_in_token_out/protocol.py", "tests/test_weights.py", positional=0,
+        keywords=("index", "token_ids", "weight_versions")),
+    row("vllm.entrypoints.scale_out.token_in_token_out.protocol:GenerateTokensResponse", "class",
+        "vllm/entrypoints/scale_out/token_in_token_out/protocol.py", "tests/test_weights.py", positional=0,
+        keywords=("choices",)),
+    row("vllm.outputs:WeightVersionSpan", "class", "vllm/outputs.py", "tests/test_weights.py",
+        positional=3),
+    row("vllm.exceptions:VLLMError", "class", "vllm/exceptions.py", "tests/test_fuzz.py"),
+    row("vllm.multimodal.cache:LruKeyReplicatedReceiverCache", "class", "vllm/multimodal/cache/lru.py",
+        "tests/test_engine_items.py", positional=1),
+    row("vllm.multimodal.cache:LruKeyReplicatedReceiverCache.get_and_update_item", "method",
+        "vllm/multimodal/cache/lru.py", "tests/test_engine_items.py", key="receiver.get_and_update_item",
+        positional=2),
+    row("vllm.multimodal.cache:LruKeyReplicatedReceiverCache.get_and_update_features", "method",
+        "vllm/multimodal/cache/base.py", "tests/test_engine_items.py",
+        key="receiver.get_and_update_features", positional=1),
+    row("vllm.multimodal.cache:MultiModalCacheMissError", "class", "vllm/multimodal/cache/base.py",
+        "tests/test_engine_items.py"),
+    row("vllm.multimodal.inputs:PlaceholderRange", "class", "vllm/multimodal/inputs.py",
+        "tests/test_engine_items.py", positional=0,
+        keywords=("offset", "length")),
+    row("vllm.multimodal.inputs:MultiModalFeatureSpec", "class", "vllm/multimodal/inputs.py",
+        "tests/test_engine_items.py", positional=0,
+        keywords=("data", "modality", "identifier", "mm_position", "mm_hash")),
+    row("vllm.model_executor.models.qwen2_vl:_create_qwen2vl_field_factory", "function",
+        "vllm/model_executor/models/qwen2_vl.py", "tests/test_route_parity.py", positional=1,
+        spelled="_build_qwen_vl_features",
+        reached_as="renderers 0.1.12 (renderers/client.py, _build_qwen_vl_features) calls it, with "
+        "mm_serde.encode_mm_kwargs_item and MultiModalKwargsItems.from_hf_inputs",
+        private=True, why="not the project's choice: the released renderers client, whose feature "
+        "builder the parity test runs, calls it; the project never imports it"),
+    row("vllm.multimodal.inputs:MultiModalBatchedField", "class", "vllm/multimodal/inputs.py",
+        "tests/test_items.py", positional=0),
+    row("vllm.multimodal.media.image:ImageMediaIO", "class", "vllm/multimodal/media/image.py",
+        "tests/test_images.py", positional=0, keywords=("image_mode",)),
+    row("vllm.multimodal.media.image:ImageMediaIO.load_bytes", "method", "vllm/multimodal/media/image.py",
+        "tests/test_images.py", positional=1),
+    row("vllm.model_executor.models.qwen2_vl:Qwen2VLForConditionalGeneration.get_mrope_input_positions",
+        "method", "vllm/model_executor/models/qwen2_vl.py", "tests/test_forward.py",
+        reached_as="called unbound with a config shim as self", positional=2),
+    row("vllm.model_executor.models.qwen2_vl:Qwen2VLForConditionalGeneration.iter_mm_grid_thw", "method",
+        "vllm/model_executor/models/qwen2_vl.py", "tests/helpers.py"),
+    row("vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration.get_mrope_input_positions",
+        "method", "vllm/model_executor/models/qwen2_5_vl.py", "tests/test_forward.py", positional=2),
+    *(row(f"vllm.model_executor.models.{module}:{cls}._get_mrope_input_positions", "method",
+          "vllm/model_executor/models/qwen3_vl.py", "tests/helpers.py", positional=0,
+          keywords=("input_tokens", "mm_features", "config"), private=True, why=_MROPE_ORACLE_WHY)
+      for module, cls in (("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+                          ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
+                          ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
+                          ("qwen3_5", "Qwen3_5MoeForConditionalGeneration"))),
+)
+
+HF_SURFACE: tuple[Touchpoint, ...] = (
+    row("transformers.configuration_utils:PreTrainedConfig._attn_implementation", "attribute",
+        "transformers/configuration_utils.py", "trainer_lib/hf_surface.py",
+        key="PretrainedConfig._attn_implementation", private=True,
+        why=(
+            "the attention backend a model runs with; transformers has a setter (set_attn_implementation) "
+            "but no public getter"
+        )),
+    row("transformers.modeling_utils:PreTrainedModel.set_attn_implementation", "method",
+        "transformers/modeling_utils.py", "trainer_lib/hf_surface.py", positional=1),
+    row("transformers:AttentionInterface.register", "method", "transformers/utils/generic.py",
+        "trainer_lib/hf_surface.py", positional=2),
+    row("transformers.masking_utils:AttentionMaskInterface", "class", "transformers/masking_utils.py",
+        "trainer_lib/hf_surface.py"),
+    row("transformers.masking_utils:flash_attention_mask", "function", "transformers/masking_utils.py",
+        "trainer_lib/hf_surface.py"),
+    row("transformers.integrations.sdpa_attention:sdpa_attention_forward", "function",
+        "transformers/integrations/sdpa_attention.py", "trainer_lib/hf_surface.py", positional=5,
+        keywords=("dropout", "scaling", "is_causal")),
+    row("transformers.models.qwen3_5.modeling_qwen3_5:causal_conv1d_fn", "function",
+        "transformers/models/qwen3_5/modeling_qwen3_5.py", "trainer_lib/hf_surface.py",
+        reached_as="inspect.unwrap(sys.modules[layer_cls.__module__].causal_conv1d_fn)", positional=4),
+    row("transformers.models.qwen3_5.modeling_qwen3_5:torch_chunk_gated_delta_rule", "function",
+        "transformers/models/qwen3_5/modeling_qwen3_5.py", "trainer_lib/hf_surface.py",
+        reached_as="inspect.unwrap(sys.modules[layer_cls.__module__].torch_chunk_gated_delta_rule)",
+        positional=3,
+        keywords=("g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")),
+    row("transformers.models.auto.modeling_auto:MODEL_MAPPING", "constant",
+        "transformers/models/auto/modeling_auto.py", "trainer_lib/hf_surface.py",
+        "tests/test_forward.py"),
+    row("transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VLModel.get_rope_index", "method",
+        "transformers/models/qwen2_vl/modeling_qwen2_vl.py", "trainer_lib/positions.py",
+        reached_as="MODEL_MAPPING[type(config)].get_rope_index bound to a config shim"),
+    row("transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VLModel.get_vision_position_ids", "method",
+        "transformers/models/qwen2_vl/modeling_qwen2_vl.py", "trainer_lib/positions.py"),
+    row("transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VLModel.get_image_features", "method",
+        "transformers/models/qwen2_vl/modeling_qwen2_vl.py", "trainer_lib/hf_surface.py", positional=2,
+        keywords=("return_dict",)),
+    row("transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VLModel.forward", "method",
+        "transformers/models/qwen2_vl/modeling_qwen2_vl.py", "trainer_lib/forward.py",
+        reached_as="model.model(..., mm_encoder_outputs={...}, cu_seq_lens_q=..., ...)", positional=0,
+        keywords=("input_ids", "position_ids", "attention_mask", "use_cache", "pixel_values",
+                  "image_grid_thw", "mm_encoder_outputs"),
+        named=("mm_encoder_outputs",)),
+    row("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl:smart_resize", "function",
+        "transformers/models/qwen2_vl/image_processing_pil_qwen2_vl.py", "protocol/adapters/qwen_vl.py"),
+    row("transformers.image_processing_backends:TorchvisionBackend", "class",
+        "transformers/image_processing_backends.py", "protocol/adapters/base.py"),
+    row("transformers.image_processing_utils:BaseImageProcessor", "class",
+        "transformers/image_processing_utils.py", "protocol/adapters/kimi_vl.py"),
+    row("transformers.image_processing_utils:BatchFeature", "class", "transformers/image_processing_base.py",
+        "protocol/adapters/kimi_vl.py", key="image_processing_utils.BatchFeature"),
+    row("transformers.image_utils:make_flat_list_of_images", "function", "transformers/image_utils.py",
+        "protocol/adapters/kimi_vl.py"),
+    row("transformers.image_utils:OPENAI_CLIP_MEAN", "constant", "transformers/utils/constants.py",
+        "protocol/adapters/kimi_vl.py"),
+    row("transformers.image_utils:OPENAI_CLIP_STD", "constant", "transformers/utils/constants.py",
+        "protocol/adapters/kimi_vl.py"),
+    row("transformers.utils:TensorType", "class", "transformers/utils/generic.py",
+        "protocol/adapters/kimi_vl.py"),
+    row("transformers.models.kimi_k25.image_processing_kimi_k25:Kimi_K25ImageProcessor", "class",
+        "transformers/models/kimi_k25/image_processing_kimi_k25.py", "tests/test_adapters_kimi.py"),
+    row("transformers.convert_slow_tokenizer:bytes_to_unicode", "function",
+        "transformers/convert_slow_tokenizer.py", "scripts/tiny_models/common.py", positional=0),
+)
+"""transformers names outside its top-level API (``from transformers import X`` names are not
+listed), checked against the installed transformers by ``tests/test_vllm_compat.py``."""
+
+STDLIB_SURFACE: tuple[Touchpoint, ...] = (
+    row("concurrent.futures:ThreadPoolExecutor._max_workers", "attribute", "concurrent/futures/thread.py",
+        "vllm_plugin/vllm_surface/door.py", "vllm_plugin/startup.py", accessor="mm_worker", private=True,
+        why=(
+            "the hand-off relies on vLLM's multimodal worker being a single thread (P0 order); "
+            "ThreadPoolExecutor has no public worker count"
+        )),
+)
+"""Private standard-library names (checked at run time only)."""
+# fmt: on
