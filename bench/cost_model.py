@@ -129,6 +129,7 @@ def main() -> None:
     for label, samples in shapes(ids_of, 1 / 16 if tiny else 1.0, args.seed):
         seconds = time_one(model, samples, tok, dtype, device, args.repeats)
         rows.append([label, f"{seconds * 1000:.1f}"])
+        print(f"[cost_model] {label}: {seconds * 1000:.1f} ms", flush=True)  # progress, if cut short
         x.append(terms(samples))
         y.append(seconds)
     x_arr, y_arr = np.asarray(x), np.asarray(y)

@@ -54,7 +54,8 @@ def build_model(tiny: bool, device: str, dtype: torch.dtype):
         model = AutoModelForImageTextToText.from_pretrained(ensure_tiny_model("qwen2_vl"), dtype=dtype)
     else:
         torch.manual_seed(0)
-        model = Qwen2VLForConditionalGeneration._from_config(qwen2_vl_2b_config(), dtype=dtype)
+        with torch.device(device):  # random init where the model runs: minutes on the CPU, seconds on a GPU
+            model = Qwen2VLForConditionalGeneration._from_config(qwen2_vl_2b_config(), dtype=dtype)
     return model.to(device).train()
 
 

@@ -125,8 +125,9 @@ def bench_family(name: str, model_dir: Path, args) -> list[tuple]:
     from trainer_lib import pack_samples
 
     store = Path(tempfile.mkdtemp(prefix="mmref-bench-step-")) / "run_1" / "assets"
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32  # varlen: 16-bit
     model, backend, spec, config, samples = build_step(
-        model_dir, args.groups, args.group_size, store, args.device
+        model_dir, args.groups, args.group_size, store, args.device, dtype
     )
     packed = pack_samples(samples, spec, seq_len=args.cap)
     runs: dict[bool, list[dict]] = {True: [], False: []}
@@ -183,7 +184,13 @@ def main() -> None:
         models = [("qwen2_vl (real-size images)", ensure_bench_model())]
     else:
         models = [(f, ensure_tiny_model(f)) for f in args.families.split(",")]
-    rows = [row for name, path in models for row in bench_family(name, path, args)]
+    rows = []
+    for name, path in models:
+        try:
+            rows += bench_family(name, path, args)
+        except Exception as exc:  # one family's failure (a kernel refusing this GPU) keeps the others' rows
+            rows.append((name, f"error: {type(exc).__name__}: {str(exc)[:160]}", *[""] * 7))
+            print(f"[train_step] {name}: {type(exc).__name__}: {exc}", flush=True)
     header = ("model", "path", "micro-batches", "materialize ms", "fwd+bwd ms", "step ms")
     header += ("images decoded", "distinct images encoded / image slots", "vision-tower rows")
     print_table(

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# The GPU halves of issues 8, 13 and 15, in one command on the lent GPU machine (docs/PACKING.md, "GPU
-# measurements"): packed varlen vs one sample at a time (bf16; Qwen2-VL/2.5-VL/3-VL must be
-# bit-identical), the same for tiny Qwen3.5 / Qwen3.5-MoE with flash-linear-attention's varlen kernels
-# (and their leak control), bench/packed_forward.py (Qwen2-VL-2B shapes, fwd+bwd tokens/s, peak
-# memory at caps 16k/8k), then bench/cost_model.py (seconds per micro-batch against the FLOP cost
-# model), then the vLLM 0.33 serve smoke (scripts/gpu_smoke_vllm033.sh: the CUDA wheel, the plugin, a
-# ref request equal to its data URL; it prints SKIP with the reason where its wheel folder, the
-# 0.33 wheel or a dependency is missing). Logs go to $OUT (or /tmp).
+# The GPU halves of issues 8, 13, 15 and 29, in one command on the lent GPU machine (docs/PACKING.md,
+# "GPU measurements"), most wanted first, each step bounded (`timeout`, seconds in the step's line)
+# so that one slow step cannot cost the others their report: packed varlen vs one sample at a time
+# (bf16; Qwen2-VL/2.5-VL/3-VL must be bit-identical), the same for tiny Qwen3.5 / Qwen3.5-MoE with
+# flash-linear-attention's varlen kernels (and their leak control); bench/train_step.py (dedup vs
+# per slot, tiny families, then the real-size image limits); bench/cost_model.py (seconds per
+# micro-batch against the FLOP cost model); bench/packed_forward.py (Qwen2-VL-2B shapes, fwd+bwd
+# tokens/s, peak memory at caps 16k/8k); then the vLLM 0.33 serve smoke
+# (scripts/gpu_smoke_vllm033.sh: the CUDA wheel, the plugin, a ref request equal to its data URL; it
+# prints SKIP with the reason where its wheel folder, the 0.33 wheel or a dependency is missing).
+# Logs go to $OUT (or /tmp), one file per step (a device run brings back 8 files at most).
 # Prepare here first: `bash scripts/gpu_wheels.sh` and `make_tiny_models.py --family all`.
+# `--tiny` (passed on to the benches) runs the same chain on CPU: the GPU tests skip.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,12 +27,27 @@ fi
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
   "$PY" -c "import fla, triton; print('fla', fla.__version__, 'triton', triton.__version__)" || true
 } 2>&1 | tee "$LOGS/machine.txt"
-"$PY" -m pytest -m gpu -p no:cacheprovider -q -s -rA tests/test_forward.py tests/test_forward_qwen35.py 2>&1 | tee "$LOGS/gpu_tests.log"
-tests_rc=${PIPESTATUS[0]}
-"$PY" bench/packed_forward.py "$@" 2>&1 | tee "$LOGS/packed_forward.md"
-bench_rc=${PIPESTATUS[0]}
-"$PY" bench/cost_model.py 2>&1 | tee "$LOGS/cost_model.md"
-cost_rc=${PIPESTATUS[0]}
+step() {  # step SECONDS LOG CMD...: run CMD under `timeout`, output to $LOGS/LOG; its rc into $rc
+  local secs=$1 log=$2
+  shift 2
+  timeout -k 5 "$secs" "$@" 2>&1 | tee "$LOGS/$log"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 124 ] && echo "TIMEOUT after ${secs} s: $*" | tee -a "$LOGS/$log"
+  return 0
+}
+tiny=0
+for a in "$@"; do [ "$a" = --tiny ] && tiny=1; done
+if [ "$tiny" -eq 1 ]; then ts_args=(--device cpu --repeat 1 --families qwen2_vl); else ts_args=(--device cuda); fi
+step 120 gpu_tests.log "$PY" -m pytest -m gpu -p no:cacheprovider -q -s -rA tests/test_forward.py tests/test_forward_qwen35.py
+tests_rc=$rc
+step 90 train_step.md "$PY" bench/train_step.py "${ts_args[@]}"
+train_rc=$rc
+step 100 cost_model.md "$PY" bench/cost_model.py "$@"
+cost_rc=$rc
+step 50 train_step_real.md "$PY" bench/train_step.py "${ts_args[@]}" --real-size
+real_rc=$rc
+step 110 packed_forward.md "$PY" bench/packed_forward.py "$@"
+bench_rc=$rc
 # its own venv and logs (outside $OUT, which takes 8 files); only its report comes back
 env -u PYTHONPATH OUT=/tmp/mmref-vllm033 PYTHON="$PY" bash scripts/gpu_smoke_vllm033.sh 2>&1 | tee "$LOGS/vllm033_smoke.txt"
 smoke_rc=${PIPESTATUS[0]}
@@ -36,6 +55,6 @@ if [ "$smoke_rc" -eq 1 ] && [ -f /tmp/mmref-vllm033/server.log ]; then
   tail -40 /tmp/mmref-vllm033/server.log >>"$LOGS/vllm033_smoke.txt"
 fi
 case $smoke_rc in 0) smoke=pass ;; 3) smoke=skip ;; *) smoke="fail rc=$smoke_rc" ;; esac
-echo "gpu tests rc=$tests_rc, bench rc=$bench_rc, cost model rc=$cost_rc, vllm 0.33 smoke: $smoke"
+echo "gpu tests rc=$tests_rc, train step rc=$train_rc (real size rc=$real_rc), cost model rc=$cost_rc, packed forward rc=$bench_rc, vllm 0.33 smoke: $smoke"
 [ "$smoke_rc" -eq 3 ] && smoke_rc=0  # a skip says why on its own line; it fails nothing
-exit $((tests_rc || bench_rc || cost_rc || smoke_rc))
+exit $((tests_rc || train_rc || real_rc || cost_rc || bench_rc || smoke_rc))

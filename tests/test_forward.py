@@ -358,13 +358,17 @@ def test_gpu_varlen_packed_matches_one_sample_at_a_time(families, family):
     with torch.no_grad():
         for mb in step.micro_batches:
             m = materialize_micro_batch(mb, fam.spec, fam.config)
-            out = packed_logprobs(model, packed_inputs(m.packed, m.features, model, fam.spec))
+            inputs = packed_inputs(m.packed, m.features, model, fam.spec, image_index=m.image_index)
+            out = packed_logprobs(model, inputs)
             alone = []
             for s in mb.slots:
                 one = pack_samples([samples[s.sample_index]], fam.spec, seq_len=4096).micro_batches[0]
                 mm = materialize_micro_batch(one, fam.spec, fam.config)
                 alone.append(
-                    packed_logprobs(model, packed_inputs(mm.packed, mm.features, model, fam.spec)).logprobs
+                    packed_logprobs(
+                        model,
+                        packed_inputs(mm.packed, mm.features, model, fam.spec, image_index=mm.image_index),
+                    ).logprobs
                 )
             worst = max(worst, (out.logprobs - torch.cat(alone)).abs().max().item())
     print(

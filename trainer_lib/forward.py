@@ -9,7 +9,7 @@ no ``[L, vocab]`` tensor at once).
 
 from __future__ import annotations
 
-import inspect
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from trainer_lib.attention import VARLEN_ATTENTION
-from trainer_lib.hf_surface import attn_implementation, image_features
+from trainer_lib.hf_surface import attn_implementation, image_features, takes_encoder_outputs
 from trainer_lib.linear_attention import linear_attention_path
 from trainer_lib.model_inputs import PackedInputs
 from trainer_lib.packed_call import CU_SEQLENS_KWARG, MAX_SEQLEN_KWARG, PackingUnsupported
@@ -67,6 +67,24 @@ def _repeated_image_features(model: torch.nn.Module, pixels: torch.Tensor, input
     if getattr(enc, "deepstack_features", None) is not None:
         enc.deepstack_features = [tuple(layer[i] for i in index) for layer in enc.deepstack_features]
     return enc
+
+
+def _per_slot_pixels(
+    model: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor, image_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pixel_values, image_grid_thw)`` with one copy per image slot, gathered from the distinct
+    images' rows (``t*h*w`` rows each): the input of a forward without ``mm_encoder_outputs``
+    (transformers 5.17's Qwen3.5), which then runs its vision tower once per slot. Warns (once per
+    call site) that the deduplicated encode is lost there; the images were still decoded once."""
+    warnings.warn(
+        f"{model.config.model_type}: this transformers version's forward takes no precomputed image "
+        "embeddings (mm_encoder_outputs); the vision tower runs once per image slot",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    chunks = torch.split(pixels, grid.prod(-1).tolist())
+    index = image_index.tolist()
+    return torch.cat([chunks[i] for i in index]), grid[image_index]
 
 
 def packed_logprobs(
@@ -120,13 +138,11 @@ def packed_logprobs(
     pixels = None if inputs.pixel_values is None else inputs.pixel_values.to(dtype)
     grid = inputs.image_grid_thw
     if pixels is not None and inputs.image_index is not None:
-        if "mm_encoder_outputs" not in inspect.signature(model.model.forward).parameters:
-            raise PackingUnsupported(
-                f"{model.config.model_type}: its forward takes no precomputed image embeddings "
-                "(mm_encoder_outputs); materialize with dedup=False (one copy per image slot)"
-            )
-        kwargs["mm_encoder_outputs"] = {"image": _repeated_image_features(model, pixels, inputs)}
-        pixels, grid = None, grid[inputs.image_index]
+        if takes_encoder_outputs(model):
+            kwargs["mm_encoder_outputs"] = {"image": _repeated_image_features(model, pixels, inputs)}
+            pixels, grid = None, grid[inputs.image_index]
+        else:
+            pixels, grid = _per_slot_pixels(model, pixels, grid, inputs.image_index)
     out = model.model(
         input_ids=inputs.input_ids,
         position_ids=inputs.position_ids,

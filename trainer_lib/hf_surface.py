@@ -23,6 +23,7 @@ __all__ = [
     "register_attention",
     "sdpa_attention_forward",
     "set_attn_implementation",
+    "takes_encoder_outputs",
 ]
 
 
@@ -83,3 +84,10 @@ def image_features(model: Any, pixel_values: Any, image_grid_thw: Any) -> Any:
     (``transformers/models/qwen2_vl/modeling_qwen2_vl.py`` and the Qwen-VL families after it): the
     vision tower's output, ``pooler_output`` a tuple of per-image embeddings."""
     return model.model.get_image_features(pixel_values, image_grid_thw, return_dict=True)
+
+
+def takes_encoder_outputs(model: Any) -> bool:
+    """Whether ``model.model.forward`` takes precomputed image embeddings (``mm_encoder_outputs``,
+    ``transformers/models/qwen2_vl/modeling_qwen2_vl.py``): transformers 5.19 has it in all six
+    families that pack; 5.17's Qwen3.5 / Qwen3.5-MoE forwards do not (seen on a lent GPU machine)."""
+    return "mm_encoder_outputs" in inspect.signature(model.model.forward).parameters
