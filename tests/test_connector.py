@@ -373,6 +373,12 @@ def _edited(ref, **changes) -> str:
     return format_mmraw(msgspec.structs.replace(parse_ref(ref.ref), **changes))
 
 
+def _stored(ref, path: Path, data: bytes) -> str:
+    """``ref`` edited to name ``data``, written at ``path``, by its path and hash."""
+    path.write_bytes(data)
+    return _edited(ref, raw_image_uri=path.as_uri(), mm_hash=hashlib.sha256(data).hexdigest()[:32])
+
+
 def _png_header(width: int, height: int) -> bytes:
     """A PNG whose header claims ``width x height`` (no pixel data: refused before any decode)."""
 
@@ -392,9 +398,7 @@ def refusal_refs(photo_refs, asset_root, tmp_path) -> dict[str, tuple[str, tuple
     outside = tmp_path / "outside.jpg"
     outside.write_bytes(photo_bytes("astronaut"))
     junk = b"not an image at all" * 50
-    (asset_root / "images" / "junk.jpg").write_bytes(junk)
     bomb = _png_header(20000, 20000)
-    (asset_root / "images" / "bomb.png").write_bytes(bomb)
     t, h, w = body.payload["image_grid_thw"]
     images = asset_root / "images"
     return {
@@ -408,22 +412,8 @@ def refusal_refs(photo_refs, asset_root, tmp_path) -> dict[str, tuple[str, tuple
         ),
         "hash_mismatch": (_edited(good, mm_hash="0" * 32), (409, "hash_mismatch")),
         "fingerprint_mismatch": (_edited(good, fingerprint="f" * 32), (409, "fingerprint_mismatch")),
-        "asset_too_large": (
-            _edited(
-                good,
-                raw_image_uri=(images / "bomb.png").as_uri(),
-                mm_hash=hashlib.sha256(bomb).hexdigest()[:32],
-            ),
-            (413, "asset_too_large"),
-        ),
-        "image_unreadable": (
-            _edited(
-                good,
-                raw_image_uri=(images / "junk.jpg").as_uri(),
-                mm_hash=hashlib.sha256(junk).hexdigest()[:32],
-            ),
-            (422, "image_unreadable"),
-        ),
+        "asset_too_large": (_stored(good, images / "bomb.png", bomb), (413, "asset_too_large")),
+        "image_unreadable": (_stored(good, images / "junk.jpg", junk), (422, "image_unreadable")),
         "grid_mismatch": (_edited(good, payload={"image_grid_thw": [t, h + 2, w]}), (422, "grid_mismatch")),
     }
 

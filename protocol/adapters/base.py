@@ -268,9 +268,9 @@ class ImageAdapter(ABC):
         body: RawRefBody | ContentRef,
         store: ImageSource,
         *,
-        ref: str | None = None,
         max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
         max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        ref: str | None = None,
     ) -> RawImage:
         """The read half of :meth:`resolve_raw`: the ref's checks, the confined read, the hash
         check and the vLLM-style decode, no processor (the chat route's connector hands the image
