@@ -10,9 +10,15 @@ pooling and scoring routes; never the control routes: ``/pause``, ``/collective_
   every admitted request has finished (:meth:`Admission.drain`), so nothing this process admitted
   runs while the weights change, and nothing admitted after it meets the old weights;
 - **the seed rule** (``seeds.py``) on vLLM's own routes, on a CPU server: a JSON body naming a
-  ``seed`` is read once (bodies without the bytes ``"seed"`` are passed on unread) and refused with
+  ``seed`` is parsed (bodies without the bytes ``"seed"`` are passed on unparsed) and refused with
   ``seed_unsupported`` when its prefill can be split; the plugin's generate route applies the rule
   itself, with the exact token count;
+- **refs in image URLs** on vLLM's own routes (``chat_refs.py``): a JSON body mentioning a ref or
+  the reserved ``mmref-`` namespace is parsed once; a ``uuid`` in that namespace is refused, and
+  every image part whose URL is a ref is read, checked and keyed (its ``uuid`` set, the body
+  rewritten) and its image pinned for the media connector (``connector.py``) before vLLM reads
+  the body; a ref the connector refuses inside vLLM's parser is answered as the plugin's typed
+  refusal, whatever vLLM's handlers made of it. Refusals here are the generate route's bodies;
 - **the weight version** on vLLM's own routes: the answer carries ``x-mmref-weight-version``, the
   version the engine reported when the answer started (for a non-streamed answer, once generated).
   In a server with one API process, updated through the plugin, this is the version the whole
@@ -29,9 +35,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
-import msgspec
-
 from protocol.errors import DrainTimeout, MMRefError
+from vllm_plugin import chat_refs
 from vllm_plugin.seeds import SplitRule
 from vllm_plugin.weights import WEIGHT_VERSION_HEADER
 
@@ -134,12 +139,17 @@ class AdmissionMiddleware:
             if path in PLUGIN_PATHS:
                 await self.app(scope, receive, send)
                 return
-            if admission.split_rule is not None:
-                receive, refusal = await _seed_check(admission.split_rule, receive)
-                if refusal is not None:
-                    await _refuse(send, refusal)
-                    return
-            await self.app(scope, receive, _labelled(send, admission.versions))
+            try:
+                scope, receive = await _inspect(admission, scope, receive)
+            except MMRefError as e:
+                await _refuse(scope, send, e)
+                return
+            errors = chat_refs.errors_scope()
+            typed = _typed(_labelled(send, admission.versions), scope, errors)
+            try:
+                await self.app(scope, receive, typed)
+            except MMRefError as e:  # a connector refusal no handler of vLLM answered
+                await typed(e)
 
 
 def _admission(scope: _Scope) -> Admission | None:
@@ -170,9 +180,14 @@ def _labelled(send: _Send, versions: Callable[[], Awaitable[str]]) -> _Send:
     return labelled
 
 
-async def _seed_check(rule: SplitRule, receive: _Receive) -> tuple[_Receive, MMRefError | None]:
-    """Read the body; refuse a seeded request that can be split. Returns the ``receive`` that
-    replays the body to vLLM's route."""
+async def _inspect(admission: Admission, scope: _Scope, receive: _Receive) -> tuple[_Scope, _Receive]:
+    """Read the body once: refuse a seeded request that can be split (CPU servers), a reserved
+    uuid; key and pin image refs (``chat_refs``). Returns the scope (its ``content-length``
+    rewritten with the body) and the ``receive`` that replays the body to vLLM's route.
+
+    Raises:
+        MMRefError: the refusal.
+    """
     messages: list[_Message] = []
     while True:
         message = await receive()
@@ -180,28 +195,38 @@ async def _seed_check(rule: SplitRule, receive: _Receive) -> tuple[_Receive, MMR
         if message.get("type") != "http.request" or not message.get("more_body", False):
             break
     chunks = [m.get("body", b"") for m in messages if m.get("type") == "http.request"]
-    refusal = None
-    if _mentions_seed(chunks):  # only then is the body joined and parsed
-        try:
-            rule_check(rule, msgspec.json.decode(b"".join(chunks)))
-        except MMRefError as e:
-            refusal = e
-        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-            pass  # not JSON: vLLM's route refuses it with its own error
+    seeded = admission.split_rule is not None and _mentions(chunks, (b'"seed"',))
+    if seeded or _mentions(chunks, chat_refs.NEEDLES):  # only then is the body joined and parsed
+        decoded = chat_refs.decode_json(b"".join(chunks))
+        if decoded is not None:  # else not JSON: vLLM's route refuses it with its own error
+            body, encode = decoded
+            if admission.split_rule is not None:
+                rule_check(admission.split_rule, body)
+            if await chat_refs.bind_body(body, chat_refs.active(), admission.versions):
+                raw = encode(body)
+                messages = [{"type": "http.request", "body": raw, "more_body": False}]
+                scope = {**scope, "headers": _with_length(scope.get("headers", ()), len(raw))}
 
     async def replay() -> _Message:
         return messages.pop(0) if messages else await receive()
 
-    return replay, refusal
+    return scope, replay
 
 
-def _mentions_seed(chunks: list[bytes]) -> bool:
-    """Whether the bytes ``"seed"`` occur in the body, across chunk boundaries, without copying it."""
-    needle, tail = b'"seed"', b""
+def _with_length(headers: Any, length: int) -> list[tuple[bytes, bytes]]:
+    kept = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+    return [*kept, (b"content-length", str(length).encode())]
+
+
+def _mentions(chunks: list[bytes], needles: tuple[bytes, ...]) -> bool:
+    """Whether any of ``needles`` occurs in the body, across chunk boundaries, without copying it."""
+    width = max(len(n) for n in needles) - 1
+    tail = b""
     for chunk in chunks:
-        if needle in tail + chunk[: len(needle) - 1] or needle in chunk:
+        joint = tail + chunk[:width]
+        if any(n in joint or n in chunk for n in needles):
             return True
-        tail = (tail + chunk[-(len(needle) - 1) :])[-(len(needle) - 1) :]
+        tail = (tail + chunk[-width:])[-width:]
     return False
 
 
@@ -245,19 +270,39 @@ def _has_media(body: dict[str, Any]) -> bool:
     return False
 
 
-async def _refuse(send: _Send, error: MMRefError) -> None:
-    from vllm_plugin.protocol import error_body
+async def _refuse(scope: _Scope, send: _Send, error: MMRefError) -> None:
+    """Answer the plugin's typed refusal (``api_router.error_response``: the generate route's body)."""
+    from vllm_plugin.api_router import error_response
 
     logger.info("mmref refused a request on vLLM's route: %s %s", error.code, error.message[:300])
-    content = msgspec.json.encode(error_body(error, error.message))
-    await send(
-        {
-            "type": "http.response.start",
-            "status": error.http_status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(content)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": content})
+    await error_response(error)(scope, _no_body, send)
+
+
+async def _no_body() -> _Message:
+    return {"type": "http.disconnect"}
+
+
+def _typed(send: _Send, scope: _Scope, errors: list[MMRefError]) -> Callable[[Any], Awaitable[None]]:
+    """``send``, with an error answer of vLLM's route replaced by the plugin's typed refusal when the
+    connector recorded one for this request (what vLLM's handlers made of it: a 400 or a 500).
+    Called with an :class:`MMRefError` instead of a message: answer it, unless an answer started."""
+    state = {"started": False, "replaced": False}
+
+    async def typed(message: Any) -> None:
+        if isinstance(message, MMRefError):
+            if not state["started"]:
+                state["started"] = state["replaced"] = True
+                logger.info("mmref: a ref vLLM's parser refused reached no handler of vLLM")
+                await _refuse(scope, send, message)
+            return
+        if message.get("type") == "http.response.start":
+            state["started"] = True
+            if message.get("status", 200) >= 400 and errors:
+                state["replaced"] = True
+                logger.info("mmref: vLLM answered %s to a ref its parser refused", message.get("status"))
+                await _refuse(scope, send, errors[0])
+                return
+        if not state["replaced"]:
+            await send(message)
+
+    return typed

@@ -81,6 +81,11 @@ class ByteBudgetLRU(Generic[_V]):
             task.add_done_callback(lambda t, k=key: self._settle(k, t))
         return await asyncio.shield(task)
 
+    def put(self, key: str, value: _V) -> None:
+        """Keep ``value`` under ``key`` (a computation made outside :meth:`get_or_compute`, e.g. on a
+        thread without an event loop); a value larger than the whole budget is not kept."""
+        self._put(key, value)
+
     def _settle(self, key: str, task: asyncio.Task[_V]) -> None:
         self._inflight.pop(key, None)
         if task.cancelled() or task.exception() is not None:

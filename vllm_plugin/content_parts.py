@@ -1,8 +1,10 @@
-"""``content_parts`` of a generate request: what vLLM would crash or hang on, refused first.
+"""``content_parts`` of a generate request: what vLLM would crash or hang on, refused first; refs.
 
-vLLM renders ``content_parts`` (OpenAI-style parts: text, image URLs) itself, with its own media
+vLLM renders ``content_parts`` (OpenAI-style parts: text, image URLs) itself, with its media
 connector; the plugin adds two refusals (``serving.py`` module doc): a uuid in the plugin's
 reserved namespace, and a ``file://`` URL vLLM's loader would answer with a 500 or block on.
+An ``image_url`` part whose URL is a ref is read, checked and keyed as on the chat route
+(:func:`bind_content_refs`, ``chat_refs.py``), under the request's weight version.
 """
 
 from __future__ import annotations
@@ -13,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from protocol.errors import AssetNotFound, InvalidRequest
+from protocol.refs import is_ref
+from vllm_plugin import chat_refs
 from vllm_plugin.weights import NAMESPACE
 
-__all__ = ["check_content_parts"]
+__all__ = ["bind_content_refs", "check_content_parts"]
 
 
 def check_content_parts(parts: list[dict[str, Any]], local_media: Path | None) -> None:
@@ -61,3 +65,17 @@ def _check_local_file(url: str, local_media: Path | None) -> None:
         raise AssetNotFound("a content_parts file:// URL names no readable file") from e
     if not stat.S_ISREG(mode):
         raise InvalidRequest("a content_parts file:// URL names something other than a regular file")
+
+
+async def bind_content_refs(parts: list[dict[str, Any]], weight_version: str) -> None:
+    """Read, check and key every ``image_url`` part whose URL is a ref (its ``uuid`` set), and pin
+    the images for the media connector; run after :func:`check_content_parts` (whose reserved-uuid
+    rule the keys would break). Nothing where refs in image URLs are off.
+
+    Raises:
+        MMRefError: as ``chat_refs.ChatRefs.bind``.
+    """
+    service = chat_refs.active()
+    found = [(p, p["url"]) for p in parts if p.get("type") == "image_url" and is_ref(p.get("url"))]
+    if found and service is not None:
+        chat_refs.pin(await service.bind(found, weight_version))

@@ -47,7 +47,8 @@ def check_vllm_version(version: str | None = None) -> str:
 
 
 class MMRefEndpointPlugin:
-    """Replaces ``POST /inference/v1/generate`` and adds ``POST /inference/v1/resolve``."""
+    """Replaces ``POST /inference/v1/generate``, adds ``POST /inference/v1/resolve``, and resolves
+    refs in image URLs on vLLM's own routes (the media connector ``mmref``, ``connector.py``)."""
 
     name = "mmref"
     required_tasks = ("generate",)
@@ -60,13 +61,19 @@ class MMRefEndpointPlugin:
             RuntimeError: unsupported vLLM (see :func:`check_vllm_version`).
         """
         version = check_vllm_version()
-        from vllm_plugin import api_router
+        from vllm_plugin import api_router, connector
         from vllm_plugin.admission import AdmissionMiddleware
 
         dev_mode = bool(load("envs.VLLM_SERVER_DEV_MODE"))
         api_router.attach_router(app, dev_mode=dev_mode)
         app.add_middleware(AdmissionMiddleware)
+        connector.register()  # in this API-server process, where vLLM's chat parser loads it
+        chat_refs = connector.enable()
         logger.info("mmref: routes attached (vLLM %s, supported %s)", version, SUPPORTED_VLLM)
+        logger.info(
+            "mmref: refs in image URLs %s",
+            "on (media connector mmref)" if chat_refs else "off (VLLM_MEDIA_CONNECTOR names another)",
+        )
         logger.info(
             "mmref: weight-update routes /mmref/v1/weights/* %s",
             "on" if dev_mode else "off (VLLM_SERVER_DEV_MODE unset)",
@@ -84,11 +91,15 @@ class MMRefEndpointPlugin:
         if engine_client is None:  # vLLM's CPU-only render server: no engine, no route
             state.mmref_serving = None
             return
+        from vllm_plugin import chat_refs
         from vllm_plugin.admission import Admission
+        from vllm_plugin.connector import CONNECTOR_NAME
         from vllm_plugin.startup import build_serving
         from vllm_plugin.updates import WeightUpdates
 
         serving = build_serving(engine_client, state, args)
+        on = load("envs.VLLM_MEDIA_CONNECTOR") == CONNECTOR_NAME
+        chat_refs.activate(chat_refs.ChatRefs(serving.resolver) if on else None)
         admission = Admission(serving.weight_version, serving.split_rule)
         # cached by vLLM's engine client: no request's hand-off then waits on the engine before
         # its send (``engine_items.py``: the send follows the hand-off in the same step)

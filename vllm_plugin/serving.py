@@ -42,7 +42,7 @@ from protocol.errors import InvalidRequest, NotCached, PlaceholderMismatch
 from protocol.placeholders import check_range, locate_image_runs
 from protocol.refs import ContentRef, RawRefBody, is_ref, parse_ref
 from protocol.structs import RawMMRef
-from vllm_plugin.content_parts import check_content_parts
+from vllm_plugin.content_parts import bind_content_refs, check_content_parts
 from vllm_plugin.engine_items import EngineItems, RecordedItem
 from vllm_plugin.items import CheckedItem, decode_item, encode_item
 from vllm_plugin.protocol import MMRefGenerateRequest, parse_request
@@ -193,6 +193,7 @@ class MMRefServing:
         version = await self.weight_version()
         if request.content_parts:
             check_content_parts(request.content_parts, self.local_media)
+            await bind_content_refs(request.content_parts, version)
         sent: list[tuple[str, RecordedItem]] = []
         slots: list[ResolvedSlot] = []
         features = request.features

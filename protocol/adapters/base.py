@@ -36,7 +36,7 @@ from protocol.roots import AssetRoot, AssetRoots, put_content
 from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore, ImageSource
 from protocol.structs import RawMMRef
 
-__all__ = ["ImageAdapter", "ProcessedImage", "RefForm"]
+__all__ = ["ImageAdapter", "ProcessedImage", "RawImage", "RefForm"]
 
 RefForm = Literal["v1", "v2"]
 """Which ``mmraw`` form :meth:`ImageAdapter.offload` writes: ``"v1"`` (base64url JSON naming a
@@ -62,6 +62,20 @@ class ProcessedImage:
     def nbytes(self) -> int:
         """Bytes held by the tensors."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@dataclass(frozen=True)
+class RawImage:
+    """One ``mmraw`` ref read and decoded (:meth:`ImageAdapter.read_raw`), before any processor."""
+
+    image: Image.Image
+    """The decoded RGB image (:func:`protocol.images.load_image`)."""
+    data: bytes
+    """The bytes read (their sha256 checked against the ref)."""
+    sha256: str
+    """Full hex sha256 of :attr:`data`."""
+    grid: tuple[int, ...]
+    """The grid the ref claims (checked against the processor's limits)."""
 
 
 class ImageAdapter(ABC):
@@ -249,6 +263,47 @@ class ImageAdapter(ABC):
             return self.check_grid(body.grid, ref=ref)
         return self.grid_from_payload(body.payload, ref=ref)
 
+    def read_raw(
+        self,
+        body: RawRefBody | ContentRef,
+        store: ImageSource,
+        *,
+        max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+        max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+        ref: str | None = None,
+    ) -> RawImage:
+        """The read half of :meth:`resolve_raw`: the ref's checks, the confined read, the hash
+        check and the vLLM-style decode, no processor (the chat route's connector hands the image
+        to vLLM's own processor).
+
+        Raises:
+            UnsupportedFamily, FingerprintMismatch, InvalidRef, GridMismatch: see :meth:`check_ref`.
+            AssetOutsideRoot, AssetNotFound, AssetTooLarge, HashMismatch, StoreUnavailable: see
+                :meth:`resolve_raw`.
+            ImageUnreadable, AssetTooLarge: see :func:`protocol.images.load_image`.
+        """
+        claimed = self.check_ref(body, ref=ref)
+        data, sha256 = store.read_image(body, max_bytes=max_bytes, ref=ref)
+        image = load_image(data, max_pixels=max_pixels, ref=ref)
+        return RawImage(image=image, data=data, sha256=sha256, grid=claimed)
+
+    def check_decoded_grid(self, raw: RawImage, *, ref: str | None = None) -> None:
+        """Check the grid the processor will give ``raw.image`` (from its size,
+        :meth:`grid_for_size`) against the ref's claim, before any processing.
+
+        Raises:
+            ImageUnreadable: the processor's size rules refuse the image (e.g. aspect ratio > 200).
+            GridMismatch: the ref claims another grid.
+        """
+        try:
+            grid = tuple(self.grid_for_size(*raw.image.size))
+        except ValueError as e:
+            raise ImageUnreadable(f"{self.family} processor refused the image: {e}", ref=ref) from e
+        if grid != raw.grid:
+            raise GridMismatch(
+                f"ref claims {self.grid_field} {list(raw.grid)}, processor gives {list(grid)}", ref=ref
+            )
+
     def resolve_raw(
         self,
         body: RawRefBody | ContentRef,
@@ -261,9 +316,10 @@ class ImageAdapter(ABC):
     ) -> ProcessedImage:
         """Resolve an ``mmraw`` ref: confined read, hash check, vLLM-style decode, processor, grid check.
 
-        This is the one path both the server and the trainer take. ``store`` is one
-        :class:`AssetStore` (v1 refs by path, v2 refs by key under it) or the party's
-        :class:`protocol.roots.AssetRoots` (every form, by content across the roots).
+        This is the one path both the server and the trainer take (:meth:`read_raw`, then the
+        processor). ``store`` is one :class:`AssetStore` (v1 refs by path, v2 refs by key under
+        it) or the party's :class:`protocol.roots.AssetRoots` (every form, by content across the
+        roots).
 
         Raises:
             UnsupportedFamily, FingerprintMismatch, InvalidRef: see :meth:`check_ref`.
@@ -273,17 +329,14 @@ class ImageAdapter(ABC):
             ImageUnreadable, AssetTooLarge: see :func:`protocol.images.load_image`.
             GridMismatch: the processor's grid differs from the ref's payload.
         """
-        claimed = self.check_ref(body, ref=ref)
-        data, sha256 = store.read_image(body, max_bytes=max_bytes, ref=ref)
-        processed = self.process_bytes(
-            data, sha256, ref=ref, device_normalize=device_normalize, max_pixels=max_pixels
-        )
-        if processed.grid != claimed:
+        raw = self.read_raw(body, store, ref=ref, max_bytes=max_bytes, max_pixels=max_pixels)
+        processed = self._processed(raw.image, ref=ref, device_normalize=device_normalize)
+        if processed.grid != raw.grid:
             raise GridMismatch(
-                f"ref claims {self.grid_field} {list(claimed)}, processor gives {list(processed.grid)}",
+                f"ref claims {self.grid_field} {list(raw.grid)}, processor gives {list(processed.grid)}",
                 ref=ref,
             )
-        return processed
+        return dataclasses.replace(processed, sha256=raw.sha256)
 
     def process_bytes(
         self,
@@ -302,11 +355,16 @@ class ImageAdapter(ABC):
                 refused the image (e.g. an aspect ratio above 200).
         """
         image = load_image(data, max_pixels=max_pixels, ref=ref)
-        try:
-            processed = self.process(image, device_normalize=device_normalize)
-        except ValueError as e:  # e.g. smart_resize: aspect ratio > 200
-            raise ImageUnreadable(f"{self.family} processor refused the image: {e}", ref=ref) from e
+        processed = self._processed(image, ref=ref, device_normalize=device_normalize)
         return dataclasses.replace(processed, sha256=sha256)
+
+    def _processed(self, image: Any, *, ref: str | None, device_normalize: bool) -> ProcessedImage:
+        """:meth:`process`, a processor's ``ValueError`` (e.g. smart_resize: aspect ratio > 200)
+        raised as :class:`ImageUnreadable` naming the family."""
+        try:
+            return self.process(image, device_normalize=device_normalize)
+        except ValueError as e:
+            raise ImageUnreadable(f"{self.family} processor refused the image: {e}", ref=ref) from e
 
     def offload(
         self,

@@ -13,6 +13,7 @@ _TIT_FILE = "vllm/entrypoints/scale_out/token_in_token_out"
 _LLM, _LLM_FILE = "vllm.v1.engine.async_llm:AsyncLLM", "vllm/v1/engine/async_llm.py"
 _CACHE = "vllm.multimodal.cache"
 _INPUTS, _INPUTS_FILE = "vllm.multimodal.inputs", "vllm/multimodal/inputs.py"
+_MEDIA, _MEDIA_FILE = "vllm.multimodal.media.connector", "vllm/multimodal/media/connector.py"
 _SERVING_TOKENS_KEYWORDS = (
     "request_logger",
     "return_tokens_as_token_ids",
@@ -324,7 +325,33 @@ _ROUTE: tuple[Touchpoint, ...] = (
     row("vllm.entrypoints.serve.exception_handling.utils:sanitize_message", "function",
         "vllm/entrypoints/serve/exception_handling/utils.py", "vllm_plugin/api_router.py", positional=1),
 )
+
+_CONNECTOR: tuple[Touchpoint, ...] = (
+    # --- connector.py, chat_refs.py: refs in image URLs (vLLM's media connector registry) ------------------
+    row(f"{_MEDIA}:MEDIA_CONNECTOR_REGISTRY", "constant", _MEDIA_FILE, "vllm_plugin/connector.py"),
+    row("vllm.utils.registry:ExtensionManager.register", "method", "vllm/utils/registry.py",
+        "vllm_plugin/connector.py", reached_as="MEDIA_CONNECTOR_REGISTRY.register('mmref')(cls)",
+        positional=1, positional_names=("name",)),
+    row("vllm.envs:VLLM_MEDIA_CONNECTOR", "constant", "vllm/envs.py", "vllm_plugin/connector.py",
+        "vllm_plugin/plugin.py", key="envs.VLLM_MEDIA_CONNECTOR",
+        reached_as="read per request by vLLM's chat parser (MEDIA_CONNECTOR_REGISTRY.load(...))"),
+    row(f"{_MEDIA}:MediaConnector", "class", _MEDIA_FILE, "vllm_plugin/connector.py", "bench/server.py",
+        reached_as="subclassed by MMRefMediaConnector; bench/server.py: MediaConnector()", positional=0),
+    *(row(f"{_MEDIA}:MediaConnector.{name}", "method", _MEDIA_FILE, "vllm_plugin/connector.py", *users,
+          reached_as=f"overridden by MMRefMediaConnector; vLLM's chat parser calls {name}(url)", positional=1,
+          positional_names=("image_url",), keywords=("image_mode",), named=("image_mode",))
+      for name, users in (("fetch_image", ("bench/server.py",)), ("fetch_image_async", ()))),
+    row("vllm.multimodal.media.base:MediaWithBytes", "class", "vllm/multimodal/media/base.py",
+        "vllm_plugin/chat_refs.py", positional=3, positional_names=("media", "original_bytes", "io_config")),
+    row("vllm.renderers.chat_utils:CustomChatCompletionContentSimpleImageParam.uuid", "attribute",
+        "vllm/renderers/chat_utils.py", "vllm_plugin/chat_refs.py",
+        reached_as="part['uuid'] of an image part, which vLLM's chat parser passes as the item's uuid"),
+    row("vllm.multimodal.processing.inputs:ProcessorInputs.get_mm_hashes", "method",
+        "vllm/multimodal/processing/inputs.py", "vllm_plugin/chat_refs.py",
+        reached_as="vLLM keys an item by its uuid in place of its content hash (unless media_io_kwargs or "
+        "mm_processor_kwargs are given: then by both)"),
+)
 # fmt: on
 
-PLUGIN: tuple[Touchpoint, ...] = (*_ENTRY, *_TOKENS, *_ITEMS, *_ROUTE)
+PLUGIN: tuple[Touchpoint, ...] = (*_ENTRY, *_TOKENS, *_ITEMS, *_ROUTE, *_CONNECTOR)
 """Every vLLM name ``vllm_plugin/`` relies on."""

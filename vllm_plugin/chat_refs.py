@@ -1,0 +1,293 @@
+"""Refs where vLLM takes an image URL: ``/v1/chat/completions`` and every route whose content
+parts vLLM's chat parser reads (the render route, responses, pooling...), and the generate route's
+``content_parts``.
+
+A client puts the ref string itself in the part's URL
+(``{"type": "image_url", "image_url": {"url": "mmraw:v2:..."}}``). Before vLLM reads such a part:
+
+- **the read** (:meth:`ChatRefs.image`): the adapter's read path, the one the token route and the
+  trainer take (``ImageAdapter.read_raw``: family, fingerprint and grid bound checked, confined
+  read, sha256 of the bytes, byte and pixel limits, vLLM's decode), then the grid the processor
+  will give checked against the ref's (``check_decoded_grid``); cached by the whole ref string
+  (byte-bounded LRU, single-flight, failures never cached): a repeated ref is a lookup;
+- **the key** (:meth:`ChatRefs.uuid`): the part's ``uuid``, which vLLM uses in place of its content
+  hash in every cache (processor, encoder, prefix; ``ProcessorInputs.get_mm_hashes``, which hashes
+  it with ``media_io_kwargs`` or ``mm_processor_kwargs`` where given), set by the plugin, never
+  by the client:
+  ``weights.engine_hash`` of ``"mmref:chat:v1:" + sha256 of the bytes read + fingerprint + pixel
+  mode`` and the weight version, so no embedding crosses a weight version. Its own content key:
+  the chat route's items (vLLM's processing) never share an entry with the token route's;
+- **the pin** (:func:`pin`): the decoded images are held for the rest of the request in a context
+  variable, and the connector (``connector.py``) hands vLLM's parser the very image whose bytes
+  named the uuid.
+
+Where a route's body hides a ref from :func:`ref_parts` (e.g. a source URL vLLM converts to an image
+part itself), the connector reads it through :meth:`ChatRefs.image` and vLLM keys it by its bytes,
+as a data URL; its refusal is recorded (:func:`record_error`) for the admission middleware to
+answer as the plugin's typed 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import hashlib
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from protocol.errors import InvalidRef, InvalidRequest, MMRefError
+from protocol.refs import FileRef, is_ref, parse_ref
+from vllm_plugin.cache import ByteBudgetLRU
+from vllm_plugin.vllm_surface import load
+from vllm_plugin.weights import NAMESPACE, engine_hash
+
+if TYPE_CHECKING:
+    from vllm_plugin.resolver import MMRefResolver
+
+__all__ = [
+    "NEEDLES",
+    "ChatImage",
+    "ChatRefs",
+    "activate",
+    "active",
+    "bind_body",
+    "decode_json",
+    "errors_scope",
+    "pin",
+    "pinned",
+    "record_error",
+    "ref_parts",
+]
+
+_IO_CONFIG = {"image_mode": "RGB", "decoder": "mmref"}
+"""The decode settings a ref's image carries (``MediaWithBytes.io_config``): where vLLM keys the
+image by its bytes (no uuid), never the key of a data URL of the same bytes, which vLLM's own
+decoder (``--media-io-kwargs``) may have decoded otherwise."""
+
+_PINNED: contextvars.ContextVar[Mapping[str, ChatImage]] = contextvars.ContextVar("mmref_pinned")
+_ERRORS: contextvars.ContextVar[list[MMRefError]] = contextvars.ContextVar("mmref_connector_errors")
+
+
+@dataclass(frozen=True)
+class ChatImage:
+    """One image ref read and decoded for vLLM's chat parser."""
+
+    media: Any
+    """vLLM's ``MediaWithBytes``: the RGB image and the bytes read, what vLLM's connector returns."""
+    content_key: str
+    """What the part's uuid binds besides the weight version."""
+    nbytes: int
+    """Bytes held: the decoded pixels and the encoded bytes."""
+
+
+class ChatRefs:
+    """Reads, checks, decodes and keys the image refs of content parts (see the module doc).
+
+    Args:
+        resolver: the plugin's resolver: its adapter, store, limits and worker threads.
+    """
+
+    def __init__(self, resolver: MMRefResolver) -> None:
+        self.adapter = resolver.adapter
+        self.store = resolver.store
+        self.config = resolver.config
+        self.pool = resolver.pool
+        self.pixel_mode = resolver.pixel_mode
+        self.cache: ByteBudgetLRU[ChatImage] = ByteBudgetLRU(
+            resolver.config.cache_budget_bytes, lambda image: image.nbytes
+        )
+
+    def read(self, ref: str) -> ChatImage:
+        """Read, check and decode one ref, uncached (blocking: file I/O and decode).
+
+        Raises:
+            InvalidRef: an ``mmfile`` ref (processed features, not an image) or a malformed ref.
+            MMRefError subclasses: see ``ImageAdapter.read_raw`` and ``check_decoded_grid``.
+        """
+        parsed = parse_ref(ref)
+        if isinstance(parsed, FileRef):
+            raise InvalidRef(
+                "an mmfile ref holds processed features, not an image: image URLs take mmraw refs "
+                "(send mmfile refs to /inference/v1/generate)",
+                ref=ref,
+            )
+        raw = self.adapter.read_raw(
+            parsed,
+            self.store,
+            ref=ref,
+            max_bytes=self.config.max_image_bytes,
+            max_pixels=self.config.max_image_pixels,
+        )
+        self.adapter.check_decoded_grid(raw, ref=ref)
+        media = load("MediaWithBytes")(raw.image, raw.data, dict(_IO_CONFIG))
+        width, height = raw.image.size
+        return ChatImage(
+            media=media,
+            content_key=f"mmref:chat:v1:{raw.sha256}:{self.adapter.fingerprint}:{self.pixel_mode}",
+            nbytes=width * height * len(raw.image.getbands()) + len(raw.data),
+        )
+
+    async def image(self, ref: str) -> ChatImage:
+        """:meth:`read`, cached by the whole ref string, single-flight, in the worker threads."""
+        key = _cache_key(ref)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached
+        loop = asyncio.get_running_loop()
+        return await self.cache.get_or_compute(key, lambda: loop.run_in_executor(self.pool, self.read, ref))
+
+    def image_sync(self, ref: str) -> ChatImage:
+        """:meth:`image` for a caller without an event loop (vLLM's synchronous parser)."""
+        key = _cache_key(ref)
+        cached = self.cache.get(key)
+        if cached is None:
+            cached = self.read(ref)
+            self.cache.put(key, cached)
+        return cached
+
+    @staticmethod
+    def uuid(image: ChatImage, weight_version: str) -> str:
+        """The part's uuid: ``mmref-`` + 64 hex, bound to the content and the weight version."""
+        return engine_hash(image.content_key, weight_version)
+
+    async def bind(
+        self, parts: list[tuple[dict[str, Any], str]], weight_version: str
+    ) -> dict[str, ChatImage]:
+        """Read every ref of ``parts`` (``(part, ref)`` pairs, :func:`ref_parts`) and set each part's
+        uuid; returns the images by ref, to :func:`pin`.
+
+        Raises:
+            InvalidRequest: more refs than ``MMREF_MAX_REFS_PER_REQUEST``.
+            MMRefError: the first ref in prompt order that cannot be used.
+        """
+        limit = self.config.max_refs_per_request
+        if len(parts) > limit:
+            raise InvalidRequest(f"{len(parts)} refs in one request; MMREF_MAX_REFS_PER_REQUEST is {limit}")
+        refs = list(dict.fromkeys(ref for _, ref in parts))
+        results = await asyncio.gather(*(self.image(ref) for ref in refs), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        images: dict[str, ChatImage] = dict(zip(refs, results, strict=True))  # type: ignore[arg-type]
+        for part, ref in parts:
+            part["uuid"] = self.uuid(images[ref], weight_version)
+        return images
+
+
+def _cache_key(ref: str) -> str:
+    return hashlib.sha256(ref.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def ref_parts(body: Any) -> list[tuple[dict[str, Any], str]]:
+    """The content parts of a decoded JSON body whose image URL is a ref, in document order: every
+    object with an ``image_url`` that is a ref string or an object whose ``url`` is one (chat's
+    ``image_url`` parts, responses' ``input_image`` parts, the bare ``{"image_url": ...}`` form).
+
+    Raises:
+        InvalidRequest: a ``uuid`` in the plugin's reserved ``mmref-`` namespace anywhere in the body
+            (only the plugin keys items there).
+    """
+    found: list[tuple[dict[str, Any], str]] = []
+    stack: list[Any] = [body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(reversed(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        if "uuid" in node and str(node["uuid"]).startswith(NAMESPACE):
+            raise InvalidRequest(f"content part uuids starting with {NAMESPACE!r} are reserved")
+        url = node.get("image_url")
+        if isinstance(url, dict):
+            url = url.get("url")
+        if is_ref(url):
+            found.append((node, url))
+        stack.extend(reversed([v for v in node.values() if isinstance(v, (dict, list))]))
+    return found
+
+
+# --- the process's service and the request's scope ------------------------------------------------------
+
+_service: list[ChatRefs] = []
+
+
+def activate(service: ChatRefs | None) -> None:
+    """Make ``service`` the one the connector and the middleware use in this process (None: off)."""
+    _service[:] = [service] if service is not None else []
+
+
+def active() -> ChatRefs | None:
+    """The process's :class:`ChatRefs`, or None where refs on image URLs are off."""
+    return _service[0] if _service else None
+
+
+def pin(images: Mapping[str, ChatImage]) -> None:
+    """Hold ``images`` (by ref) for the rest of the current request (its context)."""
+    _PINNED.set({**_PINNED.get({}), **images})
+
+
+def pinned(ref: str) -> ChatImage | None:
+    """The image the current request pinned for ``ref``, if any."""
+    return _PINNED.get({}).get(ref)
+
+
+def errors_scope() -> list[MMRefError]:
+    """Start recording the connector's refusals for the current request; returns the record."""
+    record: list[MMRefError] = []
+    _ERRORS.set(record)
+    return record
+
+
+def record_error(error: MMRefError) -> None:
+    """Record a refusal raised inside vLLM's parser for the request's middleware (if it listens)."""
+    record = _ERRORS.get(None)
+    if record is not None:
+        record.append(error)
+
+
+# --- JSON bodies of vLLM's routes (the admission middleware) ---------------------------------------------
+
+NEEDLES = (b"mmraw:", b"mmfile:", NAMESPACE.encode(), b"\\u")
+"""Bytes without which a JSON body can carry no ref and no reserved uuid (``\\u``: an escaped one)."""
+
+
+def decode_json(raw: bytes) -> tuple[Any, Callable[[Any], bytes]] | None:
+    """A JSON body and the encoder that writes it back the way it was read (msgspec, or the stdlib
+    for what msgspec refuses and Starlette accepts: NaN, integers beyond 64 bits, lone
+    surrogates); None where neither parses it (vLLM's route answers it)."""
+    try:
+        return msgspec.json.decode(raw), msgspec.json.encode
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        pass
+    try:
+        return json.loads(raw), lambda body: json.dumps(body).encode()
+    except (ValueError, RecursionError):
+        return None
+
+
+async def bind_body(body: Any, service: ChatRefs | None, versions: Callable[[], Awaitable[str]]) -> bool:
+    """Key and pin the image refs of a decoded body (see the module doc); returns whether it
+    changed (never where ``service`` is None: refs in image URLs are off, reserved uuids still
+    refused).
+
+    Raises:
+        InvalidRequest: a reserved uuid; ``mm_processor_kwargs`` beside refs (vLLM would process the
+            ref's image with them: the trainer, which processes it with the model's own settings,
+            could not reproduce the pixels).
+        MMRefError: a ref that cannot be used (see :meth:`ChatRefs.bind`).
+    """
+    parts = ref_parts(body)
+    if not parts or service is None:
+        return False
+    if isinstance(body, dict) and body.get("mm_processor_kwargs"):
+        raise InvalidRequest(
+            "mm_processor_kwargs do not apply to refs: the trainer processes a ref's image with the model's "
+            "own settings (put such settings in the model's preprocessor_config.json)"
+        )
+    pin(await service.bind(parts, await versions()))
+    return True
