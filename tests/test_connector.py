@@ -23,7 +23,8 @@ from protocol.refs import file_uri_to_path, format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample
 from trainer_lib import materialize
 from vllm_plugin import chat_refs
-from vllm_plugin.weights import engine_hash
+from vllm_plugin.chat_refs import CHAT_MODE
+from vllm_plugin.weights import ContentKey, engine_hash, parse_handle
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
@@ -95,9 +96,12 @@ def test_a_repeated_ref_is_a_lookup_and_its_key_binds_content_and_weights(
     assert service.image_sync(v1.ref) is again and len(reads) == 2
     assert again.media.media.size == (300, 200) and again.media.original_bytes == jpeg
     key = service.uuid(again, "step-1")
-    assert key == service.uuid(other_form, "step-1") and key.startswith("mmref-") and len(key) == 70
+    assert key == service.uuid(other_form, "step-1") and key.startswith("mmref-")
     assert service.uuid(again, "step-2") != key
-    assert hashlib.sha256(jpeg).hexdigest() in again.content_key
+    content = again.content_key
+    assert (content.sha256, content.ext) == (hashlib.sha256(jpeg).hexdigest(), ".jpg")
+    assert content.pixel_mode == CHAT_MODE + service.pixel_mode  # never a token-route item's binding
+    assert parse_handle(key).sha256 == content.sha256
 
 
 # --- on the server -------------------------------------------------------------------------------------
@@ -318,7 +322,7 @@ def test_the_plugin_keys_each_part_by_content_and_weight_version(server, photo_r
         by_url, _ = _render(c, server.model, [data_url(ref)])
     (mm_hash,) = rendered["features"]["mm_hashes"]["image"]
     pixels = "raw" if "raw pixels" in server.log() else "normalized"
-    key = f"mmref:chat:v1:{sha}:{qwen2_vl_adapter.fingerprint}:{pixels}"
+    key = ContentKey("image", sha, path.suffix, qwen2_vl_adapter.fingerprint, CHAT_MODE + pixels)
     assert version and mm_hash == engine_hash(key, version) == again["features"]["mm_hashes"]["image"][0]
     assert by_url["features"]["mm_hashes"]["image"][0] != mm_hash  # a data URL keeps vLLM's content hash
     assert rendered["token_ids"] == by_url["token_ids"]

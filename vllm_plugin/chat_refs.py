@@ -14,9 +14,10 @@ A client puts the ref string itself in the part's URL
   hash in every cache (processor, encoder, prefix; ``ProcessorInputs.get_mm_hashes``, which hashes
   it with ``media_io_kwargs`` or ``mm_processor_kwargs`` where given), set by the plugin, never
   by the client:
-  ``weights.engine_hash`` of ``"mmref:chat:v1:" + sha256 of the bytes read + fingerprint + pixel
-  mode`` and the weight version, so no embedding crosses a weight version. Its own content key:
-  the chat route's items (vLLM's processing) never share an entry with the token route's;
+  ``weights.engine_hash`` of the image's content key (sha256 of the bytes read, store extension,
+  fingerprint, ``"chat:"`` + pixel mode) and the weight version, so no embedding crosses a weight
+  version. Its binding names the chat route (:data:`CHAT_MODE`): the chat route's items (vLLM's
+  processing) never share an entry with the token route's, and a chat uuid is no handle there;
 - **the pin** (:func:`pin`): the decoded images are held for the rest of the request in a context
   variable, and the connector (``connector.py``) hands vLLM's parser the very image whose bytes
   named the uuid.
@@ -42,13 +43,15 @@ import msgspec
 from protocol.errors import InvalidRef, InvalidRequest, MMRefError
 from protocol.refs import FileRef, is_ref, parse_ref
 from vllm_plugin.cache import ByteBudgetLRU
+from vllm_plugin.resolver import ExtRecorder
 from vllm_plugin.vllm_surface import load
-from vllm_plugin.weights import NAMESPACE, engine_hash
+from vllm_plugin.weights import NAMESPACE, ContentKey, engine_hash
 
 if TYPE_CHECKING:
     from vllm_plugin.resolver import MMRefResolver
 
 __all__ = [
+    "CHAT_MODE",
     "NEEDLES",
     "ChatImage",
     "ChatRefs",
@@ -62,6 +65,9 @@ __all__ = [
     "record_error",
     "ref_parts",
 ]
+
+CHAT_MODE = "chat:"
+"""Prefix of the pixel mode in a chat image's binding: vLLM's processing, not the token route's."""
 
 _IO_CONFIG = {"image_mode": "RGB", "decoder": "mmref"}
 """The decode settings a ref's image carries (``MediaWithBytes.io_config``): where vLLM keys the
@@ -78,7 +84,7 @@ class ChatImage:
 
     media: Any
     """vLLM's ``MediaWithBytes``: the RGB image and the bytes read, what vLLM's connector returns."""
-    content_key: str
+    content_key: ContentKey
     """What the part's uuid binds besides the weight version."""
     nbytes: int
     """Bytes held: the decoded pixels and the encoded bytes."""
@@ -115,9 +121,10 @@ class ChatRefs:
                 "(send mmfile refs to /inference/v1/generate)",
                 ref=ref,
             )
+        source = ExtRecorder(self.store)
         raw = self.adapter.read_raw(
             parsed,
-            self.store,
+            source,
             ref=ref,
             max_bytes=self.config.max_image_bytes,
             max_pixels=self.config.max_image_pixels,
@@ -127,7 +134,9 @@ class ChatRefs:
         width, height = raw.image.size
         return ChatImage(
             media=media,
-            content_key=f"mmref:chat:v1:{raw.sha256}:{self.adapter.fingerprint}:{self.pixel_mode}",
+            content_key=ContentKey(
+                "image", raw.sha256, source.ext, self.adapter.fingerprint, CHAT_MODE + self.pixel_mode
+            ),
             nbytes=width * height * len(raw.image.getbands()) + len(raw.data),
         )
 

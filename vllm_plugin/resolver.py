@@ -154,7 +154,7 @@ class MMRefResolver:
         return await self.cache.get_or_compute(key, lambda: loop.run_in_executor(self.pool, timed))
 
     def _resolve_raw_sync(self, body: RawRefBody | ContentRef, ref: str) -> ResolvedItem:
-        source = _ExtRecorder(self.store)
+        source = ExtRecorder(self.store)
         limit = self.config.max_image_bytes
         processed = self._pixels(self.adapter.resolve_raw, body, source, ref=ref, max_bytes=limit)
         return self._raw_item(processed, source.ext)
@@ -225,7 +225,7 @@ class MMRefResolver:
         )
 
 
-class _ExtRecorder:
+class ExtRecorder:
     """An ``ImageSource`` over the server's roots that keeps the store extension of the image it
     read: a v2 ref's own, or, for a v1 ref, the one its bytes are stored under
     (``protocol.images.sniff_media_type``; ``.img`` for bytes no allowed format opens, which the

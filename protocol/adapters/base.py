@@ -330,7 +330,7 @@ class ImageAdapter(ABC):
             GridMismatch: the processor's grid differs from the ref's payload.
         """
         raw = self.read_raw(body, store, ref=ref, max_bytes=max_bytes, max_pixels=max_pixels)
-        processed = self._processed(raw.image, ref=ref, device_normalize=device_normalize)
+        processed = self._run_processor(raw.image, ref=ref, device_normalize=device_normalize)
         if processed.grid != raw.grid:
             raise GridMismatch(
                 f"ref claims {self.grid_field} {list(raw.grid)}, processor gives {list(processed.grid)}",
@@ -355,10 +355,10 @@ class ImageAdapter(ABC):
                 refused the image (e.g. an aspect ratio above 200).
         """
         image = load_image(data, max_pixels=max_pixels, ref=ref)
-        processed = self._processed(image, ref=ref, device_normalize=device_normalize)
+        processed = self._run_processor(image, ref=ref, device_normalize=device_normalize)
         return dataclasses.replace(processed, sha256=sha256)
 
-    def _processed(self, image: Any, *, ref: str | None, device_normalize: bool) -> ProcessedImage:
+    def _run_processor(self, image: Any, *, ref: str | None, device_normalize: bool) -> ProcessedImage:
         """:meth:`process`, a processor's ``ValueError`` (e.g. smart_resize: aspect ratio > 200)
         raised as :class:`ImageUnreadable` naming the family."""
         try:
