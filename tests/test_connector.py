@@ -498,3 +498,24 @@ def test_a_ref_vllm_converts_itself_is_refused_typed_too(server, photo_refs, v2_
         for name in ("asset_not_found", "hash_mismatch", "grid_mismatch"):
             ref, expected = cases[name]
             assert refusal(messages(ref)) == expected, name
+
+
+def test_an_object_store_url_is_the_plugins_only_as_an_image_key_under_a_root(tmp_path):
+    """``object_key``: exactly ``<object root>/images/<16 hex><ext>``; nothing else (another prefix,
+    ``..``, a query, upper-case hex, another extension, a local root's path) is claimed."""
+    from protocol.roots import LocalRoot, ObjectRoot, StoreClientConfig
+
+    local, remote = LocalRoot(tmp_path), ObjectRoot("s3://bucket/mmref", StoreClientConfig())
+    name = "images/0123456789abcdef.jpg"
+    assert chat_refs.object_key([local, remote], f"s3://bucket/mmref/{name}") == (remote, name)
+    for url in (
+        f"s3://bucket/mmref-other/{name}",
+        "s3://bucket/mmref/images/../images/0123456789abcdef.jpg",
+        f"s3://bucket/mmref/{name}?versionId=1",
+        "s3://bucket/mmref/images/0123456789ABCDEF.jpg",
+        "s3://bucket/mmref/images/0123456789abcdef.exe",
+        f"s3://bucket/{name}",
+        f"{tmp_path}/{name}",
+        f"file://{tmp_path}/{name}",
+    ):
+        assert chat_refs.object_key([local, remote], url) is None, url

@@ -196,7 +196,7 @@ async def _inspect(admission: Admission, scope: _Scope, receive: _Receive) -> tu
             break
     chunks = [m.get("body", b"") for m in messages if m.get("type") == "http.request"]
     seeded = admission.split_rule is not None and _mentions(chunks, (b'"seed"',))
-    if seeded or _mentions(chunks, chat_refs.NEEDLES):  # only then is the body joined and parsed
+    if seeded or _mentions(chunks, chat_refs.needles()):  # only then is the body joined and parsed
         decoded = chat_refs.decode_json(b"".join(chunks))
         if decoded is not None:  # else not JSON: vLLM's route refuses it with its own error
             body, encode = decoded

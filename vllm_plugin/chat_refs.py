@@ -3,12 +3,18 @@ parts vLLM's chat parser reads (the render route, responses, pooling...), and th
 ``content_parts``.
 
 A client puts the ref string itself in the part's URL
-(``{"type": "image_url", "image_url": {"url": "mmraw:v2:..."}}``). Before vLLM reads such a part:
+(``{"type": "image_url", "image_url": {"url": "mmraw:v2:..."}}``), or the URL of an image key under
+one of the server's object-store roots (``<root>/images/<sha256[:16]><ext>``, e.g.
+``s3://bucket/mmref/images/0123456789abcdef.jpg``: :meth:`ChatRefs.names`). Before vLLM reads such
+a part:
 
 - **the read** (:meth:`ChatRefs.image`): the adapter's read path, the one the token route and the
   trainer take (``ImageAdapter.read_raw``: family, fingerprint and grid bound checked, confined
   read, sha256 of the bytes, byte and pixel limits, vLLM's decode), then the grid the processor
-  will give checked against the ref's (``check_decoded_grid``); cached by the whole ref string
+  will give checked against the ref's (``check_decoded_grid``); an object-store URL is read from
+  its root only (no other bucket or prefix), its bytes checked against the 16-hex sha256 prefix its
+  key names, then the same limits and decode (no family or grid claim to check, as for a data
+  URL); cached by the whole ref string
   (byte-bounded LRU, single-flight, failures never cached): a repeated ref is a lookup;
 - **the key** (:meth:`ChatRefs.uuid`): the part's ``uuid``, which vLLM uses in place of its content
   hash in every cache (processor, encoder, prefix; ``ProcessorInputs.get_mm_hashes``, which hashes
@@ -34,20 +40,24 @@ import asyncio
 import contextvars
 import hashlib
 import json
-from collections.abc import Awaitable, Callable, Mapping
+import re
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from protocol.errors import InvalidRef, InvalidRequest, MMRefError
-from protocol.refs import FileRef, is_ref, parse_ref
+from protocol.errors import AssetOutsideRoot, InvalidRef, InvalidRequest, MMRefError
+from protocol.images import load_image
+from protocol.refs import IMAGE_EXTS, FileRef, is_ref, parse_ref
+from protocol.store import check_sha256
 from vllm_plugin.cache import ByteBudgetLRU
 from vllm_plugin.resolver import ExtRecorder
 from vllm_plugin.vllm_surface import load
 from vllm_plugin.weights import NAMESPACE, ContentKey, engine_hash
 
 if TYPE_CHECKING:
+    from protocol.roots import AssetRoot
     from vllm_plugin.resolver import MMRefResolver
 
 __all__ = [
@@ -60,6 +70,8 @@ __all__ = [
     "bind_body",
     "decode_json",
     "errors_scope",
+    "needles",
+    "object_key",
     "pin",
     "pinned",
     "record_error",
@@ -107,13 +119,21 @@ class ChatRefs:
             resolver.config.cache_budget_bytes, lambda image: image.nbytes
         )
 
+    def names(self, url: Any) -> bool:
+        """Whether an image URL is the plugin's: a ref string, or an image key's URL under one of
+        this server's object-store roots (:func:`object_key`)."""
+        return is_ref(url) or (isinstance(url, str) and object_key(self.store.roots, url) is not None)
+
     def read(self, ref: str) -> ChatImage:
-        """Read, check and decode one ref, uncached (blocking: file I/O and decode).
+        """Read, check and decode one ref (or object-store URL), uncached (blocking: I/O, decode).
 
         Raises:
             InvalidRef: an ``mmfile`` ref (processed features, not an image) or a malformed ref.
-            MMRefError subclasses: see ``ImageAdapter.read_raw`` and ``check_decoded_grid``.
+            MMRefError subclasses: see ``ImageAdapter.read_raw`` and ``check_decoded_grid``;
+                :meth:`read_object_url`.
         """
+        if not is_ref(ref):
+            return self.read_object_url(ref)
         parsed = parse_ref(ref)
         if isinstance(parsed, FileRef):
             raise InvalidRef(
@@ -138,6 +158,35 @@ class ChatRefs:
                 "image", raw.sha256, source.ext, self.adapter.fingerprint, CHAT_MODE + self.pixel_mode
             ),
             nbytes=width * height * len(raw.image.getbands()) + len(raw.data),
+        )
+
+    def read_object_url(self, url: str) -> ChatImage:
+        """The image at an object-store URL under one of the roots: that root only, the bytes
+        checked against the sha256 prefix the key names, the byte and pixel limits, vLLM's decode.
+
+        Raises:
+            AssetOutsideRoot: the URL names no image key under a configured object-store root.
+            AssetNotFound, StoreUnavailable, AssetTooLarge: see ``protocol.roots.AssetRoot.get``.
+            HashMismatch: the bytes do not hash to the key's prefix.
+            ImageUnreadable, AssetTooLarge: see ``protocol.images.load_image``.
+        """
+        found = object_key(self.store.roots, url)
+        if found is None:
+            raise AssetOutsideRoot(
+                "the URL names no image key under this server's object-store roots", ref=url
+            )
+        root, key = found
+        data = root.get(key, max_bytes=self.config.max_image_bytes, ref=url)
+        sha256 = check_sha256(data, key[len("images/") : len("images/") + 16], ref=url)
+        image = load_image(data, max_pixels=self.config.max_image_pixels, ref=url)
+        media = load("MediaWithBytes")(image, data, dict(_IO_CONFIG))
+        ext = key[key.rindex(".") :]
+        return ChatImage(
+            media=media,
+            content_key=ContentKey(
+                "image", sha256, ext, self.adapter.fingerprint, CHAT_MODE + self.pixel_mode
+            ),
+            nbytes=image.size[0] * image.size[1] * len(image.getbands()) + len(data),
         )
 
     async def image(self, ref: str) -> ChatImage:
@@ -191,10 +240,24 @@ def _cache_key(ref: str) -> str:
     return hashlib.sha256(ref.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def ref_parts(body: Any) -> list[tuple[dict[str, Any], str]]:
-    """The content parts of a decoded JSON body whose image URL is a ref, in document order: every
-    object with an ``image_url`` that is a ref string or an object whose ``url`` is one (chat's
-    ``image_url`` parts, responses' ``input_image`` parts, the bare ``{"image_url": ...}`` form).
+_IMAGE_KEY_RE = re.compile(r"images/[a-f0-9]{16}(?:" + "|".join(re.escape(e) for e in IMAGE_EXTS) + ")")
+
+
+def object_key(roots: Sequence[AssetRoot], url: str) -> tuple[AssetRoot, str] | None:
+    """``(root, key)`` where ``url`` is ``<root url>/images/<16 hex><ext>`` for an object-store
+    root of ``roots`` (exactly: no other prefix, no ``..``, no query); None for any other URL."""
+    for root in roots:
+        prefix = root.url.rstrip("/") + "/"
+        if not root.local and url.startswith(prefix) and _IMAGE_KEY_RE.fullmatch(url[len(prefix) :]):
+            return root, url[len(prefix) :]
+    return None
+
+
+def ref_parts(body: Any, names: Callable[[Any], bool] = is_ref) -> list[tuple[dict[str, Any], str]]:
+    """The content parts of a decoded JSON body whose image URL ``names`` claims (a ref string by
+    default; :meth:`ChatRefs.names`), in document order: every object with an ``image_url`` that is
+    such a string or an object whose ``url`` is one (chat's ``image_url`` parts, responses'
+    ``input_image`` parts, the bare ``{"image_url": ...}`` form).
 
     Raises:
         InvalidRequest: a ``uuid`` in the plugin's reserved ``mmref-`` namespace anywhere in the body
@@ -214,7 +277,7 @@ def ref_parts(body: Any) -> list[tuple[dict[str, Any], str]]:
         url = node.get("image_url")
         if isinstance(url, dict):
             url = url.get("url")
-        if is_ref(url):
+        if names(url):
             found.append((node, url))
         stack.extend(reversed([v for v in node.values() if isinstance(v, (dict, list))]))
     return found
@@ -261,8 +324,17 @@ def record_error(error: MMRefError) -> None:
 
 # --- JSON bodies of vLLM's routes (the admission middleware) ---------------------------------------------
 
-NEEDLES = (b"mmraw:", b"mmfile:", NAMESPACE.encode(), b"\\u")
-"""Bytes without which a JSON body can carry no ref and no reserved uuid (``\\u``: an escaped one)."""
+NEEDLES = (b"mmraw:", b"mmfile:", NAMESPACE.encode(), b"\\u", b"\\/")
+"""Bytes without which a JSON body can carry no ref and no reserved uuid (``\\u``, ``\\/``: escaped
+ones)."""
+
+
+def needles() -> tuple[bytes, ...]:
+    """:data:`NEEDLES` and the object-store roots' URLs of the active service (an image key's URL)."""
+    service = active()
+    if service is None:
+        return NEEDLES
+    return NEEDLES + tuple(r.url.encode() for r in service.store.roots if not r.local)
 
 
 def decode_json(raw: bytes) -> tuple[Any, Callable[[Any], bytes]] | None:
@@ -290,7 +362,7 @@ async def bind_body(body: Any, service: ChatRefs | None, versions: Callable[[], 
             could not reproduce the pixels).
         MMRefError: a ref that cannot be used (see :meth:`ChatRefs.bind`).
     """
-    parts = ref_parts(body)
+    parts = ref_parts(body, service.names if service is not None else is_ref)
     if not parts or service is None:
         return False
     if isinstance(body, dict) and body.get("mm_processor_kwargs"):

@@ -6,7 +6,8 @@ process, and hands it every image URL as given (no scheme check before the conne
 registers :data:`CONNECTOR_NAME` there when vLLM attaches its routes (in every API-server process)
 and selects it with ``VLLM_MEDIA_CONNECTOR`` where the operator left that unset (:func:`enable`).
 
-For an ``mmraw:`` / ``mmfile:`` URL the connector returns the image the request pinned
+For an ``mmraw:`` / ``mmfile:`` URL, or an image key's URL under one of the server's object-store
+roots (``ChatRefs.names``), the connector returns the image the request pinned
 (``chat_refs.pin``, read and keyed before vLLM parsed the body), or reads it through the plugin
 (``ChatRefs.image``); what it returns is what vLLM's connector returns for an image, a
 ``MediaWithBytes`` of the RGB image and its bytes, so vLLM's processor processes it as a data
@@ -71,7 +72,7 @@ def _connector_class(base: type) -> type:
         """vLLM's connector; image refs come from the plugin (see the module doc)."""
 
         def fetch_image(self, image_url: str, *, image_mode: str | None = "RGB") -> Any:
-            if not is_ref(image_url):
+            if not _ours(image_url):
                 return super().fetch_image(image_url, image_mode=image_mode)
             image = chat_refs.pinned(image_url)
             if image is None:
@@ -83,7 +84,7 @@ def _connector_class(base: type) -> type:
             return image.media
 
         async def fetch_image_async(self, image_url: str, *, image_mode: str | None = "RGB") -> Any:
-            if not is_ref(image_url):
+            if not _ours(image_url):
                 return await super().fetch_image_async(image_url, image_mode=image_mode)
             image = chat_refs.pinned(image_url)
             if image is None:
@@ -95,6 +96,12 @@ def _connector_class(base: type) -> type:
             return image.media
 
     return MMRefMediaConnector
+
+
+def _ours(url: str) -> bool:
+    """A ref, or an image key's URL under this server's object-store roots (``ChatRefs.names``)."""
+    service = chat_refs.active()
+    return service.names(url) if service is not None else is_ref(url)
 
 
 def _service(ref: str) -> chat_refs.ChatRefs:
