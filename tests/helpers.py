@@ -149,6 +149,15 @@ def served(model_dir: Path, output_root: Path, log: Path, **kwargs) -> Iterator[
 # --- weight updates (test_weight_updates.py, test_weight_pushes.py) ----------------------------
 
 
+@contextlib.contextmanager
+def dev_served(model_dir: Path, output_root: Path, log: Path, *args: str) -> Iterator[VLLMServer]:
+    """:func:`served` in vLLM's dev mode (``VLLM_SERVER_DEV_MODE=1``: the plugin's weight-update
+    routes on), with :data:`SERVER_ARGS` and ``args``."""
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    with served(model_dir, output_root, log, extra_args=(*SERVER_ARGS, *args), extra_env=env) as server:
+        yield server
+
+
 def rollout_sample(prompt: list[int], completion: list[int], logprobs: list, refs) -> TrainingSample:
     """A rollout as the trainer sees it: ``prompt + completion``, loss on the completion, the
     server's logprobs (``{"logprob": x}`` entries or bare floats) as ``inference_logprobs``."""

@@ -26,7 +26,7 @@ import pytest
 from traffic import Traffic
 from transformers import AutoTokenizer
 
-from helpers import SERVER_ARGS, photo_bytes, refusal, rollout_sample, served, server_mismatch
+from helpers import dev_served, photo_bytes, refusal, rollout_sample, server_mismatch
 from protocol.adapters import offload_image
 from protocol.placeholders import expand_image_placeholders
 from rl_server import held, push_weights, weight_version
@@ -47,14 +47,8 @@ TEXT = "Name every object, its colour and where it is in the picture, in order. 
 @pytest.fixture(scope="module")
 def push_server(qwen2_vl_dir, output_root, photo_refs, tmp_path_factory):
     log = tmp_path_factory.mktemp("push_server") / "server.log"
-    dev = {"VLLM_SERVER_DEV_MODE": "1"}
-    with served(
-        qwen2_vl_dir,
-        output_root,
-        log,
-        extra_args=(*SERVER_ARGS, "--enable-prefix-caching", "--no-enable-chunked-prefill"),
-        extra_env=dev,
-    ) as srv:
+    args = ("--enable-prefix-caching", "--no-enable-chunked-prefill")
+    with dev_served(qwen2_vl_dir, output_root, log, *args) as srv:
         yield srv
 
 

@@ -31,7 +31,7 @@ import msgspec
 import pytest
 from transformers import AutoTokenizer
 
-from helpers import SERVER_ARGS, photo_bytes, rollout_sample, served, server_mismatch
+from helpers import dev_served, photo_bytes, rollout_sample, server_mismatch
 from protocol.adapters import offload_image
 from protocol.placeholders import expand_image_placeholders
 from protocol.structs import TrainingSample
@@ -50,10 +50,7 @@ HEADER = "x-mmref-weight-version"
 @pytest.fixture(scope="module")
 def dev_server(qwen2_vl_dir, output_root, photo_refs, tmp_path_factory):
     log = tmp_path_factory.mktemp("weights_server") / "server.log"
-    dev = {"VLLM_SERVER_DEV_MODE": "1"}
-    with served(
-        qwen2_vl_dir, output_root, log, extra_args=(*SERVER_ARGS, "--enable-prefix-caching"), extra_env=dev
-    ) as srv:
+    with dev_served(qwen2_vl_dir, output_root, log, "--enable-prefix-caching") as srv:
         yield srv
 
 
