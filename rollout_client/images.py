@@ -23,7 +23,8 @@ from protocol.structs import RawMMRef
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-    from protocol.adapters import ImageAdapter
+    from protocol.adapters import ImageAdapter, RefForm
+    from protocol.roots import AssetRoot, AssetRoots
 
 __all__ = ["ImageInput", "OffloadStats", "Offloader", "image_bytes"]
 
@@ -74,7 +75,12 @@ class Offloader:
     Args:
         model_dir: the served model's folder (its image processor config gives grids).
         asset_root: the run's asset store, e.g. ``<output_root>/run_1/assets``, inside the server's
-            ``MMREF_ASSET_ROOT`` and readable by the trainer.
+            ``MMREF_ASSET_ROOT`` and readable by the trainer; or, for a fleet, an object-store URL
+            (``s3://bucket/prefix``, opened on first use), an opened root or
+            :class:`protocol.roots.AssetRoots` (its first root), with ``form="v2"``.
+        form: the refs' form (:func:`protocol.adapters.offload_image`): ``"v1"`` (a ``file://``
+            path; a local folder only) or ``"v2"`` (named by content: every party finds the bytes
+            under its own roots).
         adapter: an adapter already loaded (default: :func:`protocol.adapters.load_adapter` of
             ``model_dir`` on first use).
         cache_size: refs kept by content.
@@ -83,13 +89,17 @@ class Offloader:
     def __init__(
         self,
         model_dir: str | os.PathLike[str],
-        asset_root: str | os.PathLike[str],
+        asset_root: str | os.PathLike[str] | AssetRoot | AssetRoots,
         *,
         adapter: ImageAdapter | None = None,
         cache_size: int = 65536,
+        form: RefForm = "v1",
     ) -> None:
         self.model_dir = Path(model_dir)
-        self.asset_root = Path(asset_root)
+        url = isinstance(asset_root, str) and "://" in asset_root
+        local = isinstance(asset_root, os.PathLike) or (isinstance(asset_root, str) and not url)
+        self.asset_root = Path(asset_root) if local else asset_root  # a URL: opened on first use
+        self.form: RefForm = form
         self._adapter = adapter
         self._cache: OrderedDict[str, RawMMRef] = OrderedDict()
         self._cache_size = cache_size
@@ -123,13 +133,22 @@ class Offloader:
                 return ref
         from protocol.adapters import offload_image
 
-        ref = offload_image(data, self.asset_root, self.adapter)
+        ref = offload_image(data, self._root(), self.adapter, form=self.form)
         with self._lock:
             self._cache[key] = ref
             self.stats.offloaded += 1
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return ref
+
+    def _root(self) -> os.PathLike[str] | AssetRoot | AssetRoots:
+        """Where images go: an object-store URL opened once (:func:`protocol.roots.open_root`)."""
+        with self._lock:
+            if isinstance(self.asset_root, str):
+                from protocol.roots import open_root
+
+                self.asset_root = open_root(self.asset_root)
+            return self.asset_root
 
     def lookup(self, sha256: str) -> RawMMRef | None:
         """The ref of an already offloaded content, by the full hex sha256 of its bytes."""

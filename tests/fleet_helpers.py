@@ -25,7 +25,6 @@ __all__ = [
     "ROUTER",
     "STORE",
     "Fleet",
-    "S3Offloader",
     "body",
     "by_handle",
     "counters",
@@ -35,6 +34,7 @@ __all__ = [
     "offload",
     "post",
     "resolved_hash",
+    "s3_offloader",
     "start_router",
     "store_key",
     "tokens",
@@ -166,19 +166,13 @@ def post(url: str, payload: dict, session: str | None = None, **kwargs) -> httpx
     return httpx.post(f"{url}/inference/v1/generate", json=payload, headers=headers, timeout=120, **kwargs)
 
 
-class S3Offloader:
-    """The rollout client's offloader, writing v2 refs to S3 only (the rollout party here)."""
+def s3_offloader(fleet: Fleet, adapter):
+    """The rollout client's offloader as the rollout party runs it here: v2 refs, to S3 only."""
+    from protocol.roots import ObjectRoot, StoreClientConfig
+    from rollout_client import Offloader
 
-    def __init__(self, fleet: Fleet, adapter) -> None:
-        self.fleet, self.adapter = fleet, adapter
-
-    def offload(self, image) -> object:
-        from protocol.adapters import offload_image
-        from protocol.roots import ObjectRoot, StoreClientConfig
-        from rollout_client.images import image_bytes
-
-        root = ObjectRoot(self.fleet.s3, StoreClientConfig(allow_http=True))
-        return offload_image(image_bytes(image), root, self.adapter, form="v2")
+    root = ObjectRoot(fleet.s3, StoreClientConfig(allow_http=True))
+    return Offloader(fleet.a.model, root, adapter=adapter, form="v2")
 
 
 def store_key(ref) -> str:

@@ -35,7 +35,6 @@ from fleet_helpers import (
     LONG,
     STORE,
     Fleet,
-    S3Offloader,
     body,
     by_handle,
     counters,
@@ -45,6 +44,7 @@ from fleet_helpers import (
     offload,
     post,
     resolved_hash,
+    s3_offloader,
     start_router,
     store_key,
     tokens,
@@ -126,7 +126,7 @@ def test_an_rl_group_lands_on_one_replica(fleet, qwen2_vl_dir, qwen2_vl_adapter)
     from rollout_client import RolloutClient, Sampling
 
     with RolloutClient(
-        fleet.router, qwen2_vl_dir, fleet.mount_a, offloader=S3Offloader(fleet, qwen2_vl_adapter)
+        fleet.router, qwen2_vl_dir, fleet.mount_a, offloader=s3_offloader(fleet, qwen2_vl_adapter)
     ) as client:
         for g in range(3):
             messages = [{"role": "user", "content": [{"type": "image", "image": unique_image(f"group{g}")},
@@ -330,7 +330,7 @@ def test_a_replica_killed_mid_run_loses_nothing(fleet, qwen2_vl_dir, qwen2_vl_ad
 
     messages = [{"role": "user", "content": [{"type": "image", "image": unique_image("kill2")},
                                              {"type": "text", "text": "And this?"}]}]  # fmt: skip
-    offloader = S3Offloader(fleet, qwen2_vl_adapter)
+    offloader = s3_offloader(fleet, qwen2_vl_adapter)
     with RolloutClient(fleet.router, qwen2_vl_dir, fleet.mount_a, offloader=offloader, retry=retry) as client:
         runs = [(s, k) for s in (*sessions["a"], *sessions["b"]) for k in range(3)]
         with ThreadPoolExecutor(len(runs) + 2) as pool:

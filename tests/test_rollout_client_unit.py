@@ -126,6 +126,22 @@ def test_offloads_once_per_content(qwen2_vl_dir, tmp_path):
         off.offload(3)  # type: ignore[arg-type]
 
 
+def test_offloads_content_named_refs_to_a_root_url(qwen2_vl_dir, tmp_path):
+    """``form="v2"`` with a root URL (opened once, on first use): the ref names the content, and
+    a party with the root among its own roots reads the same bytes."""
+    from protocol.refs import ContentRef, parse_ref
+    from protocol.roots import AssetRoots
+
+    root = tmp_path / "bucket-mount"
+    off = Offloader(qwen2_vl_dir, root.as_uri(), form="v2")
+    jpeg = photo_bytes("astronaut", size=(200, 150))
+    ref = off.offload(jpeg)
+    assert isinstance(parse_ref(ref.ref), ContentRef) and len(ref.ref) <= 160
+    assert off.offload(jpeg) == ref and off.stats.offloaded == 1 and not isinstance(off.asset_root, str)
+    data, sha256 = AssetRoots.from_urls([root]).read_image(parse_ref(ref.ref))
+    assert data == jpeg and sha256 == ref.sha256
+
+
 def test_sampling_params_carry_the_suppression():
     p = Sampling(temperature=0.7, max_tokens=5, extra={"min_p": 0.1, "logit_bias": {7: 2.0}}).params([261])
     assert p == {
