@@ -46,7 +46,7 @@ from vllm_plugin.items import ItemLayout, decode_item
 from vllm_plugin.vllm_surface import load
 from vllm_plugin.weights import ContentKey
 
-__all__ = ["MMRefResolver", "ResolvedItem"]
+__all__ = ["ExtRecorder", "MMRefResolver", "ResolvedItem"]
 
 
 @dataclass(frozen=True)
