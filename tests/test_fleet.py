@@ -11,6 +11,7 @@ counters on /metrics); streaming through the router; a cache handle minted on on
 on the other with the same tokens; the store faults on the plugin (endpoint down 503 with the
 server up, object deleted 404, replaced 409, slow 503 within the deadline); msgpack behind the
 router (415, the router's); a typed refusal counted once fleet-wide (never retried by the router);
+an image key's S3 URL on the chat route served as its data URL (issue 27);
 one replica killed mid-run: what the router answers for the requests it had in flight, and every
 group of a client that retries those answers completes on the other replica.
 """
@@ -301,6 +302,43 @@ def test_the_trainer_materializes_what_each_replica_fed(fleet, qwen2_vl_adapter)
         assert (batch.features["pixel_values"].double() - item["pixel_values"].data.double()).abs().max() == 0
 
 
+# --- object-store URLs on the chat route (issue 27) ----------------------------------------------------
+
+
+def chat(server, url: str) -> httpx.Response:
+    """A greedy chat completion with one image part of ``url``, logprobs on."""
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "Describe the picture."}]}]  # fmt: skip
+    payload = {"model": str(server.model), "messages": messages, "temperature": 0, "max_tokens": 4,
+               "logprobs": True, "return_token_ids": True}  # fmt: skip
+    return httpx.post(f"{server.url}/v1/chat/completions", json=payload, timeout=120)
+
+
+def test_an_object_store_url_under_the_roots_is_served_like_its_data_url(fleet, qwen2_vl_adapter):
+    """Replica B reads S3 only: the URL of the image's key under its root gives the data URL's
+    tokens and logprobs (the part keyed by the plugin, as a ref); a key whose bytes were replaced
+    is the typed 409; a key under no configured root is not the plugin's (vLLM's own refusal,
+    never a read of that bucket)."""
+    import base64
+
+    ref = offload(fleet, qwen2_vl_adapter, "url1")
+    url = f"{fleet.s3}/{store_key(ref)}"
+    data = "data:image/png;base64," + base64.b64encode(unique_image("url1")).decode()
+    by_url, by_data = chat(fleet.b, url), chat(fleet.b, data)
+    for r in (by_url, by_data):
+        assert r.status_code == 200, r.text[:300]
+    pick = [(c["token_ids"], [t["logprob"] for t in c["logprobs"]["content"]]) for c in
+            (by_url.json()["choices"][0], by_data.json()["choices"][0])]  # fmt: skip
+    assert pick[0] == pick[1]
+
+    swapped = offload(fleet, qwen2_vl_adapter, "url2")
+    obstore.put(fleet.bucket, f"fleet/{store_key(swapped)}", unique_image("someone else's"))
+    assert refusal(chat(fleet.b, f"{fleet.s3}/{store_key(swapped)}")) == (409, "hash_mismatch")
+    outside = url.replace(fleet.s3, fleet.s3 + "-other")
+    status, code = refusal(chat(fleet.b, outside))
+    assert 400 <= status < 500 and code is None
+
+
 # --- one replica killed mid-run (last: B stays dead) ---------------------------------------------
 
 
@@ -359,40 +397,3 @@ def test_a_replica_killed_mid_run_loses_nothing(fleet, qwen2_vl_dir, qwen2_vl_ad
     for session in sessions["b"]:
         assert tokens(post(fleet.router, body(ref), session))
     assert metric(fleet.a.url, "vllm:request_success_total") - before == len(sessions["b"])
-
-
-# --- object-store URLs on the chat route (issue 27) ----------------------------------------------------
-
-
-def chat(server, url: str) -> httpx.Response:
-    """A greedy chat completion with one image part of ``url``, logprobs on."""
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                             {"type": "text", "text": "Describe the picture."}]}]  # fmt: skip
-    payload = {"model": str(server.model), "messages": messages, "temperature": 0, "max_tokens": 4,
-               "logprobs": True, "return_token_ids": True}  # fmt: skip
-    return httpx.post(f"{server.url}/v1/chat/completions", json=payload, timeout=120)
-
-
-def test_an_object_store_url_under_the_roots_is_served_like_its_data_url(fleet, qwen2_vl_adapter):
-    """Replica B reads S3 only: the URL of the image's key under its root gives the data URL's
-    tokens and logprobs (the part keyed by the plugin, as a ref); a key whose bytes were replaced
-    is the typed 409; a key under no configured root is not the plugin's (vLLM's own refusal,
-    never a read of that bucket)."""
-    import base64
-
-    ref = offload(fleet, qwen2_vl_adapter, "url1")
-    url = f"{fleet.s3}/{store_key(ref)}"
-    data = "data:image/png;base64," + base64.b64encode(unique_image("url1")).decode()
-    by_url, by_data = chat(fleet.b, url), chat(fleet.b, data)
-    for r in (by_url, by_data):
-        assert r.status_code == 200, r.text[:300]
-    pick = [(c["token_ids"], [t["logprob"] for t in c["logprobs"]["content"]]) for c in
-            (by_url.json()["choices"][0], by_data.json()["choices"][0])]  # fmt: skip
-    assert pick[0] == pick[1]
-
-    swapped = offload(fleet, qwen2_vl_adapter, "url2")
-    obstore.put(fleet.bucket, f"fleet/{store_key(swapped)}", unique_image("someone else's"))
-    assert refusal(chat(fleet.b, f"{fleet.s3}/{store_key(swapped)}")) == (409, "hash_mismatch")
-    outside = url.replace(fleet.s3, fleet.s3 + "-other")
-    status, code = refusal(chat(fleet.b, outside))
-    assert 400 <= status < 500 and code is None
