@@ -379,8 +379,9 @@ class ImageAdapter(ABC):
             store: where the bytes go: an :class:`AssetStore`, one root (a local folder or an
                 object store: create-if-absent), or :class:`AssetRoots` (its first root).
             form: ``"v1"`` (a ``file://`` path: an :class:`AssetStore` only) or ``"v2"``
-                (named by content, resolvable on any machine whose roots hold the bytes). The
-                default stays ``"v1"`` until the server and the trainer resolve v2 refs.
+                (named by content, resolvable on any machine whose roots hold the bytes). Every
+                party resolves both; the default stays ``"v1"``, which resolves where the
+                single-machine flow puts it (docs/SCALING.md §6).
 
         Raises:
             ImageUnreadable, AssetTooLarge: the image cannot be decoded or is too large.
@@ -399,32 +400,7 @@ class ImageAdapter(ABC):
             raise ImageUnreadable(
                 f"{self.family} processor refuses a {decoded.width}x{decoded.height} image: {e}"
             ) from e
-        if form == "v2":
-            content = put_content(store, data)
-            sha256, media_type = content.sha256, content.media_type
-            ref = format_content_ref(
-                ContentRef(
-                    sha256=sha256,
-                    ext=content.ext,
-                    family=self.family,
-                    grid=grid,
-                    fingerprint=self.fingerprint,
-                )
-            )
-        else:
-            assert isinstance(store, AssetStore)
-            stored = store.put_image(data)
-            sha256, media_type = stored.sha256, stored.media_type
-            ref = format_mmraw(
-                RawRefBody(
-                    family=self.family,
-                    modality="image",
-                    mm_hash=stored.mm_hash,
-                    payload=self.payload(grid),
-                    raw_image_uri=stored.uri,
-                    fingerprint=self.fingerprint,
-                )
-            )
+        ref, sha256, media_type = self._stored_ref(data, store, grid, form)
         return RawMMRef(
             ref=ref,
             sha256=sha256,
@@ -432,6 +408,32 @@ class ImageAdapter(ABC):
             grid=list(grid),
             num_placeholders=self.num_placeholders(grid),
         )
+
+    def _stored_ref(
+        self, data: bytes, store: AssetStore | AssetRoot | AssetRoots, grid: tuple[int, ...], form: RefForm
+    ) -> tuple[str, str, str]:
+        """Write ``data`` and format its ref: ``(ref string, full sha256, media type)``."""
+        if form == "v2":
+            content = put_content(store, data)
+            body = ContentRef(
+                sha256=content.sha256,
+                ext=content.ext,
+                family=self.family,
+                grid=grid,
+                fingerprint=self.fingerprint,
+            )
+            return format_content_ref(body), content.sha256, content.media_type
+        assert isinstance(store, AssetStore)
+        stored = store.put_image(data)
+        raw = RawRefBody(
+            family=self.family,
+            modality="image",
+            mm_hash=stored.mm_hash,
+            payload=self.payload(grid),
+            raw_image_uri=stored.uri,
+            fingerprint=self.fingerprint,
+        )
+        return format_mmraw(raw), stored.sha256, stored.media_type
 
     def collate(self, items: Sequence[ProcessedImage]) -> dict[str, torch.Tensor]:
         """Concatenate per-image tensors along dim 0, in order (the model's batched input).
