@@ -110,6 +110,14 @@ def photo_bytes(name: str, fmt: str = "JPEG", size: tuple[int, int] | None = Non
     return buf.getvalue()
 
 
+def tokens_and_logprobs(response) -> tuple[list[int], list[float]]:
+    """The first choice's token ids and sampled-token logprobs of a 200 answer (the generate route,
+    or a chat completion asked with ``return_token_ids`` and ``logprobs``)."""
+    assert response.status_code == 200, response.text[:500]
+    choice = response.json()["choices"][0]
+    return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
+
+
 def refusal(response) -> tuple[int, str | None]:
     """``(HTTP status, mmref_code)`` of an error answer of the generate route.
 

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import torch
 
-from helpers import photo_bytes, refusal
+from helpers import photo_bytes, refusal, tokens_and_logprobs
 from protocol.adapters import offload_image
 from protocol.errors import InvalidRequest
 from protocol.refs import file_uri_to_path, format_mmraw, parse_ref
@@ -72,15 +72,15 @@ def test_a_repeated_ref_is_a_lookup_and_its_key_binds_content_and_weights(
     from concurrent.futures import ThreadPoolExecutor
     from types import SimpleNamespace
 
-    from protocol.store import AssetStore
     from vllm_plugin.config import PluginConfig
 
     jpeg = photo_bytes("coffee", size=(300, 200))
     v1 = offload_image(jpeg, output_root / "run_1" / "assets", qwen2_vl_adapter)
     v2 = offload_image(jpeg, output_root, qwen2_vl_adapter, form="v2")
+    config = PluginConfig(asset_root=output_root)
     resolver = SimpleNamespace(
-        adapter=qwen2_vl_adapter, store=AssetStore(output_root), config=PluginConfig(asset_root=output_root),
-        pool=ThreadPoolExecutor(2), pixel_mode="raw",
+        adapter=qwen2_vl_adapter, store=config.image_source(), config=config, pool=ThreadPoolExecutor(2),
+        pixel_mode="raw",
     )  # fmt: skip
     service = chat_refs.ChatRefs(resolver)
     reads = []
@@ -141,12 +141,6 @@ def chat_body(model, messages: list[dict], **extra) -> dict:
     return {"model": str(model), "messages": messages, **GREEDY, **extra}
 
 
-def answer(response) -> tuple[list[int], list[float]]:
-    assert response.status_code == 200, response.text[:500]
-    choice = response.json()["choices"][0]
-    return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
-
-
 def same(a: tuple[list[int], list[float]], b: tuple[list[int], list[float]]) -> None:
     assert a[0] == b[0]
     assert max(abs(x - y) for x, y in zip(a[1], b[1], strict=True)) <= 1e-5
@@ -156,17 +150,17 @@ def test_one_image_by_ref_matches_its_data_url(server, photo_refs, v2_refs):
     astronaut, coffee = photo_refs["astronaut"], v2_refs["coffee"]
     with server.client() as c:
         for ref in (astronaut, coffee):  # v1 (a path) and v2 (content-named)
-            by_ref = answer(
+            by_ref = tokens_and_logprobs(
                 c.post(CHAT, json=chat_body(server.model, [{"role": "user", "content": content([ref.ref])}]))
             )
-            by_url = answer(
+            by_url = tokens_and_logprobs(
                 c.post(
                     CHAT,
                     json=chat_body(server.model, [{"role": "user", "content": content([data_url(ref)])}]),
                 )
             )
             same(by_ref, by_url)
-        other = answer(
+        other = tokens_and_logprobs(
             c.post(
                 CHAT,
                 json=chat_body(
@@ -181,13 +175,13 @@ def test_one_image_by_ref_matches_its_data_url(server, photo_refs, v2_refs):
 def test_several_images_by_ref_match_data_urls(server, photo_refs, v2_refs):
     refs = [photo_refs["astronaut"], v2_refs["rocket"], photo_refs["chelsea"]]
     with server.client() as c:
-        by_ref = answer(
+        by_ref = tokens_and_logprobs(
             c.post(
                 CHAT,
                 json=chat_body(server.model, [{"role": "user", "content": content([r.ref for r in refs])}]),
             )
         )
-        by_url = answer(
+        by_url = tokens_and_logprobs(
             c.post(
                 CHAT,
                 json=chat_body(
@@ -195,7 +189,7 @@ def test_several_images_by_ref_match_data_urls(server, photo_refs, v2_refs):
                 ),
             )
         )
-        mixed = answer(
+        mixed = tokens_and_logprobs(
             c.post(
                 CHAT,
                 json=chat_body(
@@ -226,7 +220,8 @@ def test_multi_turn_conversation_by_ref_matches_data_urls(server, photo_refs, v2
             refs = _conversation([s.ref for s in shots[: k + 1]], answers)
             urls = _conversation([data_url(s) for s in shots[: k + 1]], answers)
             r = c.post(CHAT, json=chat_body(server.model, refs))
-            same(answer(r), answer(c.post(CHAT, json=chat_body(server.model, urls))))
+            by_url = c.post(CHAT, json=chat_body(server.model, urls))
+            same(tokens_and_logprobs(r), tokens_and_logprobs(by_url))
             answers.append(r.json()["choices"][0]["message"]["content"] or "ok")
 
 
@@ -336,7 +331,7 @@ def test_a_client_uuid_is_vllms_key_hence_the_reserved_namespace(server, photo_r
     def ask(c, ref, **part) -> tuple[list[int], list[float]]:
         image = {"type": "image_url", "image_url": {"url": data_url(ref)}, **part}
         messages = [{"role": "user", "content": [image, {"type": "text", "text": "Describe the pictures."}]}]
-        return answer(c.post(CHAT, json=chat_body(server.model, messages)))
+        return tokens_and_logprobs(c.post(CHAT, json=chat_body(server.model, messages)))
 
     with server.client() as c:
         coffee, rocket = ask(c, photo_refs["coffee"]), ask(c, photo_refs["rocket"])
@@ -475,7 +470,7 @@ def test_every_refusal_of_the_token_route_is_the_same_typed_4xx_on_the_chat_rout
         ]
         assert refusal(c.post(CHAT, json=chat_body(server.model, reserved))) == (400, "invalid_request")
         assert c.get("/health").status_code == 200
-        answer(c.post(CHAT, json=chat_body(server.model, one)))  # still serving
+        tokens_and_logprobs(c.post(CHAT, json=chat_body(server.model, one)))  # still serving
 
 
 def test_a_ref_vllm_converts_itself_is_refused_typed_too(server, photo_refs, v2_refs, asset_root, tmp_path):

@@ -52,7 +52,7 @@ from fleet_helpers import (
     unique_image,
     wait_running,
 )
-from helpers import SERVER_ARGS, DelayProxy, refusal, warm_up
+from helpers import SERVER_ARGS, DelayProxy, refusal, tokens_and_logprobs, warm_up
 from vllm_server import start_server
 
 if sys.version_info < (3, 11):
@@ -324,12 +324,7 @@ def test_an_object_store_url_under_the_roots_is_served_like_its_data_url(fleet, 
     ref = offload(fleet, qwen2_vl_adapter, "url1")
     url = f"{fleet.s3}/{store_key(ref)}"
     data = "data:image/png;base64," + base64.b64encode(unique_image("url1")).decode()
-    by_url, by_data = chat(fleet.b, url), chat(fleet.b, data)
-    for r in (by_url, by_data):
-        assert r.status_code == 200, r.text[:300]
-    pick = [(c["token_ids"], [t["logprob"] for t in c["logprobs"]["content"]]) for c in
-            (by_url.json()["choices"][0], by_data.json()["choices"][0])]  # fmt: skip
-    assert pick[0] == pick[1]
+    assert tokens_and_logprobs(chat(fleet.b, url)) == tokens_and_logprobs(chat(fleet.b, data))
 
     swapped = offload(fleet, qwen2_vl_adapter, "url2")
     obstore.put(fleet.bucket, f"fleet/{store_key(swapped)}", unique_image("someone else's"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from helpers import refusal
+from helpers import refusal, tokens_and_logprobs
 from protocol.placeholders import expand_image_placeholders
 from protocol.refs import file_uri_to_path, format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample
@@ -62,16 +62,7 @@ def chat_completion(client, model, refs):
         "logprobs": True,
         "return_token_ids": True,
     }
-    r = client.post("/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
-
-
-def tokens_and_logprobs(response) -> tuple[list[int], list[float]]:
-    assert response.status_code == 200, response.text
-    choice = response.json()["choices"][0]
-    return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
+    return tokens_and_logprobs(client.post("/v1/chat/completions", json=body))
 
 
 def test_entry_point_loads_and_overrides_the_core_route(server, qwen2_vl_adapter):

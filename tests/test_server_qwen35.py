@@ -23,7 +23,7 @@ import msgspec
 import pytest
 import torch
 
-from helpers import VLLMServer, ensure_tiny_model, photo_bytes, rollout, start_server
+from helpers import VLLMServer, ensure_tiny_model, photo_bytes, rollout, start_server, tokens_and_logprobs
 from protocol.adapters import ImageAdapter, load_adapter, offload_image
 from protocol.placeholders import expand_image_placeholders
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
@@ -103,10 +103,7 @@ def by_refs(served: Served, names: list[str]) -> tuple[list[int], list[float]]:
         "sampling_params": GREEDY,
     }
     with served.server.client() as c:
-        r = c.post("/inference/v1/generate", json=body)
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
+        return tokens_and_logprobs(c.post("/inference/v1/generate", json=body))
 
 
 def by_data_urls(served: Served, names: list[str]) -> tuple[list[int], list[float]]:
@@ -126,10 +123,7 @@ def by_data_urls(served: Served, names: list[str]) -> tuple[list[int], list[floa
         "return_token_ids": True,
     }
     with served.server.client() as c:
-        r = c.post("/v1/chat/completions", json=body)
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
+        return tokens_and_logprobs(c.post("/v1/chat/completions", json=body))
 
 
 def test_the_plugin_serves_the_family(served):
