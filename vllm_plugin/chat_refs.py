@@ -118,6 +118,8 @@ class ChatRefs:
         self.cache: ByteBudgetLRU[ChatImage] = ByteBudgetLRU(
             resolver.config.cache_budget_bytes, lambda image: image.nbytes
         )
+        self.needles = NEEDLES + tuple(r.url.encode() for r in self.store.roots if not r.local)
+        """:data:`NEEDLES` and the object-store roots' URLs (an image key's URL names one)."""
 
     def names(self, url: Any) -> bool:
         """Whether an image URL is the plugin's: a ref string, or an image key's URL under one of
@@ -150,15 +152,7 @@ class ChatRefs:
             max_pixels=self.config.max_image_pixels,
         )
         self.adapter.check_decoded_grid(raw, ref=ref)
-        media = load("MediaWithBytes")(raw.image, raw.data, dict(_IO_CONFIG))
-        width, height = raw.image.size
-        return ChatImage(
-            media=media,
-            content_key=ContentKey(
-                "image", raw.sha256, source.ext, self.adapter.fingerprint, CHAT_MODE + self.pixel_mode
-            ),
-            nbytes=width * height * len(raw.image.getbands()) + len(raw.data),
-        )
+        return self._chat_image(raw.image, raw.data, raw.sha256, source.ext)
 
     def read_object_url(self, url: str) -> ChatImage:
         """The image at an object-store URL under one of the roots: that root only, the bytes
@@ -179,15 +173,14 @@ class ChatRefs:
         data = root.get(key, max_bytes=self.config.max_image_bytes, ref=url)
         sha256 = check_sha256(data, key[len("images/") : len("images/") + 16], ref=url)
         image = load_image(data, max_pixels=self.config.max_image_pixels, ref=url)
-        media = load("MediaWithBytes")(image, data, dict(_IO_CONFIG))
-        ext = key[key.rindex(".") :]
-        return ChatImage(
-            media=media,
-            content_key=ContentKey(
-                "image", sha256, ext, self.adapter.fingerprint, CHAT_MODE + self.pixel_mode
-            ),
-            nbytes=image.size[0] * image.size[1] * len(image.getbands()) + len(data),
-        )
+        return self._chat_image(image, data, sha256, key[key.rindex(".") :])
+
+    def _chat_image(self, image: Any, data: bytes, sha256: str, ext: str) -> ChatImage:
+        """What vLLM's connector returns for ``image`` (decoded from ``data``: vLLM's
+        ``MediaWithBytes``), keyed by its content under the chat binding (:data:`CHAT_MODE`)."""
+        key = ContentKey("image", sha256, ext, self.adapter.fingerprint, CHAT_MODE + self.pixel_mode)
+        nbytes = image.size[0] * image.size[1] * len(image.getbands()) + len(data)
+        return ChatImage(load("MediaWithBytes")(image, data, dict(_IO_CONFIG)), key, nbytes)
 
     async def image(self, ref: str) -> ChatImage:
         """:meth:`read`, cached by the whole ref string, single-flight, in the worker threads."""
@@ -209,7 +202,8 @@ class ChatRefs:
 
     @staticmethod
     def uuid(image: ChatImage, weight_version: str) -> str:
-        """The part's uuid: ``mmref-`` + 64 hex, bound to the content and the weight version."""
+        """The part's uuid: an image engine hash (``mmref-<sha256><ext>-<binding>``,
+        ``weights.engine_hash``), bound to the content, the chat binding and the weight version."""
         return engine_hash(image.content_key, weight_version)
 
     async def bind(
@@ -330,11 +324,10 @@ ones)."""
 
 
 def needles() -> tuple[bytes, ...]:
-    """:data:`NEEDLES` and the object-store roots' URLs of the active service (an image key's URL)."""
+    """The bytes a JSON body must hold to be parsed: the active service's :attr:`ChatRefs.needles`,
+    else :data:`NEEDLES`."""
     service = active()
-    if service is None:
-        return NEEDLES
-    return NEEDLES + tuple(r.url.encode() for r in service.store.roots if not r.local)
+    return NEEDLES if service is None else service.needles
 
 
 def decode_json(raw: bytes) -> tuple[Any, Callable[[Any], bytes]] | None:
