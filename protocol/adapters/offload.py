@@ -1,0 +1,99 @@
+"""Offloading: an image written into an asset store and its ``mmraw`` ref formatted, with the grid
+and placeholder count a family's adapter gives for its decoded size (docs/PROTOCOL.md §1-2)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from protocol.errors import ImageUnreadable
+from protocol.images import load_image
+from protocol.refs import ContentRef, RawRefBody, format_content_ref, format_mmraw
+from protocol.roots import AssetRoot, AssetRoots, put_content
+from protocol.store import AssetStore
+from protocol.structs import RawMMRef
+
+if TYPE_CHECKING:
+    from protocol.adapters.base import ImageAdapter
+
+__all__ = ["RefForm", "store_and_ref"]
+
+RefForm = Literal["v1", "v2"]
+"""Which ``mmraw`` form :func:`store_and_ref` writes: ``"v1"`` (base64url JSON naming a
+``file://`` path) or ``"v2"`` (``mmraw:v2:``, named by content: docs/PROTOCOL.md §1)."""
+
+
+def store_and_ref(
+    adapter: ImageAdapter,
+    image: bytes | os.PathLike[str] | str,
+    store: AssetStore | AssetRoot | AssetRoots,
+    *,
+    form: RefForm = "v1",
+) -> RawMMRef:
+    """Store a raw image and return its ``mmraw`` :class:`RawMMRef` (grid from its decoded size).
+
+    Args:
+        store: where the bytes go: an :class:`AssetStore`, one root (a local folder or an
+            object store: create-if-absent), or :class:`AssetRoots` (its first root).
+        form: ``"v1"`` (a ``file://`` path: an :class:`AssetStore` only) or ``"v2"``
+            (named by content, resolvable on any machine whose roots hold the bytes). Every
+            party resolves both; the default stays ``"v1"``, which resolves where the
+            single-machine flow puts it (docs/SCALING.md §6).
+
+    Raises:
+        ImageUnreadable, AssetTooLarge: the image cannot be decoded or is too large.
+        StoreUnavailable, HashMismatch: see :func:`protocol.roots.put_content`.
+        ValueError: ``form="v1"`` with an object store or a root list, or an unknown form.
+    """
+    if form not in ("v1", "v2"):
+        raise ValueError(f"form must be 'v1' or 'v2', got {form!r}")
+    if form == "v1" and not isinstance(store, AssetStore):
+        raise ValueError("v1 refs name a local file: offload them to an AssetStore, or use form='v2'")
+    data = image if isinstance(image, bytes) else Path(image).read_bytes()
+    decoded = load_image(data)
+    try:
+        grid = adapter.grid_for_size(decoded.width, decoded.height)
+    except ValueError as e:  # e.g. smart_resize: aspect ratio > 200; nothing is stored then
+        raise ImageUnreadable(
+            f"{adapter.family} processor refuses a {decoded.width}x{decoded.height} image: {e}"
+        ) from e
+    ref, sha256, media_type = _stored_ref(adapter, data, store, grid, form)
+    return RawMMRef(
+        ref=ref,
+        sha256=sha256,
+        media_type=media_type,
+        grid=list(grid),
+        num_placeholders=adapter.num_placeholders(grid),
+    )
+
+
+def _stored_ref(
+    adapter: ImageAdapter,
+    data: bytes,
+    store: AssetStore | AssetRoot | AssetRoots,
+    grid: tuple[int, ...],
+    form: RefForm,
+) -> tuple[str, str, str]:
+    """Write ``data`` and format its ref: ``(ref string, full sha256, media type)``."""
+    if form == "v2":
+        content = put_content(store, data)
+        body = ContentRef(
+            sha256=content.sha256,
+            ext=content.ext,
+            family=adapter.family,
+            grid=grid,
+            fingerprint=adapter.fingerprint,
+        )
+        return format_content_ref(body), content.sha256, content.media_type
+    assert isinstance(store, AssetStore)
+    stored = store.put_image(data)
+    raw = RawRefBody(
+        family=adapter.family,
+        modality="image",
+        mm_hash=stored.mm_hash,
+        payload=adapter.payload(grid),
+        raw_image_uri=stored.uri,
+        fingerprint=adapter.fingerprint,
+    )
+    return format_mmraw(raw), stored.sha256, stored.media_type
