@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import REPO
-from trainer_lib.planning import partition
+from trainer_lib.planning import grouped, partition
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
 from trainer_lib.planning.cost import CostModel, sync_idle
 from trainer_lib.planning.partition import partition_mini_batch
@@ -385,6 +385,37 @@ def test_compute_balance_keeps_groups_together_and_cuts_the_step_on_the_bench_mi
     assert encoded(compute) < 0.4 < 0.7 < encoded(tokens)
     assert compute.sync_idle(cm) < tokens.sync_idle(cm) / 2
     assert step_flops(compute) < 0.85 * step_flops(tokens)
+
+
+def test_a_heavy_bin_joins_the_slot_of_its_vision_peers():
+    """Step 3 of the compute plan: a bin holding one sample above the language level sets its
+    slot's language pace wherever it goes, so it goes to the slot where its vision cost ranks,
+    not ahead of the densest images (there it would leave its rank's tower idle)."""
+    bins = grouped._Bins(8)
+    for j, (group, load) in enumerate([("A", 10)] * 4 + [("B", 10), ("B", 10), ("B", 20), (None, 10)]):
+        bins.add(j, j, load, load, group)
+    cost = {"A": 100.0, "B": 10.0}
+    order = grouped._slot_order(bins, cost, level=sum(bins.load) / 8, dp=2)
+    assert order[4] == 6 and sorted(order) == list(range(8))  # the heavy bin opens the third slot
+
+    def vision_maxima(o: list[int]) -> float:
+        return sum(max(sum(cost[g] for g in bins.groups[j]) for j in o[s : s + 2]) for s in range(0, 8, 2))
+
+    assert vision_maxima(order) == 220 < vision_maxima([6, 0, 1, 2, 3, 4, 5, 7]) == 310  # heavy first
+
+
+def test_text_slots_are_evened_by_language_cost():
+    """Text slots are packed by tokens; in the compute plan they are re-dealt by language cost
+    (causal attention makes a long sample cost more than its tokens): equal tokens, unequal
+    language before, the slowest rank's language lower after, every sample once, the cap kept."""
+    lengths = [60, 40, 20, 20, 20, 20, 10, 10]
+    language = [n * (1 + n / 50) for n in lengths]
+    slot = [(100, [0, 1]), (100, [2, 3, 4, 5, 6, 7])]
+    (after,) = grouped.even_text_slots([slot], lengths=lengths, language=language, cap=100)
+    cost = [sum(language[i] for i in b) for _, b in after]
+    assert max(cost) < max(sum(language[i] for i in b) for _, b in slot)
+    assert sorted(i for _, b in after for i in b) == list(range(8))
+    assert all(t == sum(lengths[i] for i in b) <= 100 for t, b in after)
 
 
 def test_long_samples_share_a_slot_and_stretching_fills_it():

@@ -13,13 +13,17 @@ plan):
    consecutive bins hold groups of similar vision cost.
 2. **Level.** What did not fit (a group's remainder) and the text samples, largest first, go to
    the bin with the least language cost that has room (LPT; Graham 1969).
-3. **Slots.** Bins well above the level (one sample longer than the level, which nothing can
-   balance) are grouped into the first slots; the others are sorted by vision cost and cut into
-   slots of ``dp``, so each slot's ranks encode images of similar cost (for sorted values, slots of
-   consecutive bins minimise the sum of the slot maxima).
+3. **Slots.** Bins are sorted by vision cost and cut into slots of ``dp``, so each slot's ranks
+   encode images of similar cost (for sorted values, slots of consecutive bins minimise the sum of
+   the slot maxima). Bins well above the level (one sample longer than the level, which nothing
+   can balance) share one slot, the one where the first of them ranks by vision (at most ``dp``
+   of them; more go first).
 4. **Even each slot.** In every slot, the bin with the most language cost gives a sample (or
    swaps one) with another bin of the slot where that adds no image to encode (text samples; a
    group's samples between two bins holding the group), while that lowers the slot's maximum.
+
+The text slots, packed by tokens before the vision section (``partition``'s step 1), are
+re-dealt by language cost (:func:`even_text_slots`).
 
 Costs are any consistent unit (``CostModel.language`` / ``CostModel.vision`` FLOPs, or tokens and
 image tokens). Pure Python.
@@ -30,11 +34,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Sequence
 
-__all__ = ["FILL", "HEAVY", "grouped_vision_slots"]
+__all__ = ["FILL", "HEAVY", "even_text_slots", "grouped_vision_slots"]
 
 HEAVY = 1.05
 """A bin whose language cost exceeds the level by this factor holds a sample nothing can balance:
-such bins share the first slots."""
+such bins share one slot (step 3)."""
 FILL = 0.5
 """Step 1 fills groups up to the level less this share of the text per bin, so that step 2 has
 small samples left everywhere to level with."""
@@ -102,11 +106,27 @@ def grouped_vision_slots(
     if left is None or not _level(bins, left + text, lengths, groups, language, cap, reserve):
         return None
     cost = {g: vision[m[0]] for g, m in members.items()}
-    order = _slot_order(bins, cost, level)
+    order = _slot_order(bins, cost, level, dp)
     slots = [order[s * dp : (s + 1) * dp] for s in range(num_slots)]
     for slot in slots:
         _even(bins, slot, lengths, groups, language, cost, cap, reserve)
     return [[(bins.tokens[j], sorted(bins.items[j])) for j in slot] for slot in slots]
+
+
+def even_text_slots(
+    slots: list[list[tuple[int, list[int]]]], *, lengths: Sequence[int], language: Sequence[float], cap: int
+) -> list[list[tuple[int, list[int]]]]:
+    """The text slots (packed by tokens, no images) re-dealt by language cost: each slot's samples,
+    largest first, to its bin with the least language cost that has room (LPT, as step 2); a slot
+    whose samples do not fit this way is kept as it was."""
+    out = []
+    for slot in slots:
+        bins = _Bins(len(slot))
+        todo = [i for _, held in slot for i in held]
+        if _level(bins, todo, lengths, [None] * len(lengths), language, cap, 0):
+            slot = [(bins.tokens[j], sorted(bins.items[j])) for j in range(len(slot))]
+        out.append(slot)
+    return out
 
 
 def _fill_groups(
@@ -174,15 +194,20 @@ def _level(
     return True
 
 
-def _slot_order(bins: _Bins, cost: dict[Hashable, float], level: float) -> list[int]:
-    """Step 3: bins above ``HEAVY * level`` first (most language cost first), then the others by
-    descending vision cost (each group counted once per bin)."""
+def _slot_order(bins: _Bins, cost: dict[Hashable, float], level: float, dp: int) -> list[int]:
+    """Step 3: bins by descending vision cost (each group counted once per bin), the bins above
+    ``HEAVY * level`` together (most language cost first) at the start of the slot where the first
+    of them ranks by vision."""
     vision = [sum(cost[g] for g in held) for held in bins.groups]
     heavy = sorted(
         (j for j, load in enumerate(bins.load) if load > HEAVY * level), key=lambda j: -bins.load[j]
     )
     rest = sorted((j for j in range(len(vision)) if bins.load[j] <= HEAVY * level), key=lambda j: -vision[j])
-    return heavy + rest
+    if not heavy or len(heavy) > dp:
+        return heavy + rest
+    top = max(vision[j] for j in heavy)
+    at = sum(vision[j] > top for j in rest) // dp * dp
+    return rest[:at] + heavy + rest[at:]
 
 
 def _even(

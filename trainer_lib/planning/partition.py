@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
-from trainer_lib.planning.grouped import grouped_vision_slots
+from trainer_lib.planning.grouped import even_text_slots, grouped_vision_slots
 from trainer_lib.planning.repack import best_fit_with_exchange, min_slack_bins
 from trainer_lib.planning.slot_bound import EITHER, TEXT, VISION, SlotRules, places, slot_floor, slots_needed
 
@@ -167,19 +167,22 @@ def _by_compute(
     if not mb.one_key or max(mb.lengths) > mb.cap:
         return None
     text_slots, free = _text_slots(mb, list(range(mb.n)))
+    language = mb.lengths if language is None else language
     section = [i for i in range(mb.n) if mb.place[i] == VISION] + free
     slots = grouped_vision_slots(
         section,
         lengths=mb.lengths,
         groups=[g if mb.place[i] == VISION else None for i, g in enumerate(groups)],
-        language=mb.lengths if language is None else language,
+        language=language,
         vision=vision,
         num_slots=slot_floor(mb, range(mb.n)) - len(text_slots),
         dp=mb.dp,
         cap=mb.cap,
         reserve=mb.reserve,
     )
-    return None if slots is None else slots + text_slots
+    if slots is None:
+        return None
+    return slots + even_text_slots(text_slots, lengths=mb.lengths, language=language, cap=mb.cap)
 
 
 def _planned(mb: SlotRules, build: Callable[[Callable], list[_Bins]]) -> list[_Bins]:
