@@ -46,13 +46,15 @@ def mini_batches(draw, max_size: int = 80):
     stretch=st.booleans(),
     by_compute=st.booleans(),
     one_key=st.booleans(),
+    clip=st.booleans(),
 )
-def test_partition_rules(batch, dp, reserve, stretch, by_compute, one_key):
+def test_partition_rules(batch, dp, reserve, stretch, by_compute, one_key, clip):
     """Every rule, on the token-balanced plan and, with ``groups``, the compute-balanced one (one
-    key and nothing above the cap are where it applies: drawn half the time)."""
+    key is where it applies: drawn half the time, then half of those with nothing above the cap)."""
     lengths, keys, kinds, vision, cap, groups = batch
     if one_key:
-        keys, lengths = ["a"] * len(lengths), [min(n, cap) for n in lengths]
+        keys = ["a"] * len(lengths)
+        lengths = [min(n, cap) for n in lengths] if clip else lengths
     part = partition_mini_batch(
         lengths,
         dp_size=dp,

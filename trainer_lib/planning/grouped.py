@@ -6,11 +6,12 @@ per micro-batch it lands in, not ``G`` times. :func:`grouped_vision_slots` plans
 vision section for that cost model (``bench/pack.py`` measures it against the token-balanced
 plan):
 
-1. **Groups, densest vision first.** Samples with images are grouped by their image set
-   (``groups``); groups are visited by descending vision cost. Each group starts a fresh bin and
-   fills bins one after the other up to the language level ``lam`` (the section's language cost
-   over its bins), largest samples first: a group lands in about ``ceil(L_g / lam)`` bins, and
-   consecutive bins hold groups of similar vision cost.
+1. **Groups, densest vision first.** Text samples above ``BIG_TEXT`` of a bin go first, into the
+   last bins (placed after the groups they might fit nowhere). Samples with images are grouped by
+   their image set (``groups``); groups are visited by descending vision cost. Each group starts
+   in a bin holding no other group and fills bins one after the other up to the language level
+   ``lam`` (the section's language cost over its bins), largest samples first: a group lands in
+   about ``ceil(L_g / lam)`` bins, and consecutive bins hold groups of similar vision cost.
 2. **Level.** What did not fit (a group's remainder) and the text samples, largest first, go to
    the bin with the least language cost that has room (LPT; Graham 1969).
 3. **Slots.** Bins are sorted by vision cost and cut into slots of ``dp``, so each slot's ranks
@@ -20,7 +21,8 @@ plan):
    of them; more go first).
 4. **Even each slot.** In every slot, the bin with the most language cost gives a sample (or
    swaps one) with another bin of the slot where that adds no image to encode (text samples; a
-   group's samples between two bins holding the group), while that lowers the slot's maximum.
+   group's samples between two bins holding the group), while that lowers the slot's maximum by
+   at least ``_EVEN_MIN_GAIN`` of it (at most ``_EVEN_STEPS`` changes).
 
 The text slots, packed by tokens before the vision section (``partition``'s step 1), are
 re-dealt by language cost (:func:`even_text_slots`).
@@ -42,8 +44,13 @@ such bins share one slot (step 3)."""
 FILL = 0.5
 """Step 1 fills groups up to the level less this share of the text per bin, so that step 2 has
 small samples left everywhere to level with."""
-_EVEN_STEPS = 24
-"""Moves or swaps per slot in step 4 (each lowers the slot's maximum; few are needed)."""
+BIG_TEXT = 0.4
+"""Text samples longer than this share of a bin are placed before the groups (step 1)."""
+_EVEN_STEPS = 8
+"""Moves or swaps per slot in step 4 (each lowers the slot's maximum; few are needed: 8 and 24 gave
+the same FLOP idle on bench/pack.py's mix)."""
+_EVEN_MIN_GAIN = 1e-3
+"""Step 4's smallest worthwhile change, as a share of the slot's largest language cost."""
 
 
 class _Bins:
@@ -93,7 +100,7 @@ def grouped_vision_slots(
         ``num_slots * dp`` bins this way (the caller falls back to the token-balanced plan).
     """
     nbins = num_slots * dp
-    if nbins < 1:
+    if nbins < 1 or sum(lengths[i] for i in items) > nbins * cap:
         return None
     members: dict[Hashable, list[int]] = {}
     text = []
@@ -102,6 +109,7 @@ def grouped_vision_slots(
     level = sum(language[i] for i in items) / nbins
     filler = sum(language[i] for i in text) / nbins  # text per bin: what step 2 levels with
     bins = _Bins(nbins)
+    text = _place_big_text(bins, text, lengths, language, level, cap - reserve)
     left = _fill_groups(bins, members, lengths, language, vision, level - FILL * filler, cap)
     if left is None or not _level(bins, left + text, lengths, groups, language, cap, reserve):
         return None
@@ -129,6 +137,28 @@ def even_text_slots(
     return out
 
 
+def _place_big_text(
+    bins: _Bins, text: list[int], lengths: Sequence[int], language: Sequence[float], level: float, room: int
+) -> list[int]:
+    """Text samples above ``BIG_TEXT`` of the room, largest first, into the last bins (up to the
+    level, within ``room`` tokens), before the groups fill the bins from the first: placed after
+    the groups they may fit nowhere. Returns the text left for step 2."""
+    big = sorted((i for i in text if lengths[i] > BIG_TEXT * room), key=lambda i: -language[i])
+    b = len(bins.load) - 1
+    for i in big:
+        while (
+            b >= 0
+            and bins.items[b]
+            and (bins.tokens[b] + lengths[i] > room or bins.load[b] + language[i] > level)
+        ):
+            b -= 1
+        if b < 0:
+            break
+        bins.add(b, i, language[i], lengths[i], None)
+    placed = {i for held in bins.items for i in held}
+    return [i for i in text if i not in placed]
+
+
 def _fill_groups(
     bins: _Bins,
     members: dict[Hashable, list[int]],
@@ -145,7 +175,7 @@ def _fill_groups(
     left: list[int] = []
     for group in sorted(members, key=lambda g: -vision[members[g][0]]):
         todo = sorted(members[group], key=lambda i: -language[i])
-        if b < nbins and bins.items[b]:
+        if b < nbins and bins.groups[b]:
             b += 1
         while todo and b < nbins:
             rest = []
@@ -226,7 +256,6 @@ def _even(
     finishes before the slot's slowest anyway) and tokens stay within ``cap`` (less ``reserve`` in
     a bin left without images); until no change helps."""
     load, tokens = bins.load, bins.tokens
-    room = [cap if bins.groups[j] else cap - reserve for j in range(len(load))]
     vision = {j: sum(cost[g] for g in bins.groups[j]) for j in slot}
     ceiling = max(vision.values())
 
@@ -236,23 +265,23 @@ def _even(
 
     for _ in range(_EVEN_STEPS):
         hi = max(slot, key=load.__getitem__)
-        best = (load[hi] * 1e-6, -1, -1, -1)  # (gain, moved out, moved in or -1, to bin)
+        best = (load[hi] * _EVEN_MIN_GAIN, -1, -1, -1)  # (gain, moved out, moved in or -1, to bin)
         for lo in slot:
             gap = load[hi] - load[lo]
-            if gap <= best[0]:
+            if gap <= 2 * best[0]:  # a change gains at most half the gap
                 continue
-            out = [i for i in bins.items[hi] if joins(i, lo)]
-            back = [-1, *(i for i in bins.items[lo] if joins(i, hi))]
+            out = [i for i in bins.items[hi] if language[i] > best[0] and joins(i, lo)]
+            back = [-1, *(i for i in bins.items[lo] if joins(i, hi))] if out else []
             for a in out:
                 for b in back:
                     x = language[a] - (language[b] if b >= 0 else 0.0)
-                    size = lengths[a] - (lengths[b] if b >= 0 else 0)
                     gain = min(x, gap - x)
-                    if (
-                        gain > best[0]
-                        and tokens[lo] + size <= room[lo]
-                        and tokens[hi] - size <= cap - reserve
-                    ):
+                    if gain <= best[0]:
+                        continue
+                    size = lengths[a] - (lengths[b] if b >= 0 else 0)
+                    held = _holds_image(bins.groups[lo], groups[b] if b >= 0 else None, groups[a])
+                    room = cap if held else cap - reserve
+                    if tokens[lo] + size <= room and tokens[hi] - size <= cap - reserve:
                         best = (gain, a, b, lo)
         if best[1] < 0:
             return
@@ -262,6 +291,14 @@ def _even(
             _move(bins, b, lo, hi, lengths, groups, language)
         for j in (hi, lo):
             vision[j] = sum(cost[g] for g in bins.groups[j])
+
+
+def _holds_image(held: dict[Hashable, int], leaving: Hashable | None, joining: Hashable | None) -> bool:
+    """Whether a bin holding the image sets ``held`` holds an image once a sample of set
+    ``leaving`` leaves it and one of set ``joining`` joins it (None: no image, or no sample)."""
+    if joining is not None:
+        return True
+    return bool(held) and not (leaving is not None and len(held) == 1 and held[leaving] == 1)
 
 
 def _move(

@@ -95,10 +95,11 @@ def partition_mini_batch(
     """Deal one mini-batch's samples to ``dp_size`` ranks as equal-count, equal-work micro-batches.
 
     With ``groups`` (each sample's image set; the trainer encodes each distinct image once per
-    micro-batch) and images, one isolation key and no sample above the cap, the vision slots are
-    planned by compute (:func:`~trainer_lib.planning.grouped.grouped_vision_slots`: samples sharing
-    an image kept together, language cost levelled per slot, slots of similar vision cost) in the
-    same slot count; otherwise, or where that does not fit, by tokens (steps 0-5 above).
+    micro-batch), images and one isolation key, the vision slots are planned by compute
+    (:func:`~trainer_lib.planning.grouped.grouped_vision_slots`: samples sharing an image kept
+    together, language cost levelled per slot, slots of similar vision cost) in the slots the
+    bound leaves after the long and text slots, and the text slots are re-dealt by language cost;
+    otherwise, or where that does not fit, by tokens (steps 0-5 above).
 
     Args:
         lengths: tokens per sample (``len(input_ids)``), each >= 1.
@@ -146,43 +147,42 @@ def partition_mini_batch(
     else:
         where = places(lengths, kinds, cap, reserve)
         mb = SlotRules(lengths, keys, kinds, where, cap, reserve, dp_size, stretch_cap)
-        if groups is not None and (by_compute := _by_compute(mb, groups, language_cost, weight)):
-            return _deal(by_compute, kinds, dp_size)
         long_slots, rest = _long_slots(mb)
         text_slots, free = _text_slots(mb, rest)
         section, room = [i for i in rest if mb.place[i] == VISION] + free, cap - reserve
+        if groups is not None and mb.one_key:
+            language = lengths if language_cost is None else language_cost
+            if vision_slots := _by_compute(
+                mb, section, len(long_slots) + len(text_slots), groups, language, weight
+            ):
+                text_slots = even_text_slots(text_slots, lengths=lengths, language=language, cap=cap)
+                return _deal(long_slots + vision_slots + text_slots, kinds, dp_size)
     slots = _planned(mb, lambda pack: long_slots + _section(mb, section, room, weight, pack) + text_slots)
     return _deal(slots, kinds, dp_size)
 
 
 def _by_compute(
     mb: SlotRules,
+    section: list[int],
+    other_slots: int,
     groups: Sequence[Hashable | None],
-    language: Sequence[float] | None,
+    language: Sequence[float],
     vision: Sequence[float],
 ) -> list[_Bins] | None:
-    """Step 1's text slots, then the vision section by compute
-    (:func:`~trainer_lib.planning.grouped.grouped_vision_slots`) in the slots the bound leaves it;
-    None where that does not apply (several keys, a sample above the cap) or does not fit."""
-    if not mb.one_key or max(mb.lengths) > mb.cap:
-        return None
-    text_slots, free = _text_slots(mb, list(range(mb.n)))
-    language = mb.lengths if language is None else language
-    section = [i for i in range(mb.n) if mb.place[i] == VISION] + free
-    slots = grouped_vision_slots(
+    """The vision section's slots by compute
+    (:func:`~trainer_lib.planning.grouped.grouped_vision_slots`) in what the bound leaves after
+    ``other_slots`` (step 0's long slots, step 1's text slots); None where they do not fit."""
+    return grouped_vision_slots(
         section,
         lengths=mb.lengths,
         groups=[g if mb.place[i] == VISION else None for i, g in enumerate(groups)],
         language=language,
         vision=vision,
-        num_slots=slot_floor(mb, range(mb.n)) - len(text_slots),
+        num_slots=slot_floor(mb, range(mb.n)) - other_slots,
         dp=mb.dp,
         cap=mb.cap,
         reserve=mb.reserve,
     )
-    if slots is None:
-        return None
-    return slots + even_text_slots(text_slots, lengths=mb.lengths, language=language, cap=mb.cap)
 
 
 def _planned(mb: SlotRules, build: Callable[[Callable], list[_Bins]]) -> list[_Bins]:
