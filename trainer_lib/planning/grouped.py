@@ -33,6 +33,7 @@ image tokens). Pure Python.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections.abc import Hashable, Sequence
 
@@ -251,7 +252,8 @@ def _even(
     reserve: int,
 ) -> None:
     """Step 4 on one slot: the heaviest bin moves a sample to, or swaps one with, another bin of
-    the slot, choosing the change that lowers the pair's maximum most, where no bin's vision cost
+    the slot (the partner: one of the two samples around half the gap, by bisection), choosing the
+    change that lowers the pair's maximum most, where no bin's vision cost
     rises above the slot's largest (a sample joins a bin holding its images, or one whose tower
     finishes before the slot's slowest anyway) and tokens stay within ``cap`` (less ``reserve`` in
     a bin left without images); until no change helps."""
@@ -259,8 +261,7 @@ def _even(
     vision = {j: sum(cost[g] for g in bins.groups[j]) for j in slot}
     ceiling = max(vision.values())
 
-    def joins(i: int, j: int) -> bool:
-        g = groups[i]
+    def joins(g: Hashable | None, j: int) -> bool:  # a sample of image set g may join bin j
         return g is None or g in bins.groups[j] or (bool(bins.groups[j]) and vision[j] + cost[g] <= ceiling)
 
     for _ in range(_EVEN_STEPS):
@@ -270,10 +271,14 @@ def _even(
             gap = load[hi] - load[lo]
             if gap <= 2 * best[0]:  # a change gains at most half the gap
                 continue
-            out = [i for i in bins.items[hi] if language[i] > best[0] and joins(i, lo)]
-            back = [-1, *(i for i in bins.items[lo] if joins(i, hi))] if out else []
+            out = [i for i in bins.items[hi] if language[i] > best[0] and joins(groups[i], lo)]
+            if not out:
+                continue
+            back = sorted((i for i in bins.items[lo] if joins(groups[i], hi)), key=language.__getitem__)
+            keys = [language[i] for i in back]
             for a in out:
-                for b in back:
+                p = bisect.bisect_left(keys, language[a] - gap / 2)  # the partners around half the gap
+                for b in (-1, *back[max(p - 1, 0) : p + 1]):
                     x = language[a] - (language[b] if b >= 0 else 0.0)
                     gain = min(x, gap - x)
                     if gain <= best[0]:
