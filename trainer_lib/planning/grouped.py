@@ -37,7 +37,7 @@ import bisect
 import heapq
 from collections.abc import Hashable, Sequence
 
-__all__ = ["FILL", "HEAVY", "even_text_slots", "grouped_vision_slots"]
+__all__ = ["BIG_TEXT", "FILL", "HEAVY", "even_text_slots", "grouped_vision_slots"]
 
 HEAVY = 1.05
 """A bin whose language cost exceeds the level by this factor holds a sample nothing can balance:
