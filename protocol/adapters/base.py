@@ -294,11 +294,8 @@ class ImageAdapter(ABC):
         try:
             grid = tuple(self.grid_for_size(*raw.image.size))
         except ValueError as e:
-            raise ImageUnreadable(f"{self.family} processor refused the image: {e}", ref=ref) from e
-        if grid != raw.grid:
-            raise GridMismatch(
-                f"ref claims {self.grid_field} {list(raw.grid)}, processor gives {list(grid)}", ref=ref
-            )
+            raise self._refused(e, ref) from e
+        self._check_claim(raw.grid, grid, ref)
 
     def resolve_raw(
         self,
@@ -327,11 +324,7 @@ class ImageAdapter(ABC):
         """
         raw = self.read_raw(body, store, ref=ref, max_bytes=max_bytes, max_pixels=max_pixels)
         processed = self._run_processor(raw.image, ref=ref, device_normalize=device_normalize)
-        if processed.grid != raw.grid:
-            raise GridMismatch(
-                f"ref claims {self.grid_field} {list(raw.grid)}, processor gives {list(processed.grid)}",
-                ref=ref,
-            )
+        self._check_claim(raw.grid, processed.grid, ref)
         return dataclasses.replace(processed, sha256=raw.sha256)
 
     def process_bytes(
@@ -360,7 +353,18 @@ class ImageAdapter(ABC):
         try:
             return self.process(image, device_normalize=device_normalize)
         except ValueError as e:
-            raise ImageUnreadable(f"{self.family} processor refused the image: {e}", ref=ref) from e
+            raise self._refused(e, ref) from e
+
+    def _refused(self, error: ValueError, ref: str | None) -> ImageUnreadable:
+        """The processor's refusal of an image (its size rules, e.g. aspect ratio > 200), typed."""
+        return ImageUnreadable(f"{self.family} processor refused the image: {error}", ref=ref)
+
+    def _check_claim(self, claimed: Sequence[int], grid: Sequence[int], ref: str | None) -> None:
+        """GridMismatch unless the processor's ``grid`` is the one the ref claims."""
+        if tuple(grid) != tuple(claimed):
+            raise GridMismatch(
+                f"ref claims {self.grid_field} {list(claimed)}, processor gives {list(grid)}", ref=ref
+            )
 
     def offload(
         self,
