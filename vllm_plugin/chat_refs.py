@@ -184,12 +184,10 @@ class ChatRefs:
 
     async def image(self, ref: str) -> ChatImage:
         """:meth:`read`, cached by the whole ref string, single-flight, in the worker threads."""
-        key = _cache_key(ref)
-        cached = self.cache.get(key)
-        if cached is not None:
-            return cached
         loop = asyncio.get_running_loop()
-        return await self.cache.get_or_compute(key, lambda: loop.run_in_executor(self.pool, self.read, ref))
+        return await self.cache.get_or_compute(
+            _cache_key(ref), lambda: loop.run_in_executor(self.pool, self.read, ref)
+        )
 
     def image_sync(self, ref: str) -> ChatImage:
         """:meth:`image` for a caller without an event loop (vLLM's synchronous parser)."""
