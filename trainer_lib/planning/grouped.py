@@ -129,10 +129,11 @@ def even_text_slots(
     largest first, to its bin with the least language cost that has room (LPT, as step 2); a slot
     whose samples do not fit this way is kept as it was."""
     out = []
+    no_images: list[Hashable | None] = [None] * len(lengths)
     for slot in slots:
         bins = _Bins(len(slot))
         todo = [i for _, held in slot for i in held]
-        if _level(bins, todo, lengths, [None] * len(lengths), language, cap, 0):
+        if _level(bins, todo, lengths, no_images, language, cap, 0):
             slot = [(bins.tokens[j], sorted(bins.items[j])) for j in range(len(slot))]
         out.append(slot)
     return out
@@ -145,7 +146,7 @@ def _place_big_text(
     level, within ``room`` tokens), before the groups fill the bins from the first: placed after
     the groups they may fit nowhere. Returns the text left for step 2."""
     big = sorted((i for i in text if lengths[i] > BIG_TEXT * room), key=lambda i: -language[i])
-    b = len(bins.load) - 1
+    b, placed = len(bins.load) - 1, set()
     for i in big:
         while (
             b >= 0
@@ -156,7 +157,7 @@ def _place_big_text(
         if b < 0:
             break
         bins.add(b, i, language[i], lengths[i], None)
-    placed = {i for held in bins.items for i in held}
+        placed.add(i)
     return [i for i in text if i not in placed]
 
 
@@ -253,10 +254,10 @@ def _even(
 ) -> None:
     """Step 4 on one slot: the heaviest bin moves a sample to, or swaps one with, another bin of
     the slot (the partner: one of the two samples around half the gap, by bisection), choosing the
-    change that lowers the pair's maximum most, where no bin's vision cost
-    rises above the slot's largest (a sample joins a bin holding its images, or one whose tower
-    finishes before the slot's slowest anyway) and tokens stay within ``cap`` (less ``reserve`` in
-    a bin left without images); until no change helps."""
+    change that lowers the pair's maximum most, where no bin's vision cost rises above the slot's
+    largest (a sample joins a bin holding its images, or one whose tower finishes before the
+    slot's slowest anyway) and tokens stay within ``cap`` (less ``reserve`` in a bin left without
+    images); until no change helps."""
     load, tokens = bins.load, bins.tokens
     vision = {j: sum(cost[g] for g in bins.groups[j]) for j in slot}
     ceiling = max(vision.values())
