@@ -182,9 +182,12 @@ def rollout_sample(prompt: list[int], completion: list[int], logprobs: list, ref
     )
 
 
-def server_mismatch(samples: list, model, adapter, output_root, *, per_sample: bool = False):
+def server_mismatch(
+    samples: list, model, adapter, output_root, *, per_sample: bool = False, suppressed_token_ids=()
+):
     """The trainer's recompute of the sampled tokens (packed forward) vs the server's logprobs:
-    one ``MismatchStats`` over all samples, or (``per_sample``) one per sample."""
+    one ``MismatchStats`` over all samples, or (``per_sample``) one per sample;
+    ``suppressed_token_ids``: the ids the sampler was told never to draw (``logit_bias``)."""
     import torch
 
     from trainer_lib import MaterializeConfig, PackingSpec
@@ -192,7 +195,9 @@ def server_mismatch(samples: list, model, adapter, output_root, *, per_sample: b
 
     spec = PackingSpec.from_adapter(adapter, model, pad_token_id=0)  # no pad is made here
     config = MaterializeConfig(asset_root=output_root)
-    results = recompute_logprobs(samples, model, spec, config, seq_len=2048)
+    results = recompute_logprobs(
+        samples, model, spec, config, seq_len=2048, suppressed_token_ids=suppressed_token_ids
+    )
     served = [torch.tensor(s.inference_logprobs) for s in samples]
     if per_sample:
         return [logprob_mismatch(lp, sv, m) for (lp, m), sv in zip(results, served, strict=True)]
