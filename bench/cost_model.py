@@ -21,6 +21,7 @@ comparable); and both models' shares of a step on ``bench/pack.py``'s mix.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -127,7 +128,15 @@ def main() -> None:
     ids_of = (tok, cfg.vision_start_token_id, cfg.vision_end_token_id, 250 if tiny else 150000)
     rows, x, y = [], [], []
     for label, samples in shapes(ids_of, 1 / 16 if tiny else 1.0, args.seed):
-        seconds = time_one(model, samples, tok, dtype, device, args.repeats)
+        try:
+            seconds = time_one(model, samples, tok, dtype, device, args.repeats)
+        except torch.OutOfMemoryError:  # a shape past the card's memory: reported, left out of the fit
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+            rows.append([label, "out of memory", "-"])
+            print(f"[cost_model] {label}: out of memory", flush=True)
+            continue
         rows.append([label, f"{seconds * 1000:.1f}"])
         print(f"[cost_model] {label}: {seconds * 1000:.1f} ms", flush=True)  # progress, if cut short
         x.append(terms(samples))
@@ -135,7 +144,7 @@ def main() -> None:
     x_arr, y_arr = np.asarray(x), np.asarray(y)
     scale = x_arr.max(axis=0)  # columns of very different sizes: fit on scaled columns
     fit = np.linalg.lstsq(x_arr / scale, y_arr, rcond=None)[0] / scale
-    for row, pred in zip(rows, x_arr @ fit, strict=True):
+    for row, pred in zip((r for r in rows if len(r) == 2), x_arr @ fit, strict=True):
         row.append(f"{pred * 1000:.1f}")
     print_table("machine", ("fact", "value"), [*machine_facts(), ("device", device), ("backend", backend)])
     name = "tiny Qwen2-VL" if tiny else "Qwen2-VL-2B shapes"

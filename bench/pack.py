@@ -93,27 +93,36 @@ def grid_ref(h: int, w: int, digest: str) -> RawMMRef:
     )
 
 
-def make_ref(rng: np.random.Generator) -> RawMMRef:
-    """A random image of the mix: 8..36 merged 28-px cells per side (224..1008 px)."""
-    h, w = (int(x) for x in rng.integers(8, 37, size=2))
+def make_ref(rng: np.random.Generator, scale: float = 1.0) -> RawMMRef:
+    """A random image of the mix: 8..36 merged 28-px cells per side (224..1008 px), each side
+    times ``scale`` (at least 2 cells)."""
+    h, w = (max(2, int(int(x) * scale)) for x in rng.integers(8, 37, size=2))
     return grid_ref(h, w, "".join(rng.choice(list("0123456789abcdef"), size=64)))
 
 
-def make_step(rng: np.random.Generator, prompts: int = PROMPTS, rollouts: int = ROLLOUTS, lora_ids=(None,)):
+def make_step(
+    rng: np.random.Generator,
+    prompts: int = PROMPTS,
+    rollouts: int = ROLLOUTS,
+    lora_ids=(None,),
+    scale: float = 1.0,
+):
+    """One RL step of the mix (module docstring); ``scale`` < 1 shrinks every text length and image
+    side by that factor (the same draws: tiny smoke runs of the benches that run a model)."""
     samples = []
     for p in range(prompts):
-        text = int(np.clip(rng.lognormal(np.log(350), 0.6), 40, 4000))
+        text = max(1, int(np.clip(rng.lognormal(np.log(350), 0.6), 40, 4000) * scale))
         n_img = 0
         if rng.random() < 0.8:
             n_img = int(rng.choice([1, 2, 3, 4], p=[0.7, 0.2, 0.05, 0.05]))
-        refs = [make_ref(rng) for _ in range(n_img)]
+        refs = [make_ref(rng, scale) for _ in range(n_img)]
         prompt = [int(t) for t in rng.integers(0, 256, size=text)]
         for r in refs:
             prompt += [V_START] + [TOK] * r.num_placeholders + [V_END]
         lora = lora_ids[p % len(lora_ids)]
         for _ in range(rollouts):
             room = SEQ_LEN - len(prompt)
-            n = int(np.clip(rng.lognormal(np.log(900), 0.9), 1, max(room, 1)))
+            n = max(1, int(np.clip(rng.lognormal(np.log(900), 0.9), 1, max(room, 1)) * scale))
             ids = prompt + [int(t) for t in rng.integers(0, 256, size=n)]
             if not refs and rng.random() < 0.01:
                 ids[len(prompt) // 2] = TOK  # a literal placeholder in text

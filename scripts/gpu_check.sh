@@ -3,7 +3,8 @@
 # "GPU measurements"), most wanted first, each step bounded (`timeout`, seconds in the step's line)
 # so that one slow step cannot cost the others their report: packed varlen vs one sample at a time
 # (bf16; Qwen2-VL/2.5-VL/3-VL must be bit-identical), the same for tiny Qwen3.5 / Qwen3.5-MoE with
-# flash-linear-attention's varlen kernels (and their leak control); bench/train_step.py (dedup vs
+# flash-linear-attention's varlen kernels (and their leak control); bench/rank_balance.py (one dp-8
+# step of the token- and compute-balanced plans timed micro-batch by micro-batch); bench/train_step.py (dedup vs
 # per slot, tiny families, then the real-size image limits); bench/cost_model.py (seconds per
 # micro-batch against the FLOP cost model); bench/packed_forward.py (Qwen2-VL-2B shapes, fwd+bwd
 # tokens/s, peak memory at caps 16k/8k); then the vLLM 0.33 serve smoke
@@ -40,6 +41,8 @@ for a in "$@"; do [ "$a" = --tiny ] && tiny=1; done
 if [ "$tiny" -eq 1 ]; then ts_args=(--device cpu --repeat 1 --families qwen2_vl); else ts_args=(--device cuda); fi
 step 120 gpu_tests.log "$PY" -m pytest -m gpu -p no:cacheprovider -q -s -rA tests/test_forward.py tests/test_forward_qwen35.py
 tests_rc=$rc
+step 260 rank_balance.md "$PY" bench/rank_balance.py --plans tokens,compute "$@"
+balance_rc=$rc
 step 90 train_step.md "$PY" bench/train_step.py "${ts_args[@]}"
 train_rc=$rc
 step 100 cost_model.md "$PY" bench/cost_model.py "$@"
@@ -55,6 +58,6 @@ if [ "$smoke_rc" -eq 1 ] && [ -f /tmp/mmref-vllm033/server.log ]; then
   tail -40 /tmp/mmref-vllm033/server.log >>"$LOGS/vllm033_smoke.txt"
 fi
 case $smoke_rc in 0) smoke=pass ;; 3) smoke=skip ;; *) smoke="fail rc=$smoke_rc" ;; esac
-echo "gpu tests rc=$tests_rc, train step rc=$train_rc (real size rc=$real_rc), cost model rc=$cost_rc, packed forward rc=$bench_rc, vllm 0.33 smoke: $smoke"
+echo "gpu tests rc=$tests_rc, rank balance rc=$balance_rc, train step rc=$train_rc (real size rc=$real_rc), cost model rc=$cost_rc, packed forward rc=$bench_rc, vllm 0.33 smoke: $smoke"
 [ "$smoke_rc" -eq 3 ] && smoke_rc=0  # a skip says why on its own line; it fails nothing
-exit $((tests_rc || train_rc || real_rc || cost_rc || bench_rc || smoke_rc))
+exit $((tests_rc || balance_rc || train_rc || real_rc || cost_rc || bench_rc || smoke_rc))

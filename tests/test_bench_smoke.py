@@ -9,8 +9,10 @@ and ratios are the scripts' own business (they are never asserted in tests).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -99,3 +101,24 @@ def test_train_step_bench_runs_dedup_and_per_slot_side_by_side():
     rows = {r[1]: r for r in _rows(proc.stdout) if r[0] == "qwen2_vl"}
     assert rows["dedup (default)"][7] == "2 / 8" and rows["per slot"][7] == "8 / 8"
     assert any("max abs dlogprob 0.0e+00" in path for path in rows)
+
+
+@pytest.mark.timeout(300)
+def test_rank_balance_bench_times_every_plan():
+    """``bench/rank_balance.py --tiny``: one mini-batch planned three ways, every micro-batch of every
+    rank timed in each round, a row per plan, and the dump holds every micro-batch."""
+    ensure_tiny_model("qwen2_vl")
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = Path(tmp) / "rank_balance.json"
+        proc = subprocess.run(
+            [sys.executable, "bench/rank_balance.py", "--tiny", "--dump", str(dump)],
+            cwd=ROOT, capture_output=True, text=True, timeout=280,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        micro_batches = json.loads(dump.read_text())
+    rows = {r[0]: r for r in _rows(proc.stdout) if len(r) == 8}
+    assert set(micro_batches) == {"tokens", "compute", "verl"} <= set(rows)
+    for plan, mbs in micro_batches.items():
+        slots = int(rows[plan][1])
+        assert len(mbs) == 2 * slots and all(len(m["seconds"]) == 2 for m in mbs)  # 2 ranks, 2 rounds
+        assert float(rows[plan][2]) > 0
