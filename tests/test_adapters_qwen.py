@@ -357,13 +357,18 @@ def test_aspect_ratio_over_200_is_refused(trainer_adapter, size, tmp_path):
     with pytest.raises(ImageUnreadable) as info:
         trainer_adapter.resolve_raw(parse_ref(ref), store, ref=ref)
     assert info.value.ref == ref
+    assert info.value.message.startswith(f"{trainer_adapter.family} processor refused a {w}x{h} image: ")
     assert "aspect ratio" in info.value.message
 
 
 def test_offload_refuses_aspect_ratio_over_200_with_typed_error(trainer_adapter, tmp_path):
     """offload() documents ImageUnreadable for images it cannot use, as resolve_raw() raises."""
-    with pytest.raises(ImageUnreadable):
+    with pytest.raises(ImageUnreadable) as info:
         offload_image(png_bytes(4020, 20), tmp_path, trainer_adapter)
+    # the same wording as resolve_raw's (ImageAdapter.refusal): family, size, the processor's reason
+    assert info.value.message.startswith(f"{trainer_adapter.family} processor refused a 4020x20 image: ")
+    assert "aspect ratio" in info.value.message
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # nothing stored
 
 
 # --- fingerprints -----------------------------------------------------------------------------

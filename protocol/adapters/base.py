@@ -294,7 +294,7 @@ class ImageAdapter(ABC):
         try:
             grid = tuple(self.grid_for_size(*raw.image.size))
         except ValueError as e:
-            raise self._refused(e, ref) from e
+            raise self.refusal(e, ref=ref, size=raw.image.size) from e
         self._check_claim(raw.grid, grid, ref)
 
     def resolve_raw(
@@ -347,17 +347,24 @@ class ImageAdapter(ABC):
         processed = self._run_processor(image, ref=ref, device_normalize=device_normalize)
         return dataclasses.replace(processed, sha256=sha256)
 
-    def _run_processor(self, image: Any, *, ref: str | None, device_normalize: bool) -> ProcessedImage:
+    def _run_processor(
+        self, image: Image.Image, *, ref: str | None, device_normalize: bool
+    ) -> ProcessedImage:
         """:meth:`process`, a processor's ``ValueError`` (e.g. smart_resize: aspect ratio > 200)
         raised as :class:`ImageUnreadable` naming the family."""
         try:
             return self.process(image, device_normalize=device_normalize)
         except ValueError as e:
-            raise self._refused(e, ref) from e
+            raise self.refusal(e, ref=ref, size=image.size) from e
 
-    def _refused(self, error: ValueError, ref: str | None) -> ImageUnreadable:
-        """The processor's refusal of an image (its size rules, e.g. aspect ratio > 200), typed."""
-        return ImageUnreadable(f"{self.family} processor refused the image: {error}", ref=ref)
+    def refusal(
+        self, error: ValueError, *, ref: str | None = None, size: tuple[int, int] | None = None
+    ) -> ImageUnreadable:
+        """The processor's refusal of an image (its size rules, e.g. aspect ratio > 200), typed:
+        the :class:`ImageUnreadable` to raise, naming the family and, given ``size`` (width,
+        height in px), the image's size."""
+        what = f"a {size[0]}x{size[1]} image" if size else "the image"
+        return ImageUnreadable(f"{self.family} processor refused {what}: {error}", ref=ref)
 
     def _check_claim(self, claimed: Sequence[int], grid: Sequence[int], ref: str | None) -> None:
         """GridMismatch unless the processor's ``grid`` is the one the ref claims."""

@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from protocol.errors import ImageUnreadable
 from protocol.images import load_image
 from protocol.refs import ContentRef, RawRefBody, format_content_ref, format_mmraw
 from protocol.roots import AssetRoot, AssetRoots, put_content
@@ -55,9 +54,7 @@ def store_and_ref(
     try:
         grid = adapter.grid_for_size(decoded.width, decoded.height)
     except ValueError as e:  # e.g. smart_resize: aspect ratio > 200; nothing is stored then
-        raise ImageUnreadable(
-            f"{adapter.family} processor refuses a {decoded.width}x{decoded.height} image: {e}"
-        ) from e
+        raise adapter.refusal(e, size=decoded.size) from e
     ref, sha256, media_type = _stored_ref(adapter, data, store, grid, form)
     return RawMMRef(
         ref=ref,
