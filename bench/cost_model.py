@@ -164,6 +164,11 @@ def main() -> None:
         ("term", "measured", "FLOPs"),
         ratio,
     )
+    print(
+        "\nA cost model in this card's seconds, for plan_step(cost_model=...) (docs/PACKING.md §3.4):\n"
+        "    CostModel(llm_per_token={:.4g}, llm_per_token_sq={:.4g}, vision_per_token={:.4g}, "
+        "vision_per_token_sq={:.4g})".format(*(max(c, 0.0) for c in (a, b, av, bv)))  # a fit below 0: noise
+    )
     mix = make_step(np.random.default_rng(args.seed))
     names = ("language linear (T)", "language attention (l^2)", "vision linear (V)", "vision attention (v^2)")
     measured, counted = shares([a, b, av, bv], mix), shares(fl, mix)
