@@ -49,7 +49,7 @@ step 100 cost_model.md "$PY" bench/cost_model.py "$@"
 cost_rc=$rc
 step 50 train_step_real.md "$PY" bench/train_step.py "${ts_args[@]}" --real-size
 real_rc=$rc
-step 110 packed_forward.md "$PY" bench/packed_forward.py "$@"
+step 170 packed_forward.md "$PY" bench/packed_forward.py "$@"
 bench_rc=$rc
 # its own venv and logs (outside $OUT, which takes 8 files); only its report comes back
 env -u PYTHONPATH OUT=/tmp/mmref-vllm033 PYTHON="$PY" bash scripts/gpu_smoke_vllm033.sh 2>&1 | tee "$LOGS/vllm033_smoke.txt"
