@@ -514,3 +514,44 @@ def test_an_object_store_url_is_the_plugins_only_as_an_image_key_under_a_root(tm
         f"file://{tmp_path}/{name}",
     ):
         assert chat_refs.object_key([local, remote], url) is None, url
+
+
+def test_content_parts_key_an_object_store_url_as_the_chat_route_does(moto_s3, qwen2_vl_adapter, tmp_path):
+    """The generate route's ``content_parts`` key an image key's URL under the server's object-store
+    root (its ``uuid`` the content's and the weight version's, the same as its ref's), not only ref
+    strings; a URL under no root of the server is left to vLLM (no uuid)."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from fleet_helpers import store_key
+    from protocol.roots import AssetRoots, ObjectRoot, StoreClientConfig
+    from vllm_plugin.config import PluginConfig
+    from vllm_plugin.content_parts import bind_content_refs
+
+    with moto_s3.environment():
+        prefix = moto_s3.make_bucket("mmref-parts") + "/mmref"
+        root = ObjectRoot(prefix, StoreClientConfig(allow_http=True))
+        ref = offload_image(
+            photo_bytes("coffee", size=(96, 64)), AssetRoots([root]), qwen2_vl_adapter, form="v2"
+        )
+        config = PluginConfig(asset_root=tmp_path, asset_roots=[prefix], store_allow_http=True)
+        resolver = SimpleNamespace(
+            adapter=qwen2_vl_adapter, store=config.image_source(), config=config, pool=ThreadPoolExecutor(2),
+            pixel_mode="raw",
+        )  # fmt: skip
+        service = chat_refs.ChatRefs(resolver)
+        url = f"{prefix}/{store_key(ref)}"
+        parts = [
+            {"type": "image_url", "url": url},
+            {"type": "image_url", "url": ref.ref},
+            {"type": "image_url", "url": url.replace("/mmref/", "/elsewhere/")},
+        ]
+        previous = chat_refs.active()
+        chat_refs.activate(service)
+        try:
+            asyncio.run(bind_content_refs(parts, "step-1"))
+        finally:
+            chat_refs.activate(previous)
+    assert parts[0]["uuid"].startswith("mmref-") and parts[0]["uuid"] == parts[1]["uuid"]
+    assert "uuid" not in parts[2]

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from protocol.errors import AssetNotFound, InvalidRequest
-from protocol.refs import is_ref
 from vllm_plugin import chat_refs
 from vllm_plugin.weights import NAMESPACE
 
@@ -68,14 +67,18 @@ def _check_local_file(url: str, local_media: Path | None) -> None:
 
 
 async def bind_content_refs(parts: list[dict[str, Any]], weight_version: str) -> None:
-    """Read, check and key every ``image_url`` part whose URL is a ref (its ``uuid`` set), and pin
-    the images for the media connector; run after :func:`check_content_parts` (whose reserved-uuid
-    rule the keys would break). Nothing where refs in image URLs are off.
+    """Read, check and key every ``image_url`` part whose URL is the plugin's (a ref, or an image
+    key's URL under the server's object-store roots: ``ChatRefs.names``, as on the chat route),
+    setting its ``uuid``, and pin the images for the media connector; run after
+    :func:`check_content_parts` (whose reserved-uuid rule the keys would break). Nothing where refs
+    in image URLs are off.
 
     Raises:
         MMRefError: as ``chat_refs.ChatRefs.bind``.
     """
     service = chat_refs.active()
-    found = [(p, p["url"]) for p in parts if p.get("type") == "image_url" and is_ref(p.get("url"))]
-    if found and service is not None:
+    if service is None:
+        return
+    found = [(p, p["url"]) for p in parts if p.get("type") == "image_url" and service.names(p.get("url"))]
+    if found:
         chat_refs.pin(await service.bind(found, weight_version))
