@@ -33,7 +33,9 @@ import pytest
 
 from fleet_helpers import (
     DEADLINE_S,
+    GREEDY,
     LONG,
+    PAD,
     STORE,
     Fleet,
     body,
@@ -316,19 +318,28 @@ def chat(server, url: str) -> httpx.Response:
 
 def test_an_object_store_url_under_the_roots_is_served_like_its_data_url(fleet, qwen2_vl_adapter):
     """Replica B reads S3 only: the URL of the image's key under its root gives the data URL's
-    tokens and logprobs (the part keyed by the plugin, as a ref); a key whose bytes were replaced
-    is the typed 409; a key under no configured root is not the plugin's (vLLM's own refusal,
-    never a read of that bucket)."""
+    tokens and logprobs (the part keyed by the plugin, as a ref), on the chat route and in the
+    generate route's ``content_parts``; a key whose bytes were replaced is the typed 409 on both;
+    a key under no configured root is not the plugin's (vLLM's own refusal, never a read of that
+    bucket)."""
     import base64
 
     ref = offload(fleet, qwen2_vl_adapter, "url1")
     url = f"{fleet.s3}/{store_key(ref)}"
     data = "data:image/png;base64," + base64.b64encode(unique_image("url1")).decode()
     assert tokens_and_logprobs(chat(fleet.b, url)) == tokens_and_logprobs(chat(fleet.b, data))
+    # the generate route's content_parts too (one placeholder, vLLM expands it; the keying itself:
+    # tests/test_connector.py, in process)
+    parts = {"token_ids": [1, 259, PAD, 260, 2], "sampling_params": {**GREEDY, "logprobs": 0}}
+    by_url = post(fleet.b.url, {**parts, "content_parts": [{"type": "image_url", "url": url}]})
+    by_data = post(fleet.b.url, {**parts, "content_parts": [{"type": "image_url", "url": data}]})
+    assert tokens_and_logprobs(by_url) == tokens_and_logprobs(by_data)
 
     swapped = offload(fleet, qwen2_vl_adapter, "url2")
     obstore.put(fleet.bucket, f"fleet/{store_key(swapped)}", unique_image("someone else's"))
     assert refusal(chat(fleet.b, f"{fleet.s3}/{store_key(swapped)}")) == (409, "hash_mismatch")
+    swapped_part = [{"type": "image_url", "url": f"{fleet.s3}/{store_key(swapped)}"}]
+    assert refusal(post(fleet.b.url, {**parts, "content_parts": swapped_part})) == (409, "hash_mismatch")
     outside = url.replace(fleet.s3, fleet.s3 + "-other")
     status, code = refusal(chat(fleet.b, outside))
     assert 400 <= status < 500 and code is None
