@@ -103,6 +103,11 @@ def time_micro_batch(model, spec, mb, dtype, device: str) -> float:
     return time.perf_counter() - start
 
 
+def _alloc_retries(device: str) -> int:
+    """``cudaMalloc`` retries so far (the allocator emptied its cache to allocate); 0 off CUDA."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if device == "cuda" else 0
+
+
 def run_plan(model, spec, plan, dtype, device: str) -> np.ndarray:
     """Seconds ``[ranks, slots]`` of the plan's (only) mini-batch, slot by slot."""
     ranks = plan.mini_batches[0]
@@ -110,7 +115,13 @@ def run_plan(model, spec, plan, dtype, device: str) -> np.ndarray:
     seconds = np.zeros((len(ranks), slots))
     for j in range(slots):
         for r, share in enumerate(ranks):
+            before = _alloc_retries(device)
             seconds[r, j] = time_micro_batch(model, spec, share.micro_batches[j], dtype, device)
+            if _alloc_retries(device) > before:  # the caching allocator freed and retried: a stall
+                print(
+                    f"[rank_balance] rank {r}, slot {j}: allocator retried ({seconds[r, j]:.3f} s)",
+                    flush=True,
+                )
     model.zero_grad(set_to_none=True)
     return seconds
 
