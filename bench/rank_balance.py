@@ -14,10 +14,11 @@ shares, ``bench/_baselines.py``). Every micro-batch of every rank then runs forw
 the one GPU (the library's path: ``packed_inputs`` with each distinct image once and its
 ``image_index``, ``packed_logprobs``, a token loss), timed alone (``torch.cuda.synchronize``
 around it), in ``--rounds`` interleaved rounds (default 2), each micro-batch's best round kept:
-on an H100 single runs showed stalls of 0.25-0.3 s on ~0.8 s micro-batches, at random, in either
-plan. Pixels are random (the tower's cost does not depend on their values), and the model keeps
-activation checkpointing on (``gradient_checkpointing_enable``: a 16k-token micro-batch of the 2B
-shapes does not fit in 80 GB without it).
+on an H100 single runs showed stalls of 0.2-1.0 s on ~0.8 s micro-batches, at random, in either
+plan (a run that includes a ``cudaMalloc`` retry is named). Pixels are random (the tower's cost
+does not depend on their values), and the model keeps activation checkpointing on
+(``gradient_checkpointing_enable``: a 16k-token micro-batch of the 2B shapes does not fit in
+80 GB without it).
 
 Per plan: micro-batch slots per rank; **step seconds** = the sum over slots of the slowest rank's
 seconds (with data parallelism every rank waits for it at the slot's synchronisation);
@@ -182,7 +183,7 @@ def main() -> None:
             print(f"[rank_balance] round {rnd}, {name}: step {step:.2f} s", flush=True)
     rows, steps = [], {}
     for name, plan in plans.items():
-        seconds = np.min(np.stack(timed[name]), axis=0)  # stalls of ~0.3 s hit single runs (docs)
+        seconds = np.min(np.stack(timed[name]), axis=0)  # stalls of 0.2-1.0 s hit single runs (docs)
         steps[name] = seconds.max(axis=0).sum()
         wait = 1 - seconds.sum() / (args.dp * steps[name])
         mbs = [mb for share in plan.mini_batches[0] for mb in share.micro_batches]
