@@ -9,6 +9,7 @@ import base64
 import hashlib
 import json
 import struct
+import uuid
 import zlib
 from pathlib import Path
 
@@ -530,7 +531,7 @@ def test_content_parts_key_an_object_store_url_as_the_chat_route_does(moto_s3, q
     from vllm_plugin.content_parts import bind_content_refs
 
     with moto_s3.environment():
-        prefix = moto_s3.make_bucket("mmref-parts") + "/mmref"
+        prefix = moto_s3.make_bucket(f"mmref-parts-{uuid.uuid4().hex[:10]}") + "/mmref"
         root = ObjectRoot(prefix, StoreClientConfig(allow_http=True))
         ref = offload_image(
             photo_bytes("coffee", size=(96, 64)), AssetRoots([root]), qwen2_vl_adapter, form="v2"
