@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baselines import plan_verl
 from _common import machine_facts, print_table
 from pack import ROLLOUTS, SEQ_LEN, TOK, V_END, V_START, make_step, qwen_spec
-from packed_forward import build_model
+from packed_forward import build_model, random_features
 
 from trainer_lib import packed_inputs, packed_logprobs, prepare_model_for_packing
 from trainer_lib.planning.cost import CostModel
@@ -74,20 +74,13 @@ def features(mb, dtype) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     ``image_index`` of every image slot, as ``materialize_micro_batch(dedup=True)`` lays them out."""
     if not mb.images:
         return {}, None
-    rows: dict[object, int] = {}
-    grids = []
-    for im in mb.images:
-        key = im.ref.sha256 if im.ref is not None else id(im)
-        if key not in rows:
-            rows[key] = len(grids)
-            grids.append(list(im.grid))
-    index = [rows[im.ref.sha256 if im.ref is not None else id(im)] for im in mb.images]
-    n = sum(t * h * w for t, h, w in grids)
-    feats = {
-        "pixel_values": torch.randn(n, 3 * 2 * 14 * 14, dtype=dtype),
-        "image_grid_thw": torch.tensor(grids, dtype=torch.int64),
-    }
-    return feats, torch.tensor(index, dtype=torch.int64)
+    keys = [im.ref.sha256 if im.ref is not None else id(im) for im in mb.images]
+    first = {}  # each distinct image's first slot, in first-seen order: its row
+    for key, im in zip(keys, mb.images, strict=True):
+        first.setdefault(key, im)
+    row = {key: n for n, key in enumerate(first)}
+    grids = [list(im.grid) for im in first.values()]
+    return random_features(grids, dtype, "cpu"), torch.tensor([row[k] for k in keys], dtype=torch.int64)
 
 
 def time_micro_batch(model, spec, mb, dtype, device: str) -> float:
