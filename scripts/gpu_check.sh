@@ -4,8 +4,9 @@
 # so that one slow step cannot cost the others their report: packed varlen vs one sample at a time
 # (bf16; Qwen2-VL/2.5-VL/3-VL must be bit-identical), the same for tiny Qwen3.5 / Qwen3.5-MoE with
 # flash-linear-attention's varlen kernels (and their leak control); bench/rank_balance.py (one dp-8
-# step of the token- and compute-balanced plans timed micro-batch by micro-batch); bench/train_step.py (dedup vs
-# per slot, tiny families, then the real-size image limits); bench/cost_model.py (seconds per
+# step of the token- and compute-balanced plans timed micro-batch by micro-batch);
+# bench/train_step.py (dedup vs per slot, tiny families, then the real-size image limits);
+# bench/cost_model.py (seconds per
 # micro-batch against the FLOP cost model); bench/packed_forward.py (Qwen2-VL-2B shapes, fwd+bwd
 # tokens/s, peak memory at caps 16k/8k); then the vLLM 0.33 serve smoke
 # (scripts/gpu_smoke_vllm033.sh: the CUDA wheel, the plugin, a ref request equal to its data URL; it

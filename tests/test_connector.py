@@ -64,26 +64,35 @@ def test_the_scan_sees_escaped_and_split_needles():
     assert json.loads(encode(body))["b"] == 1  # the stdlib's reader, written back the same way
 
 
+def chat_service(adapter, config) -> chat_refs.ChatRefs:
+    """An in-process :class:`chat_refs.ChatRefs` over ``config``'s roots (a resolver's fields it
+    reads: adapter, store, config, worker threads, raw pixels)."""
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    resolver = SimpleNamespace(
+        adapter=adapter,
+        store=config.image_source(),
+        config=config,
+        pool=ThreadPoolExecutor(2),
+        pixel_mode="raw",
+    )
+    return chat_refs.ChatRefs(resolver)
+
+
 def test_a_repeated_ref_is_a_lookup_and_its_key_binds_content_and_weights(
     qwen2_vl_adapter, output_root, monkeypatch
 ):
     """In process: one read per ref string (single-flight, cached); the key is the content's
     (a v1 and a v2 ref of the same bytes share it) and the weight version's."""
     import asyncio
-    from concurrent.futures import ThreadPoolExecutor
-    from types import SimpleNamespace
 
     from vllm_plugin.config import PluginConfig
 
     jpeg = photo_bytes("coffee", size=(300, 200))
     v1 = offload_image(jpeg, output_root / "run_1" / "assets", qwen2_vl_adapter)
     v2 = offload_image(jpeg, output_root, qwen2_vl_adapter, form="v2")
-    config = PluginConfig(asset_root=output_root)
-    resolver = SimpleNamespace(
-        adapter=qwen2_vl_adapter, store=config.image_source(), config=config, pool=ThreadPoolExecutor(2),
-        pixel_mode="raw",
-    )  # fmt: skip
-    service = chat_refs.ChatRefs(resolver)
+    service = chat_service(qwen2_vl_adapter, PluginConfig(asset_root=output_root))
     reads = []
     real = qwen2_vl_adapter.read_raw
     monkeypatch.setattr(qwen2_vl_adapter, "read_raw", lambda *a, **k: reads.append(1) or real(*a, **k))
@@ -522,8 +531,6 @@ def test_content_parts_key_an_object_store_url_as_the_chat_route_does(moto_s3, q
     root (its ``uuid`` the content's and the weight version's, the same as its ref's), not only ref
     strings; a URL under no root of the server is left to vLLM (no uuid)."""
     import asyncio
-    from concurrent.futures import ThreadPoolExecutor
-    from types import SimpleNamespace
 
     from fleet_helpers import store_key
     from protocol.roots import AssetRoots, ObjectRoot, StoreClientConfig
@@ -537,11 +544,7 @@ def test_content_parts_key_an_object_store_url_as_the_chat_route_does(moto_s3, q
             photo_bytes("coffee", size=(96, 64)), AssetRoots([root]), qwen2_vl_adapter, form="v2"
         )
         config = PluginConfig(asset_root=tmp_path, asset_roots=[prefix], store_allow_http=True)
-        resolver = SimpleNamespace(
-            adapter=qwen2_vl_adapter, store=config.image_source(), config=config, pool=ThreadPoolExecutor(2),
-            pixel_mode="raw",
-        )  # fmt: skip
-        service = chat_refs.ChatRefs(resolver)
+        service = chat_service(qwen2_vl_adapter, config)
         url = f"{prefix}/{store_key(ref)}"
         parts = [
             {"type": "image_url", "url": url},
