@@ -6,6 +6,17 @@ per micro-batch it lands in, not ``G`` times. :func:`grouped_vision_slots` plans
 vision section for that cost model (``bench/pack.py`` measures it against the token-balanced
 plan):
 
+0. **The heavy slot first.** Samples whose language cost passes ``HEAVY`` times the level (at
+   most ``dp``; a sample near the cap costs up to 1.5x the level in causal attention alone) set
+   one slot's language pace wherever they go. They open a slot of their own, one per bin, and
+   every bin of that slot takes the other samples, largest first, to the bin with the least
+   language cost that has room below the pace (tokens within ``cap``); a sample whose image
+   set the bin does not hold joins only while the bin's images cost at most
+   ``HEAVY_SLOT_VISION`` of the costliest group's (or of the heavy bins' own, if more). Only long
+   samples lift a bin under the cap to that pace, and they belong to many groups: the heavy
+   slot spends a few extra encodes of cheap images on them. The other slots are planned from
+   what is left (steps 1-4), or, where that fails, all the slots as if there were no heavy
+   sample.
 1. **Groups, densest vision first.** Text samples above ``BIG_TEXT`` of a bin go first, into the
    last bins (placed after the groups they might fit nowhere). Samples with images are grouped by
    their image set (``groups``); groups are visited by descending vision cost. Each group starts
@@ -37,11 +48,15 @@ import bisect
 import heapq
 from collections.abc import Hashable, Sequence
 
-__all__ = ["BIG_TEXT", "FILL", "HEAVY", "even_text_slots", "grouped_vision_slots"]
+__all__ = ["BIG_TEXT", "FILL", "HEAVY", "HEAVY_SLOT_VISION", "even_text_slots", "grouped_vision_slots"]
 
 HEAVY = 1.05
-"""A bin whose language cost exceeds the level by this factor holds a sample nothing can balance:
-such bins share one slot (step 3)."""
+"""A sample (or bin) whose language cost exceeds the level by this factor sets its slot's pace:
+such samples open the heavy slot (step 0), such bins share one slot (step 3)."""
+HEAVY_SLOT_VISION = 0.5
+"""Step 0: a heavy-slot bin takes a sample of an image set it does not hold while its images then
+cost at most this share of the costliest group's (0.35-0.7 gave the same FLOP idle on
+``bench/pack.py``'s mix; 0: only the heavy bins' own images, 0.25 worse)."""
 FILL = 0.5
 """Step 1 fills groups up to the level less this share of the text per bin, so that step 2 has
 small samples left everywhere to level with."""
@@ -103,6 +118,33 @@ def grouped_vision_slots(
     nbins = num_slots * dp
     if nbins < 1 or sum(lengths[i] for i in items) > nbins * cap:
         return None
+    args = (lengths, groups, language, vision, dp, cap, reserve)
+    level = sum(language[i] for i in items) / nbins
+    heavy = sorted((i for i in items if language[i] > HEAVY * level), key=lambda i: -language[i])
+    if heavy and len(heavy) <= dp and num_slots > 1:
+        slot, taken = _heavy_slot(items, heavy, *args)
+        rest = _vision_slots([i for i in items if i not in taken], num_slots - 1, *args)
+        if rest is not None:
+            return [*rest, slot]
+    return _vision_slots(items, num_slots, *args)
+
+
+def _vision_slots(
+    items: Sequence[int],
+    num_slots: int,
+    lengths: Sequence[int],
+    groups: Sequence[Hashable | None],
+    language: Sequence[float],
+    vision: Sequence[float],
+    dp: int,
+    cap: int,
+    reserve: int,
+) -> list[list[tuple[int, list[int]]]] | None:
+    """Steps 1-4: ``num_slots`` slots of ``dp`` bins holding ``items`` (arguments as
+    :func:`grouped_vision_slots`), or None where they do not fit."""
+    nbins = num_slots * dp
+    if sum(lengths[i] for i in items) > nbins * cap:
+        return None
     members: dict[Hashable, list[int]] = {}
     text = []
     for i in items:
@@ -120,6 +162,50 @@ def grouped_vision_slots(
     for slot in slots:
         _even(bins, slot, lengths, groups, language, cost, cap, reserve)
     return [[(bins.tokens[j], sorted(bins.items[j])) for j in slot] for slot in slots]
+
+
+def _heavy_slot(
+    items: Sequence[int],
+    heavy: list[int],
+    lengths: Sequence[int],
+    groups: Sequence[Hashable | None],
+    language: Sequence[float],
+    vision: Sequence[float],
+    dp: int,
+    cap: int,
+    reserve: int,
+) -> tuple[list[tuple[int, list[int]]], set[int]]:
+    """Step 0: the ``heavy`` samples (largest language cost first, at most ``dp``) one per bin of
+    a slot, its bins filled towards the first one's language cost. Returns the slot's ``dp``
+    ``(tokens, sample indices)`` bins and the samples it holds."""
+    cost = {groups[i]: vision[i] for i in items if groups[i] is not None}
+    bins = _Bins(dp)
+    for j, i in enumerate(heavy):
+        bins.add(j, i, language[i], lengths[i], groups[i])
+    images = [sum(cost[g] for g in held) for held in bins.groups]
+    ceiling = max(max(images), HEAVY_SLOT_VISION * max(cost.values(), default=0.0))
+    pace, taken = language[heavy[0]], set(heavy)
+    lightest = min(bins.load)
+    for i in sorted((i for i in items if i not in taken), key=lambda i: -language[i]):
+        if lightest + language[i] > pace:  # joins no bin
+            continue
+        g, best = groups[i], -1
+        for j in range(dp):
+            room = cap if g is not None or bins.groups[j] else cap - reserve
+            if (
+                bins.tokens[j] + lengths[i] <= room
+                and bins.load[j] + language[i] <= pace
+                and (g is None or g in bins.groups[j] or images[j] + cost[g] <= ceiling)
+                and (best < 0 or bins.load[j] < bins.load[best])
+            ):
+                best = j
+        if best >= 0:
+            if g is not None and g not in bins.groups[best]:
+                images[best] += cost[g]
+            bins.add(best, i, language[i], lengths[i], g)
+            taken.add(i)
+            lightest = min(bins.load)
+    return [(bins.tokens[j], sorted(bins.items[j])) for j in range(dp)], taken
 
 
 def even_text_slots(
