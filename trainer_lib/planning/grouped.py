@@ -57,9 +57,10 @@ HEAVY_SLOT_VISION = 0.5
 """Step 0: a heavy-slot bin takes a sample of an image set it does not hold while its images then
 cost at most this share of the costliest group's (0.35-0.7 gave the same FLOP idle on
 ``bench/pack.py``'s mix; 0: only the heavy bins' own images, 0.25 worse)."""
-FILL = 0.5
+FILL = 0.25
 """Step 1 fills groups up to the level less this share of the text per bin, so that step 2 has
-small samples left everywhere to level with."""
+small samples left everywhere to level with (with step 0: 0.15-0.35 gave the same FLOP idle on
+``bench/pack.py``'s mix and a shorter step than 0.5, whose groups spread over more bins)."""
 BIG_TEXT = 0.4
 """Text samples longer than this share of a bin are placed before the groups (step 1)."""
 _EVEN_STEPS = 8
@@ -185,9 +186,9 @@ def _heavy_slot(
     images = [sum(cost[g] for g in held) for held in bins.groups]
     ceiling = max(max(images), HEAVY_SLOT_VISION * max(cost.values(), default=0.0))
     pace, taken = language[heavy[0]], set(heavy)
-    lightest = min(bins.load)
+    lightest, emptiest = min(bins.load), min(bins.tokens)
     for i in sorted((i for i in items if i not in taken), key=lambda i: -language[i]):
-        if lightest + language[i] > pace:  # joins no bin
+        if lightest + language[i] > pace or emptiest + lengths[i] > cap:  # joins no bin
             continue
         g, best = groups[i], -1
         for j in range(dp):
@@ -204,7 +205,7 @@ def _heavy_slot(
                 images[best] += cost[g]
             bins.add(best, i, language[i], lengths[i], g)
             taken.add(i)
-            lightest = min(bins.load)
+            lightest, emptiest = min(bins.load), min(bins.tokens)
     return [(bins.tokens[j], sorted(bins.items[j])) for j in range(dp)], taken
 
 
