@@ -355,10 +355,10 @@ def _even(
     for _ in range(_EVEN_STEPS):
         hi = max(slot, key=load.__getitem__)
         best = (load[hi] * _EVEN_MIN_GAIN, -1, -1, -1)  # (gain, moved out, moved in or -1, to bin)
-        for lo in slot:
+        for lo in sorted(slot, key=load.__getitem__):  # the widest gap first
             gap = load[hi] - load[lo]
-            if gap <= 2 * best[0]:  # a change gains at most half the gap
-                continue
+            if gap <= 2 * best[0]:  # a change gains at most half the gap: so do the bins after
+                break
             out = [i for i in bins.items[hi] if language[i] > best[0] and joins(groups[i], lo)]
             if not out:
                 continue
