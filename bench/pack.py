@@ -35,6 +35,11 @@ default: samples sharing an image kept together, FLOPs balanced per slot). Colum
   slot encoded); **step FLOPs**: the predicted step time (per slot, the slowest rank's vision plus
   its slowest language FLOPs, summed) over the token-balanced plan's with one encode per image slot
   (the trainer before issue 29);
+- beside issue 29's targets, two shares of the compute plan's rank-time: the language idle no
+  plan under the cap avoids (each mini-batch's costliest sample sets its slot's pace, and a bin
+  of at most ``cap`` tokens does at most ``a*cap + b*n*cap`` with ``n`` its longest sample), and
+  the vision idle of a tidy layout (each image group alone in ``round(L_g / level)`` bins, sorted
+  by cost: the fewest encodes that keep the language levelled), for comparison;
 - **plan** samples/s: single rank and *today*: ``plan_bins`` (first-fit-decreasing from
   lengths/kinds/keys, the issue's 200k reference); *verl KK*: KK + ``plan_bins`` per share;
   *balanced*: ``partition_mini_batch`` (vision costs included); **plan_step ms/1024**: the whole
@@ -56,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baselines import karmarkar_karp, plan_today, plan_verl
 from _common import print_facts, print_table, timeit
 from _models import qwen2_vl_2b_config
-from _pack_targets import BASE, compute_target_rows, step_flops, target_rows
+from _pack_targets import BASE, compute_target_rows, floors, idle_floors, step_flops, target_rows
 
 from protocol.refs import RawRefBody, format_mmraw
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
@@ -65,7 +70,6 @@ from trainer_lib.planning.cost import CostModel
 from trainer_lib.planning.packing import analyze_entry, pack_samples
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import mini_batch_entries, plan_step
-from trainer_lib.planning.slot_bound import min_micro_batches
 from trainer_lib.spec import PackingSpec
 
 SEQ_LEN = 16384
@@ -227,31 +231,6 @@ def mini_batch_inputs(samples, dp: int, mbs: int, cm: CostModel) -> list[tuple]:
     return out
 
 
-def floors(inputs: list[tuple], dp: int, cap: int) -> tuple[list[int], float, float]:
-    """(micro-batches per rank, capacity waste, token sync idle): what no plan can beat.
-
-    Waste: ``min_micro_batches`` slots of ``cap`` per rank (plus the excess of samples above the
-    cap). Idle: each sample above the cap runs alone and sets its slot's pace; such samples with
-    images and those without never share a slot (vision tower on all ranks or none), so each kind
-    is grouped into its fewest slots, largest together; the other bins of those slots hold at most
-    ``cap`` tokens, and every other slot is at best perfectly even.
-    """
-    real = capacity = peak = 0.0
-    counts = []
-    for lengths, keys, kinds, *_ in inputs:
-        m = min_micro_batches(lengths, dp_size=dp, cap=cap, keys=keys, kinds=kinds, reserve=RESERVE)
-        counts.append(m)
-        real += sum(lengths)
-        capacity += dp * m * cap + sum(n - cap for n in lengths if n > cap)
-        over = [(n, k == PIXELS) for n, k in zip(lengths, kinds, strict=True) if n > cap]
-        sides = (True, False) if PIXELS in kinds else (None,)
-        groups = [sorted((n for n, pix in over if side in (None, pix)), reverse=True) for side in sides]
-        slowest = sum(g[j] for g in groups for j in range(0, len(g), dp))
-        room = sum(-(-len(g) // dp) * dp - len(g) for g in groups) * cap
-        peak += dp * slowest + max(sum(n for n in lengths if n <= cap) - room, 0)
-    return counts, 1 - real / capacity, 1 - real / peak
-
-
 def plan_rate(name: str, inputs: list[tuple], dp: int, cap: int, repeats: int) -> float:
     """Samples/s of the planning alone (no micro-batch built)."""
     n = sum(len(x[0]) for x in inputs)
@@ -299,7 +278,8 @@ def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
         }
         for name in plans_for(cap)
     }
-    out["floor"] = {"m": [], "waste": [], "idle": []}
+    out["floor"] = {"m": [], "waste": [], "idle": [], "forced": 0.0, "tidy": 0.0}
+    out["dp"] = 8
     kwargs = {"dp_size": 8, "mini_batch_size": mbs, "seq_len": SEQ_LEN, "micro_batch_max_tokens": cap}
     for _ in range(args.steps):
         samples = make_step(rng, **{"prompts": args.prompts, **mix})
@@ -326,10 +306,13 @@ def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
                 r["step_slot"] = r.get("step_slot", 0.0) + step_flops(plan, cm, dedup=False)
             r["plan"].append(plan_rate(name, inputs, 8, cap, args.repeats))
             r["ms"].append(timeit(run, repeat=args.repeats, warmup=0).best * 1000 * 1024 / len(samples))
-        counts, waste, idle = floors(inputs, 8, cap)
+        counts, waste, idle = floors(inputs, 8, cap, RESERVE)
         out["floor"]["m"] += counts
         out["floor"]["waste"].append(waste)
         out["floor"]["idle"].append(idle)
+        forced, tidy = idle_floors(inputs, counts, cm, 8, cap)
+        out["floor"]["forced"] += forced
+        out["floor"]["tidy"] += tidy
     return out
 
 

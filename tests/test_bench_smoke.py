@@ -70,6 +70,12 @@ def test_pack_bench_runs_every_plan_side_by_side():
     targets = ("<= 2%", "<= 3%", "<= 4%", ">= 200,000", "floor")
     verdicts = [r[3] for r in rows if len(r) == 4 and ": " in r[0] and r[2] in targets]
     assert len(verdicts) == 18 and all(v == "pass" or v.startswith("MISS") for v in verdicts)
+    # the language idle no plan under the cap avoids is a lower bound: never above the plan's idle
+    for cap in ("16k", "8k"):
+        label = f"dp 8, mini-batch 256, cap {cap}, compute (#29): "
+        shares = {r[0].removeprefix(label).split(" ")[0]: r[1] for r in rows if r[0].startswith(label)}
+        forced, idle = float(shares["share"].rstrip("%")), float(shares["FLOP"].rstrip("%"))
+        assert 0 <= forced <= idle, (cap, forced, idle)
 
 
 @pytest.mark.timeout(300)
