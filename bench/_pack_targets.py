@@ -10,7 +10,7 @@ from trainer_lib.planning.cost import CostModel
 from trainer_lib.planning.plan import encoded_image_tokens
 from trainer_lib.planning.slot_bound import min_micro_batches
 
-__all__ = ["BASE", "COMPUTE", "compute_target_rows", "floors", "idle_floors", "step_flops", "target_rows"]
+__all__ = ["BASE", "COMPUTE", "compute_target_rows", "floors", "idle_measures", "step_flops", "target_rows"]
 
 TARGET_IDLE, TARGET_WASTE, TARGET_PLAN, TARGET_FLOP_IDLE = 0.02, 0.04, 200_000, 0.03
 BASE, COMPUTE = "balanced, tokens (#13)", "balanced, compute (#29)"
@@ -56,19 +56,22 @@ def floors(inputs: list[tuple], dp: int, cap: int, reserve: int) -> tuple[list[i
     return counts, 1 - real / capacity, 1 - real / peak
 
 
-def idle_floors(
+def idle_measures(
     inputs: list[tuple], slots: list[int], cm: CostModel, dp: int, cap: int
 ) -> tuple[float, float]:
-    """``(cap_forced_idle, sorted_groups_idle)`` of one step's mini-batches (FLOPs)."""
+    """One step's ``(_cap_forced_idle, _sorted_groups_idle)`` in FLOPs: a lower bound on any plan's
+    language idle, and a reference vision idle (not a bound)."""
     return _cap_forced_idle(inputs, cm, dp, cap), _sorted_groups_idle(inputs, slots, dp)
 
 
 def _cap_forced_idle(inputs: list[tuple], cm: CostModel, dp: int, cap: int) -> float:
     """Language-model FLOPs the ranks idle, whatever the plan, in the slot of each mini-batch's
-    costliest sample: it sets that slot's pace, and another bin whose longest sample has ``n <= cap``
-    tokens does at most ``a * cap + b * n * cap`` (``sum n_i**2 <= n * sum n_i``; ``a``, ``b``: the
-    cost model's per-token and causal-attention terms); the slot's other ``dp - 1`` bins have
-    distinct longest samples, at best the next ``dp - 1`` longest of the mini-batch. A lower bound."""
+    costliest sample, for plans whose bins hold at most ``cap`` tokens unless one sample is longer
+    (``partition_mini_batch`` without ``stretch_cap``): that sample sets the slot's pace, and
+    another bin whose longest sample has ``n <= cap`` tokens does at most ``a * cap + b * n * cap``
+    (``sum n_i**2 <= n * sum n_i``; ``a``, ``b``: the cost model's per-token and causal-attention
+    terms), one longer sample alone its own cost; the slot's other ``dp - 1`` bins have distinct
+    longest samples, at best the next ``dp - 1`` longest of the mini-batch. A lower bound."""
     total = 0.0
     for lengths, *_ in inputs:
         ranked = sorted(lengths, reverse=True)

@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baselines import karmarkar_karp, plan_today, plan_verl
 from _common import print_facts, print_table, timeit
 from _models import qwen2_vl_2b_config
-from _pack_targets import BASE, compute_target_rows, floors, idle_floors, step_flops, target_rows
+from _pack_targets import BASE, compute_target_rows, floors, idle_measures, step_flops, target_rows
 
 from protocol.refs import RawRefBody, format_mmraw
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
@@ -310,7 +310,7 @@ def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
         out["floor"]["m"] += counts
         out["floor"]["waste"].append(waste)
         out["floor"]["idle"].append(idle)
-        forced, tidy = idle_floors(inputs, counts, cm, 8, cap)
+        forced, tidy = idle_measures(inputs, counts, cm, 8, cap)
         out["floor"]["forced"] += forced
         out["floor"]["tidy"] += tidy
     return out

@@ -406,33 +406,6 @@ def test_a_heavy_bin_joins_the_slot_of_its_vision_peers():
     assert vision_maxima(order) == 220 < vision_maxima([6, 0, 1, 2, 3, 4, 5, 7]) == 310  # heavy first
 
 
-def test_a_sample_above_the_level_opens_a_slot_of_long_samples():
-    """Step 0 of the compute plan: a sample whose causal attention puts it above the language
-    level opens a slot whose other bins take the longest samples (a text one, one of another
-    group within the slot's image budget) up to its pace; the rest is planned on its own. Against
-    steps 1-4 over every sample: the slots' slowest language and vision costs both fall."""
-    lengths = [100, 60, 40] + [10] * 16
-    groups = ["H", "A", None] + ["A"] * 8 + ["B"] * 8
-    language = [n * (1 + n / 200) for n in lengths]  # 100 tokens cost 150, ten 10-token ones 105
-    vision = [0.0 if g is None else 1.0 for g in groups]
-    args = (lengths, groups, language, vision, 2, 100, 2)  # dp 2, cap 100, reserve 2
-    items = list(range(len(lengths)))
-    names = ("lengths", "groups", "language", "vision", "dp", "cap", "reserve")
-    new = grouped.grouped_vision_slots(items, num_slots=2, **dict(zip(names, args, strict=True)))
-    old = grouped._vision_slots(items, 2, *args)
-    assert new is not None and old is not None
-    assert [b for _, b in new[-1]] == [[0], [1, 2]]  # the heavy slot: 100 tokens per bin
-
-    def step(plan) -> tuple[float, float]:
-        lang = sum(max(sum(language[i] for i in b) for _, b in slot) for slot in plan)
-        images = sum(max(len({groups[i] for i in b} - {None}) for _, b in slot) for slot in plan)
-        return lang, images
-
-    assert step(new) == (150 + 84, 2) and step(old) == (150 + 100.5, 3)
-    assert sorted(i for slot in new for _, b in slot for i in b) == items
-    assert all(t == sum(lengths[i] for i in b) <= 100 for slot in new for t, b in slot)
-
-
 def test_text_slots_are_evened_by_language_cost():
     """Text slots are packed by tokens; in the compute plan they are re-dealt by language cost
     (causal attention makes a long sample cost more than its tokens): equal tokens, unequal

@@ -10,6 +10,9 @@ them (docs/PACKING.md §1, §3):
 - :mod:`~trainer_lib.planning.partition` — balanced data-parallel slots, with the slot rules and
   bound of :mod:`~trainer_lib.planning.slot_bound` and the tighter packings of
   :mod:`~trainer_lib.planning.repack`.
+- :mod:`~trainer_lib.planning.grouped` — the vision section balanced by compute, image groups
+  kept together, after :mod:`~trainer_lib.planning.heavy_slot`'s slot of the samples that set
+  their own pace.
 - :mod:`~trainer_lib.planning.bins` — first-fit-decreasing and LPT bins of indices.
 - :mod:`~trainer_lib.planning.cost` — FLOPs per sample, the predicted sync idle.
 - :mod:`~trainer_lib.planning.packing` — samples checked, analysed and concatenated into

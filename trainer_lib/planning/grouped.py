@@ -6,17 +6,12 @@ per micro-batch it lands in, not ``G`` times. :func:`grouped_vision_slots` plans
 vision section for that cost model (``bench/pack.py`` measures it against the token-balanced
 plan):
 
-0. **The heavy slot first.** Samples whose language cost passes ``HEAVY`` times the level (at
-   most ``dp``; a sample near the cap costs up to 1.5x the level in causal attention alone) set
-   one slot's language pace wherever they go. They open a slot of their own, one per bin, and
-   every bin of that slot takes the other samples, largest first, to the bin with the least
-   language cost that has room below the pace (tokens within ``cap``); a sample whose image
-   set the bin does not hold joins only while the bin's images cost at most
-   ``HEAVY_SLOT_VISION`` of the costliest group's (or of the heavy bins' own, if more). Only long
-   samples lift a bin under the cap to that pace, and they belong to many groups: the heavy
-   slot spends a few extra encodes of cheap images on them. The other slots are planned from
-   what is left (steps 1-4), or, where that fails, all the slots as if there were no heavy
-   sample.
+0. **The heavy slot.** If 1 to ``dp`` samples cost more than ``HEAVY`` times the level in
+   language (causal attention: up to 1.5x near the cap), they set one slot's pace wherever they
+   go: they open a slot, one per bin, whose bins take the other samples, largest first, into the
+   least-loaded bin with room (``cap``; ``cap - reserve`` without images) below the pace; a new
+   image set joins a bin within a tower budget (:mod:`~trainer_lib.planning.heavy_slot`). Steps
+   1-4 plan the rest (else everything, without step 0).
 1. **Groups, densest vision first.** Text samples above ``BIG_TEXT`` of a bin go first, into the
    last bins (placed after the groups they might fit nowhere). Samples with images are grouped by
    their image set (``groups``); groups are visited by descending vision cost. Each group starts
@@ -48,15 +43,13 @@ import bisect
 import heapq
 from collections.abc import Hashable, Sequence
 
-__all__ = ["BIG_TEXT", "FILL", "HEAVY", "HEAVY_SLOT_VISION", "even_text_slots", "grouped_vision_slots"]
+from trainer_lib.planning.heavy_slot import heavy_slot
+
+__all__ = ["BIG_TEXT", "FILL", "HEAVY", "even_text_slots", "grouped_vision_slots"]
 
 HEAVY = 1.05
 """A sample (or bin) whose language cost exceeds the level by this factor sets its slot's pace:
 such samples open the heavy slot (step 0), such bins share one slot (step 3)."""
-HEAVY_SLOT_VISION = 0.5
-"""Step 0: a heavy-slot bin takes a sample of an image set it does not hold while its images then
-cost at most this share of the costliest group's (0.35-0.7 gave the same FLOP idle on
-``bench/pack.py``'s mix; 0: only the heavy bins' own images, 0.25 worse)."""
 FILL = 0.25
 """Step 1 fills groups up to the level less this share of the text per bin, so that step 2 has
 small samples left everywhere to level with (with step 0: 0.15-0.35 gave the same FLOP idle on
@@ -122,8 +115,12 @@ def grouped_vision_slots(
     args = (lengths, groups, language, vision, dp, cap, reserve)
     level = sum(language[i] for i in items) / nbins
     heavy = sorted((i for i in items if language[i] > HEAVY * level), key=lambda i: -language[i])
-    if heavy and len(heavy) <= dp and num_slots > 1:
-        slot, taken = _heavy_slot(items, heavy, *args)
+    fits = all(lengths[i] <= (cap if groups[i] is not None else cap - reserve) for i in heavy)
+    if heavy and len(heavy) <= dp and num_slots > 1 and fits:
+        slot, taken = heavy_slot(
+            items, heavy, lengths=lengths, groups=groups, language=language, vision=vision,
+            cap=cap, reserve=reserve, dp=dp,
+        )  # fmt: skip
         rest = _vision_slots([i for i in items if i not in taken], num_slots - 1, *args)
         if rest is not None:
             return [*rest, slot]
@@ -163,50 +160,6 @@ def _vision_slots(
     for slot in slots:
         _even(bins, slot, lengths, groups, language, cost, cap, reserve)
     return [[(bins.tokens[j], sorted(bins.items[j])) for j in slot] for slot in slots]
-
-
-def _heavy_slot(
-    items: Sequence[int],
-    heavy: list[int],
-    lengths: Sequence[int],
-    groups: Sequence[Hashable | None],
-    language: Sequence[float],
-    vision: Sequence[float],
-    dp: int,
-    cap: int,
-    reserve: int,
-) -> tuple[list[tuple[int, list[int]]], set[int]]:
-    """Step 0: the ``heavy`` samples (largest language cost first, at most ``dp``) one per bin of
-    a slot, its bins filled towards the first one's language cost. Returns the slot's ``dp``
-    ``(tokens, sample indices)`` bins and the samples it holds."""
-    cost = {groups[i]: vision[i] for i in items if groups[i] is not None}
-    bins = _Bins(dp)
-    for j, i in enumerate(heavy):
-        bins.add(j, i, language[i], lengths[i], groups[i])
-    images = [sum(cost[g] for g in held) for held in bins.groups]
-    ceiling = max(max(images), HEAVY_SLOT_VISION * max(cost.values(), default=0.0))
-    pace, taken = language[heavy[0]], set(heavy)
-    lightest, emptiest = min(bins.load), min(bins.tokens)
-    for i in sorted((i for i in items if i not in taken), key=lambda i: -language[i]):
-        if lightest + language[i] > pace or emptiest + lengths[i] > cap:  # joins no bin
-            continue
-        g, best = groups[i], -1
-        for j in range(dp):
-            room = cap if g is not None or bins.groups[j] else cap - reserve
-            if (
-                bins.tokens[j] + lengths[i] <= room
-                and bins.load[j] + language[i] <= pace
-                and (g is None or g in bins.groups[j] or images[j] + cost[g] <= ceiling)
-                and (best < 0 or bins.load[j] < bins.load[best])
-            ):
-                best = j
-        if best >= 0:
-            if g is not None and g not in bins.groups[best]:
-                images[best] += cost[g]
-            bins.add(best, i, language[i], lengths[i], g)
-            taken.add(i)
-            lightest, emptiest = min(bins.load), min(bins.tokens)
-    return [(bins.tokens[j], sorted(bins.items[j])) for j in range(dp)], taken
 
 
 def even_text_slots(
