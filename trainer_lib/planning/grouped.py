@@ -19,7 +19,8 @@ plan):
    ``lam`` (the section's language cost over its bins), largest samples first: a group lands in
    about ``ceil(L_g / lam)`` bins, and consecutive bins hold groups of similar vision cost.
 2. **Level.** What did not fit (a group's remainder) and the text samples, largest first, go to
-   the bin with the least language cost that has room (LPT; Graham 1969).
+   the bin with the least language cost that has room (LPT; Graham 1969); a group's remainder
+   first to the least loaded bin already holding the group while that stays within the level.
 3. **Slots.** Bins are sorted by vision cost and cut into slots of ``dp``, so each slot's ranks
    encode images of similar cost (for sorted values, slots of consecutive bins minimise the sum of
    the slot maxima). Bins well above the level (one sample longer than the level, which nothing
@@ -152,7 +153,7 @@ def _vision_slots(
     bins = _Bins(nbins)
     text = _place_big_text(bins, text, lengths, language, level, cap - reserve)
     left = _fill_groups(bins, members, lengths, language, vision, level - FILL * filler, cap)
-    if left is None or not _level(bins, left + text, lengths, groups, language, cap, reserve):
+    if left is None or not _level(bins, left + text, lengths, groups, language, cap, reserve, level):
         return None
     cost = {g: vision[m[0]] for g, m in members.items()}
     order = _slot_order(bins, cost, level, dp)
@@ -243,23 +244,40 @@ def _level(
     language: Sequence[float],
     cap: int,
     reserve: int,
+    level: float | None = None,
 ) -> bool:
     """Step 2: ``todo`` largest first into the bin with the least language cost that has room
-    (``cap``, less ``reserve`` for a sample without images joining a bin without images). False
-    when one fits nowhere."""
+    (``cap``, less ``reserve`` for a sample without images joining a bin without images); with a
+    ``level``, a sample whose image set some bins hold joins the least loaded of them that stays
+    within it (no new encode). False when one fits nowhere."""
     heap = [(load, j) for j, load in enumerate(bins.load)]
     heapq.heapify(heap)
+    holders: dict[Hashable, list[int]] = {}
+    for j, held in enumerate(bins.groups):
+        for g in held:
+            holders.setdefault(g, []).append(j)
     for i in sorted(todo, key=lambda i: -language[i]):
+        g, j = groups[i], -1
+        if level is not None and g is not None:
+            top, most = level - language[i], cap - lengths[i]
+            for k in holders.get(g, ()):
+                if bins.load[k] <= top and bins.tokens[k] <= most and (j < 0 or bins.load[k] < bins.load[j]):
+                    j = k
         skipped = []
-        while heap:
-            load, j = heapq.heappop(heap)
-            room = cap if groups[i] is not None or bins.groups[j] else cap - reserve
-            if bins.tokens[j] + lengths[i] <= room:
-                break
-            skipped.append((load, j))
-        else:
+        while j < 0 and heap:
+            load, k = heapq.heappop(heap)
+            if load != bins.load[k]:  # stale: the bin's current entry is in the heap too
+                continue
+            room = cap if g is not None or bins.groups[k] else cap - reserve
+            if bins.tokens[k] + lengths[i] <= room:
+                j = k
+            else:
+                skipped.append((load, k))
+        if j < 0:
             return False
-        bins.add(j, i, language[i], lengths[i], groups[i])
+        if g is not None and g not in bins.groups[j]:
+            holders.setdefault(g, []).append(j)
+        bins.add(j, i, language[i], lengths[i], g)
         heapq.heappush(heap, (bins.load[j], j))
         for entry in skipped:
             heapq.heappush(heap, entry)
