@@ -406,6 +406,24 @@ def test_a_heavy_bin_joins_the_slot_of_its_vision_peers():
     assert vision_maxima(order) == 220 < vision_maxima([6, 0, 1, 2, 3, 4, 5, 7]) == 310  # heavy first
 
 
+def test_a_group_remainder_joins_a_bin_holding_its_images_while_within_the_level():
+    """Step 2 of the compute plan: a leftover sample of a group goes to the least loaded bin that
+    already holds the group (no new encode) while that bin stays within the level; past it, and
+    for text, to the least loaded bin with room (LPT)."""
+    lengths, language = [50, 10, 30, 30, 10, 5], [50.0, 10.0, 30.0, 70.0, 10.0, 5.0]
+    groups = ["A", "B", "B", "A", "A", None]
+
+    def level(**kw) -> list[list[int]]:
+        bins = grouped._Bins(3)
+        for j in range(3):
+            bins.add(j, j, language[j], lengths[j], groups[j])
+        assert grouped._level(bins, [3, 4, 5], lengths, groups, language, cap=100, reserve=0, **kw)
+        return bins.items
+
+    assert level(level=65.0) == [[0, 4], [1, 3], [2, 5]]  # 70 joins no A bin within 65: LPT
+    assert level() == [[0], [1, 3], [2, 4, 5]]  # LPT alone: A encoded in a third bin
+
+
 def test_text_slots_are_evened_by_language_cost():
     """Text slots are packed by tokens; in the compute plan they are re-dealt by language cost
     (causal attention makes a long sample cost more than its tokens): equal tokens, unequal
