@@ -76,6 +76,7 @@ def test_pack_bench_runs_every_plan_side_by_side():
         shares = {r[0].removeprefix(label).split(" ")[0]: r[1] for r in rows if r[0].startswith(label)}
         forced, idle = float(shares["share"].rstrip("%")), float(shares["FLOP"].rstrip("%"))
         assert 0 <= forced <= idle, (cap, forced, idle)
+        assert forced > 0 or cap == "16k"  # at cap 8k the mix has samples above the cap
 
 
 @pytest.mark.timeout(300)
