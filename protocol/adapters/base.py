@@ -160,8 +160,17 @@ class ImageAdapter(ABC):
         """
 
     @abstractmethod
+    def pixel_shape(self, grid: Sequence[int]) -> tuple[int, ...]:
+        """The shape of one image's ``pixel_values`` for ``grid``: its patches first (the rows
+        :meth:`collate` concatenates), then one patch's layout (Qwen-VL ``(t*h*w, C*T*P*P)``)."""
+
     def synthesize_placeholder(self, grid: Sequence[int]) -> ProcessedImage:
-        """Zero features of the right shapes and dtypes for ``grid`` (missing-image policy)."""
+        """Zero features for ``grid`` (missing-image policy, pad images): float32 pixels of
+        :meth:`pixel_shape` (the trainer's normalized layout) and the grid, int64 ``[1, len(grid)]``."""
+        return self._processed(
+            torch.zeros(self.pixel_shape(grid), dtype=torch.float32),
+            torch.tensor([[int(g) for g in grid]], dtype=torch.int64),
+        )
 
     @abstractmethod
     def placeholder_token_id(self, hf_config: Any) -> int:

@@ -34,7 +34,6 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any, ClassVar, NamedTuple
 
-import torch
 from PIL import Image
 
 from protocol.adapters.base import ImageAdapter, ProcessedImage
@@ -149,14 +148,11 @@ class KimiK25Adapter(ImageAdapter):
         )
         return self._processed(out["pixel_values"], out["grid_thws"])
 
-    def synthesize_placeholder(self, grid: Sequence[int]) -> ProcessedImage:
-        """Zero features for ``grid``: float32 pixels (the trainer's, normalized layout)."""
+    def pixel_shape(self, grid: Sequence[int]) -> tuple[int, ...]:
+        """``(t*h*w, 3, P, P)``."""
         p = int(self.cfg["patch_size"])
         t, h, w = (int(g) for g in grid)
-        return self._processed(
-            torch.zeros((t * h * w, 3, p, p), dtype=torch.float32),
-            torch.tensor([[t, h, w]], dtype=torch.int64),
-        )
+        return (t * h * w, 3, p, p)
 
     def placeholder_token_id(self, hf_config: Any) -> int:
         """``image_token_id`` (``<|media_pad|>``; vLLM rewrites it from the tokenizer if they disagree)."""

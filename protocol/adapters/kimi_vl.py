@@ -264,12 +264,11 @@ class KimiVLAdapter(ImageAdapter):
         out = self.image_processor.preprocess([image], return_tensors="pt")
         return self._processed(out["pixel_values"], out["image_grid_hws"])
 
-    def synthesize_placeholder(self, grid: Sequence[int]) -> ProcessedImage:
+    def pixel_shape(self, grid: Sequence[int]) -> tuple[int, ...]:
+        """``(h*w, 3, P, P)``."""
         p = self.image_processor.patch_size
         h, w = (int(g) for g in grid)
-        return self._processed(
-            torch.zeros((h * w, 3, p, p), dtype=torch.float32), torch.tensor([[h, w]], dtype=torch.int64)
-        )
+        return (h * w, 3, p, p)
 
     def placeholder_token_id(self, hf_config: Any) -> int:
         """``media_placeholder_token_id`` (``<|media_pad|>``), as vLLM's ``KimiVLProcessingInfo`` reads it."""

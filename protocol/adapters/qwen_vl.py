@@ -16,7 +16,6 @@ import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -100,13 +99,11 @@ class QwenVLAdapter(ImageAdapter):
         out = self.image_processor(images=[image], **kwargs)
         return self._processed(out["pixel_values"], out["image_grid_thw"])
 
-    def synthesize_placeholder(self, grid: Sequence[int]) -> ProcessedImage:
+    def pixel_shape(self, grid: Sequence[int]) -> tuple[int, ...]:
+        """``(t*h*w, 3*T*P*P)`` (T: temporal patch size)."""
         p = self.image_processor
         t, h, w = (int(g) for g in grid)
-        dim = 3 * p.temporal_patch_size * p.patch_size**2
-        return self._processed(
-            torch.zeros((t * h * w, dim), dtype=torch.float32), torch.tensor([[t, h, w]], dtype=torch.int64)
-        )
+        return (t * h * w, 3 * p.temporal_patch_size * p.patch_size**2)
 
     def placeholder_token_id(self, hf_config: Any) -> int:
         return int(hf_config.image_token_id)
