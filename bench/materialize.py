@@ -19,10 +19,11 @@ Qwen2-VL processor limits: grid [1,54,74], 3996 patches x 1176 float32 per image
 
 The machine is shared with other developers' jobs, so timings drift by tens of percent within
 minutes: every timed configuration runs in ONE process, interleaved round by round (each round
-runs each configuration once), and the median per configuration is reported. The two phases of
-one ``materialize`` (processing the distinct images on the pool, then the collate of one block per
-sample) are timed apart by a replica of those two steps, interleaved the same way. Peak RSS is
-measured in a fresh process per configuration, running one call.
+runs each configuration once), and the median per configuration is reported. Processing on the
+pool and a collate after it (of the distinct images, or of one block per slot) are timed apart by
+a replica of those two steps, interleaved the same way (the default itself writes each distinct
+image into the collated features on the pool as it is processed, ``trainer_lib.collate``). Peak
+RSS is measured in a fresh process per configuration, running one call.
 
 Usage: ``.venv/bin/python bench/materialize.py [--repeat 5] [--profile] [--no-roots]`` (about 3 minutes).
 ``--profile`` adds a pyinstrument profile of one ``materialize`` (2 workers).
@@ -335,7 +336,8 @@ def target_rows(timing: dict, rss: dict) -> list:
             f"{naive2 / med(PER_SLOT + ', 2 workers'):.2f}x",
         ),
         info(
-            "  collate share of one call, default / per slot", f"{c2 / (p2 + c2):.0%} / {cs / (ps + cs):.0%}"
+            "  collate share, process then collate: distinct images / per slot",
+            f"{c2 / (p2 + c2):.0%} / {cs / (ps + cs):.0%}",
         ),
         ratio_row("default, 2 workers vs 1", d1 / d2, WORKERS_TARGET),
         info("  2 workers with torch threads 1 vs 1 worker", f"{d1 / d2t1:.2f}x"),

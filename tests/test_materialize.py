@@ -111,6 +111,32 @@ def test_missing_image_placeholder_zero_loss_zeroes_only_that_sample(store, qwen
     assert info.value.ref == missing.ref and f"trainer asset roots checked: {root}" in info.value.message
 
 
+def test_the_steps_cache_and_a_stand_in_fill_the_dedup_features(store, qwen2_vl_adapter):
+    """Each distinct image lands once in the collated features whether this call processes it, an
+    earlier call of the step did (``resolved``), or zeros stand in for it."""
+    root, refs = store
+    a, b = refs["astronaut"], refs["coffee"]
+    gone_uri = (root / "images" / "eeeeeeeeeeeeeeee.jpg").as_uri()
+    missing = msgspec.structs.replace(b, ref=format_mmraw(
+        msgspec.structs.replace(parse_ref(b.ref), raw_image_uri=gone_uri, mm_hash="e" * 32)
+    ))  # fmt: skip
+    resolved: dict = {}
+    materialize([sample([a])], qwen2_vl_adapter, root, resolved=resolved)
+    assert list(resolved) == [a.ref] and resolved[a.ref].grid == tuple(a.grid)  # the cache keeps it
+    batch = materialize(
+        [sample([b, a]), sample([missing]), sample([a])], qwen2_vl_adapter, root, resolved=resolved
+    )
+    assert batch.stats.processed == 1 and set(resolved) == {a.ref, b.ref, missing.ref}
+    expect = {n: qwen2_vl_adapter.process(load_image(photo_bytes(n))) for n in ("astronaut", "coffee")}
+    zeros = torch.zeros(expect["coffee"].tensors["pixel_values"].shape)
+    want = torch.cat(
+        [expect["coffee"].tensors["pixel_values"], expect["astronaut"].tensors["pixel_values"], zeros]
+    )
+    assert torch.equal(batch.features["pixel_values"], want)
+    assert batch.features["image_grid_thw"].tolist() == [list(b.grid), list(a.grid), list(b.grid)]
+    assert batch.image_index.tolist() == [0, 1, 2, 1]
+
+
 def test_errors_speak_of_the_adapter_and_the_roots(store, qwen2_vl_adapter, tmp_path):
     root, refs = store
     body = parse_ref(refs["coffee"].ref)

@@ -24,7 +24,7 @@ import functools
 import logging
 import os
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -39,6 +39,7 @@ from protocol.refs import ContentRef, RawRefBody
 from protocol.store import DEFAULT_MAX_IMAGE_BYTES, ImageSource
 from protocol.structs import TrainingSample
 from trainer_lib import metrics
+from trainer_lib.collate import FeatureWriter
 from trainer_lib.config import MaterializeConfig
 from trainer_lib.micro_batch import PackedMicroBatch, SampleSlot, replace_loss_mask
 from trainer_lib.sources import checked_refs, describe_source, image_source
@@ -161,8 +162,10 @@ def materialize(
     if max_workers < 1:
         raise ValueError(f"max_workers must be >= 1, got {max_workers}")
     per_sample, bodies, grids = checked_refs(samples, adapter, placeholder_token_id)
+    keep = resolved is not None  # the caller's cache holds each processed image for the step
     resolved = {} if resolved is None else resolved
     todo = [(ref, body) for ref, body in bodies.items() if ref not in resolved]
+    writer = FeatureWriter(adapter, list(grids.values())) if dedup and bodies else None
     source = image_source(asset_root)
     resolve = functools.partial(
         _resolve,
@@ -174,14 +177,20 @@ def materialize(
         max_bytes=max_image_bytes,
         max_pixels=max_image_pixels,
     )
+    if writer is not None:  # each image copied into the collated features as it is processed
+        rows = {ref: k for k, ref in enumerate(bodies)}
+        resolve = functools.partial(_write, resolve=resolve, writer=writer, rows=rows, keep=keep)
+    done: dict[str, ProcessedImage | MMRefError | None] = {}
     if todo:
         with ThreadPoolExecutor(
             max_workers=min(max_workers, len(todo)), thread_name_prefix="mmref-mat"
         ) as pool:
-            resolved.update(zip((ref for ref, _ in todo), pool.map(resolve, todo), strict=True))
-    results = {ref: resolved[ref] for ref in bodies}
-    batch = _assemble(samples, per_sample, results, grids, adapter, dedup=dedup)
-    batch.stats.processed = sum(isinstance(resolved[ref], ProcessedImage) for ref, _ in todo)
+            done.update(zip((ref for ref, _ in todo), pool.map(resolve, todo), strict=True))
+    resolved.update((ref, r) for ref, r in done.items() if r is not None)
+    results = {ref: done[ref] if ref in done else resolved[ref] for ref in bodies}
+    written = {ref for ref, r in done.items() if not isinstance(r, MMRefError)}
+    batch = _assemble(samples, per_sample, results, grids, adapter, writer=writer, written=written)
+    batch.stats.processed = len(written)
     metrics.IMAGES_MATERIALIZED.inc(batch.stats.processed)
     if batch.stats.placeholders:
         _warn_replaced(batch.stats, len(samples), describe_source(source))
@@ -222,17 +231,37 @@ def _resolve(
         raise type(e)(f"{e.message} (trainer asset roots checked: {', '.join(roots)})", ref=e.ref) from e
 
 
+def _write(
+    ref_and_body: tuple[str, RawRefBody | ContentRef],
+    *,
+    resolve: Callable[[tuple[str, RawRefBody | ContentRef]], ProcessedImage | MMRefError],
+    writer: FeatureWriter,
+    rows: Mapping[str, int],
+    keep: bool,
+) -> ProcessedImage | MMRefError | None:
+    """``resolve``, then (on the pool) the processed image copied into ``writer`` at its ref's
+    row ``rows[ref]``; None in place of the image unless ``keep`` (its tensors freed now)."""
+    result = resolve(ref_and_body)
+    if isinstance(result, MMRefError):
+        return result
+    writer.put(rows[ref_and_body[0]], result)
+    return result if keep else None
+
+
 def _assemble(
     samples: Sequence[TrainingSample],
     per_sample: list[list[str]],
-    results: dict[str, ProcessedImage | MMRefError],
+    results: Mapping[str, ProcessedImage | MMRefError | None],
     grids: dict[str, tuple[int, ...]],
     adapter: ImageAdapter,
     *,
-    dedup: bool,
+    writer: FeatureWriter | None,
+    written: Collection[str],
 ) -> MaterializedBatch:
     """Place each ref's result into every slot naming it (zero features of the ref's grid and a
-    zeroed loss mask where it failed), count, and collate."""
+    zeroed loss mask where it failed), count, and collate: with a ``writer`` (dedup) each distinct
+    image once, those not ``written`` on the pool put now; else one block per slot. A None result
+    is an image ``written`` and not kept."""
     stats = MaterializeStats(unique_refs=len(results))
     stats.failed_by_code = dict(Counter(r.code for r in results.values() if isinstance(r, MMRefError)))
     placeholders: dict[str, ProcessedImage] = {}
@@ -253,15 +282,16 @@ def _assemble(
     metrics.IMAGE_SLOTS.inc(stats.images)
     metrics.PLACEHOLDER_FALLBACKS.inc(stats.placeholders)
     metrics.ZEROED_SAMPLES.inc(stats.zeroed_samples)
-    image_index = None
-    if dedup and items:
-        slot_refs = [ref for refs in per_sample for ref in refs]
-        position = {ref: i for i, ref in enumerate(dict.fromkeys(slot_refs))}
-        image_index = torch.tensor([position[ref] for ref in slot_refs], dtype=torch.int64)
-        items = [_item(ref, results, placeholders) for ref in position]
+    image_index, features = None, adapter.collate(items) if items and writer is None else {}
+    if writer is not None:
+        position = {ref: i for i, ref in enumerate(results)}  # first-seen order, as the writer's rows
+        image_index = torch.tensor([position[ref] for refs in per_sample for ref in refs], dtype=torch.int64)
+        for ref in position.keys() - written:  # failed, or processed by an earlier call of the step
+            writer.put(position[ref], _item(ref, results, placeholders))
+        features = writer.features()
     return MaterializedBatch(
         samples=out_samples,
-        features=adapter.collate(items) if items else {},
+        features=features,
         image_index=image_index,
         images_per_sample=[len(refs) for refs in per_sample],
         placeholder_refs=list(placeholders),
@@ -331,7 +361,9 @@ def materialize_micro_batch(
         if im.ref is None
     ]
     parts: list[Mapping[str, torch.Tensor]] = ([batch.features] if batch.features else []) + synthetic
-    features = {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
+    features = dict(parts[0]) if len(parts) == 1 else {}  # no second copy without pads
+    if len(parts) > 1:
+        features = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     image_index = None
     if dedup and features:
         real = batch.image_index if batch.image_index is not None else torch.empty(0, dtype=torch.int64)
@@ -356,8 +388,11 @@ def _zero_losses(
 
 
 def _item(
-    ref: str, results: dict[str, ProcessedImage | MMRefError], placeholders: dict[str, ProcessedImage]
-) -> ProcessedImage:
-    """The features a slot naming ``ref`` gets: the processed image, or its zero stand-in."""
+    ref: str,
+    results: Mapping[str, ProcessedImage | MMRefError | None],
+    placeholders: dict[str, ProcessedImage],
+) -> ProcessedImage | None:
+    """The features a slot naming ``ref`` gets: the processed image (None: written, not kept), or
+    its zero stand-in."""
     result = results[ref]
     return placeholders[ref] if isinstance(result, MMRefError) else result
