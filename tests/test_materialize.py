@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import msgspec
 import pytest
@@ -135,6 +137,61 @@ def test_the_steps_cache_and_a_stand_in_fill_the_dedup_features(store, qwen2_vl_
     assert torch.equal(batch.features["pixel_values"], want)
     assert batch.features["image_grid_thw"].tolist() == [list(b.grid), list(a.grid), list(b.grid)]
     assert batch.image_index.tolist() == [0, 1, 2, 1]
+
+
+def test_a_failing_call_leaves_nothing_running_on_the_kept_pool(store, qwen2_vl_adapter):
+    """Under ``policy="error"`` the first ref fails at once: the call's queued images are cancelled
+    and those in flight finish before the error propagates (nothing of it runs on after)."""
+    root, _ = store
+    names = ("astronaut", "coffee", "chelsea", "rocket", "astronaut", "coffee")
+    refs = [
+        offload_image(photo_bytes(n, size=(64 + 8 * k, 48)), root, qwen2_vl_adapter)
+        for k, n in enumerate(names)
+    ]
+    gone_uri = (root / "images" / "dddddddddddddddd.jpg").as_uri()
+    missing = msgspec.structs.replace(refs[0], ref=format_mmraw(
+        msgspec.structs.replace(parse_ref(refs[0].ref), raw_image_uri=gone_uri, mm_hash="d" * 32)
+    ))  # fmt: skip
+    started, finished = [], []
+    original = qwen2_vl_adapter.process
+
+    def slow(image, **kw):
+        started.append(image.size)
+        time.sleep(0.2)
+        finished.append(image.size)
+        return original(image, **kw)
+
+    qwen2_vl_adapter.process = slow
+    try:
+        with pytest.raises(AssetNotFound):
+            materialize([sample([r]) for r in [missing, *refs]], qwen2_vl_adapter, root, policy="error")
+        seen = (len(started), len(finished))
+        time.sleep(0.6)
+        assert (len(started), len(finished)) == seen and seen[0] == seen[1] < len(refs)
+    finally:
+        del qwen2_vl_adapter.process
+
+
+def test_a_forked_child_gets_its_own_pool(store, qwen2_vl_adapter):
+    """The pool is kept per process: a child forked after the parent used it (a fork-started data
+    loader worker) resolves on threads of its own instead of waiting on the parent's."""
+    root, refs = store
+    samples = [sample([refs["coffee"]]), sample([refs["astronaut"]])]
+    want = materialize(samples, qwen2_vl_adapter, root, max_workers=2).features["pixel_values"]
+
+    def child(queue):
+        torch.set_num_threads(1)
+        got = materialize(samples, qwen2_vl_adapter, root, max_workers=2).features["pixel_values"]
+        queue.put(bool(torch.equal(got, want)))
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=child, args=(queue,))
+    proc.start()
+    proc.join(timeout=60)
+    if proc.is_alive():
+        proc.kill()
+    assert proc.exitcode == 0 and queue.get(timeout=5)
 
 
 def test_errors_speak_of_the_adapter_and_the_roots(store, qwen2_vl_adapter, tmp_path):

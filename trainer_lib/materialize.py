@@ -2,8 +2,9 @@
 
 Each distinct ref in a batch (a step, with a shared :data:`Resolved`) is read, hash-checked,
 decoded and processed once, by :meth:`protocol.adapters.ImageAdapter.resolve_raw` — the same
-function the server plugin runs — on a bounded thread pool. By default (``dedup=True``) the
-features hold each distinct image once with an ``image_index`` per image slot, and the packed
+function the server plugin runs — on a thread pool the process keeps across calls. By default
+(``dedup=True``) the features hold each distinct image once, written into them as soon as it is
+processed (:mod:`trainer_lib.collate`), with an ``image_index`` per image slot, and the packed
 forward runs the vision tower once per distinct image (docs/PACKING.md §6); ``dedup=False`` gives
 one copy per slot, for a model forward that takes no precomputed image embeddings (none of the
 families that pack: Kimi-VL and Kimi K2.5, which do not pack, or a plain HF forward).
@@ -25,7 +26,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -135,7 +136,8 @@ def materialize(
             refs at their ``file://`` path inside it, else by content under it (a store copied
             or mounted elsewhere), v2 refs at ``images/<sha256[:16]><ext>`` under it.
         policy: ``"placeholder_zero_loss"`` or ``"error"`` for missing/unreadable images.
-        max_workers: threads reading and processing distinct images (at least 1).
+        max_workers: threads reading and processing distinct images (at least 1; one pool of
+            each size is kept for the process).
         device_normalize: vLLM's raw (un-normalized) pixels instead of the normalized pixels an HF
             model takes (to compare with a server running ``mm_device_do_normalize``).
         placeholder_token_id: if given, each sample's image runs are located and split by its
@@ -180,12 +182,7 @@ def materialize(
     if writer is not None:  # each image copied into the collated features as it is processed
         rows = {ref: k for k, ref in enumerate(bodies)}
         resolve = functools.partial(_write, resolve=resolve, writer=writer, rows=rows, keep=keep)
-    done: dict[str, ProcessedImage | MMRefError | None] = {}
-    if todo:
-        with ThreadPoolExecutor(
-            max_workers=min(max_workers, len(todo)), thread_name_prefix="mmref-mat"
-        ) as pool:
-            done.update(zip((ref for ref, _ in todo), pool.map(resolve, todo), strict=True))
+    done = dict(zip((ref for ref, _ in todo), _on_pool(resolve, todo, max_workers), strict=True))
     resolved.update((ref, r) for ref, r in done.items() if r is not None)
     results = {ref: done[ref] if ref in done else resolved[ref] for ref in bodies}
     written = {ref for ref, r in done.items() if not isinstance(r, MMRefError)}
@@ -229,6 +226,27 @@ def _resolve(
         if replace and isinstance(e, _REPLACEABLE):
             return e
         raise type(e)(f"{e.message} (trainer asset roots checked: {', '.join(roots)})", ref=e.ref) from e
+
+
+@functools.cache
+def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
+    """The process's pool of ``workers`` threads, kept across calls (``pid``: a forked child makes
+    its own): fresh threads per call made a call 1.15-1.18x slower (docs/PERFORMANCE.md §3)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mmref-mat")
+
+
+def _on_pool(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> list[Any]:
+    """``[fn(x) for x in items]`` on the kept pool; when one raises, the call's other items are
+    cancelled or waited for before the error propagates (none runs on after the call)."""
+    if not items:
+        return []
+    futures = [_pool(workers, os.getpid()).submit(fn, x) for x in items]
+    try:
+        return [f.result() for f in futures]
+    finally:
+        for f in futures:
+            f.cancel()
+        wait(futures)
 
 
 def _write(
