@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 
 import msgspec
 import pytest
@@ -168,6 +169,36 @@ def test_a_failing_call_leaves_nothing_running_on_the_kept_pool(store, qwen2_vl_
         seen = (len(started), len(finished))
         time.sleep(0.6)
         assert (len(started), len(finished)) == seen and seen[0] == seen[1] < len(refs)
+    finally:
+        del qwen2_vl_adapter.process
+
+
+def test_without_a_cache_each_image_is_freed_once_written(store, qwen2_vl_adapter):
+    """dedup: each processed image's own tensors are freed as soon as they are copied into the
+    features, before the next image is processed (peak memory one collated copy plus the images in
+    flight), and kept when the step's ``resolved`` cache asks for them."""
+    root, refs = store
+    samples = [sample([refs["coffee"]]), sample([refs["astronaut"]]), sample([refs["coffee"]])]
+    made: list[weakref.ref] = []
+    alive_before: list[int] = []  # earlier images still held when each image is processed
+    original = qwen2_vl_adapter.process
+
+    def tracked(image, **kw):
+        alive_before.append(sum(r() is not None for r in made))
+        out = original(image, **kw)
+        made.append(weakref.ref(out.tensors["pixel_values"]))
+        return out
+
+    qwen2_vl_adapter.process = tracked
+    try:
+        batch = materialize(samples, qwen2_vl_adapter, root, max_workers=1)
+        assert alive_before == [0, 0] and all(r() is None for r in made)
+        made.clear()
+        alive_before.clear()
+        resolved: dict = {}
+        kept = materialize(samples, qwen2_vl_adapter, root, max_workers=1, resolved=resolved)
+        assert alive_before == [0, 1] and all(r() is not None for r in made) and len(resolved) == 2
+        assert torch.equal(kept.features["pixel_values"], batch.features["pixel_values"])
     finally:
         del qwen2_vl_adapter.process
 

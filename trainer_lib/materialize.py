@@ -26,7 +26,6 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -43,6 +42,7 @@ from trainer_lib import metrics
 from trainer_lib.collate import FeatureWriter
 from trainer_lib.config import MaterializeConfig
 from trainer_lib.micro_batch import PackedMicroBatch, SampleSlot, replace_loss_mask
+from trainer_lib.pool import run_on_pool
 from trainer_lib.sources import checked_refs, describe_source, image_source
 from trainer_lib.spec import PackingSpec
 
@@ -136,8 +136,8 @@ def materialize(
             refs at their ``file://`` path inside it, else by content under it (a store copied
             or mounted elsewhere), v2 refs at ``images/<sha256[:16]><ext>`` under it.
         policy: ``"placeholder_zero_loss"`` or ``"error"`` for missing/unreadable images.
-        max_workers: threads reading and processing distinct images (at least 1; one pool of
-            each size is kept for the process).
+        max_workers: threads reading and processing distinct images (at least 1): a pool the
+            process keeps across calls, one per size (:mod:`trainer_lib.pool`).
         device_normalize: vLLM's raw (un-normalized) pixels instead of the normalized pixels an HF
             model takes (to compare with a server running ``mm_device_do_normalize``).
         placeholder_token_id: if given, each sample's image runs are located and split by its
@@ -148,7 +148,8 @@ def materialize(
             8 sharing an image: 8x fewer pixel bytes, one vision forward per image); False: one
             copy per image slot (a forward without precomputed image embeddings).
         resolved: refs already resolved this step, read and added to (:data:`Resolved`): each
-            distinct image processed once per step, not once per call.
+            distinct image processed once per step, not once per call. Without it, each image's
+            own tensors are freed once written into the features (``dedup``).
 
     Raises:
         MMRefError subclasses: under ``"error"`` any ref that fails; under either policy a ref
@@ -167,7 +168,8 @@ def materialize(
     keep = resolved is not None  # the caller's cache holds each processed image for the step
     resolved = {} if resolved is None else resolved
     todo = [(ref, body) for ref, body in bodies.items() if ref not in resolved]
-    writer = FeatureWriter(adapter, list(grids.values())) if dedup and bodies else None
+    rows = {ref: k for k, ref in enumerate(bodies)}  # first-seen order: the features' rows
+    writer = FeatureWriter(adapter, [grids[ref] for ref in rows]) if dedup and rows else None
     source = image_source(asset_root)
     resolve = functools.partial(
         _resolve,
@@ -180,11 +182,10 @@ def materialize(
         max_pixels=max_image_pixels,
     )
     if writer is not None:  # each image copied into the collated features as it is processed
-        rows = {ref: k for k, ref in enumerate(bodies)}
         resolve = functools.partial(_write, resolve=resolve, writer=writer, rows=rows, keep=keep)
-    done = dict(zip((ref for ref, _ in todo), _on_pool(resolve, todo, max_workers), strict=True))
+    done = dict(zip((ref for ref, _ in todo), run_on_pool(resolve, todo, max_workers), strict=True))
     resolved.update((ref, r) for ref, r in done.items() if r is not None)
-    results = {ref: done[ref] if ref in done else resolved[ref] for ref in bodies}
+    results = {ref: done[ref] if ref in done else resolved[ref] for ref in rows}
     written = {ref for ref, r in done.items() if not isinstance(r, MMRefError)}
     batch = _assemble(samples, per_sample, results, grids, adapter, writer=writer, written=written)
     batch.stats.processed = len(written)
@@ -228,27 +229,6 @@ def _resolve(
         raise type(e)(f"{e.message} (trainer asset roots checked: {', '.join(roots)})", ref=e.ref) from e
 
 
-@functools.cache
-def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
-    """The process's pool of ``workers`` threads, kept across calls (``pid``: a forked child makes
-    its own): fresh threads per call made a call 1.15-1.18x slower (docs/PERFORMANCE.md §3)."""
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mmref-mat")
-
-
-def _on_pool(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> list[Any]:
-    """``[fn(x) for x in items]`` on the kept pool; when one raises, the call's other items are
-    cancelled or waited for before the error propagates (none runs on after the call)."""
-    if not items:
-        return []
-    futures = [_pool(workers, os.getpid()).submit(fn, x) for x in items]
-    try:
-        return [f.result() for f in futures]
-    finally:
-        for f in futures:
-            f.cancel()
-        wait(futures)
-
-
 def _write(
     ref_and_body: tuple[str, RawRefBody | ContentRef],
     *,
@@ -259,10 +239,13 @@ def _write(
 ) -> ProcessedImage | MMRefError | None:
     """``resolve``, then (on the pool) the processed image copied into ``writer`` at its ref's
     row ``rows[ref]``; None in place of the image unless ``keep`` (its tensors freed now)."""
-    result = resolve(ref_and_body)
+    ref, result = ref_and_body[0], resolve(ref_and_body)
     if isinstance(result, MMRefError):
         return result
-    writer.put(rows[ref_and_body[0]], result)
+    try:
+        writer.put(rows[ref], result)
+    except ValueError as e:  # the processor's output disagrees with the ref's grid
+        raise ValueError(f"{ref}: {e}") from e
     return result if keep else None
 
 
@@ -283,7 +266,7 @@ def _assemble(
     stats = MaterializeStats(unique_refs=len(results))
     stats.failed_by_code = dict(Counter(r.code for r in results.values() if isinstance(r, MMRefError)))
     placeholders: dict[str, ProcessedImage] = {}
-    items: list[ProcessedImage] = []
+    items: list[ProcessedImage | None] = []  # per slot; None: written on the pool, not kept
     out_samples: list[TrainingSample] = []
     for sample, refs in zip(samples, per_sample, strict=True):
         failed = [ref for ref in refs if isinstance(results[ref], MMRefError)]
@@ -302,10 +285,11 @@ def _assemble(
     metrics.ZEROED_SAMPLES.inc(stats.zeroed_samples)
     image_index, features = None, adapter.collate(items) if items and writer is None else {}
     if writer is not None:
-        position = {ref: i for i, ref in enumerate(results)}  # first-seen order, as the writer's rows
+        position = {ref: i for i, ref in enumerate(results)}  # the writer's rows (results' order)
         image_index = torch.tensor([position[ref] for refs in per_sample for ref in refs], dtype=torch.int64)
-        for ref in position.keys() - written:  # failed, or processed by an earlier call of the step
-            writer.put(position[ref], _item(ref, results, placeholders))
+        for ref, k in position.items():  # failed, or processed by an earlier call of the step
+            if ref not in written:
+                writer.put(k, _item(ref, results, placeholders))
         features = writer.features()
     return MaterializedBatch(
         samples=out_samples,
