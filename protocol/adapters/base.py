@@ -15,13 +15,13 @@ import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from PIL import Image
 
 from protocol.adapters.offload import RefForm, store_and_ref
+from protocol.adapters.values import ProcessedImage, RawImage
 from protocol.errors import (
     FingerprintMismatch,
     GridMismatch,
@@ -37,41 +37,6 @@ from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore, ImageSource
 from protocol.structs import RawMMRef
 
 __all__ = ["ImageAdapter", "ProcessedImage", "RawImage", "RefForm"]
-
-
-@dataclass(frozen=True)
-class ProcessedImage:
-    """One image's processed features, exactly as the model consumes them.
-
-    ``tensors`` maps the family's HF field names to tensors for this single image,
-    e.g. Qwen-VL ``pixel_values`` float32 ``[t*h*w, C*T*P*P]`` and ``image_grid_thw``
-    int64 ``[1, 3]``.
-    """
-
-    tensors: Mapping[str, torch.Tensor]
-    grid: tuple[int, ...]
-    num_placeholders: int
-    sha256: str | None = None
-    """Full hex sha256 of the raw image bytes, set by :meth:`ImageAdapter.resolve_raw`."""
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the tensors."""
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-
-@dataclass(frozen=True)
-class RawImage:
-    """One ``mmraw`` ref read and decoded (:meth:`ImageAdapter.read_raw`), before any processor."""
-
-    image: Image.Image
-    """The decoded RGB image (:func:`protocol.images.load_image`)."""
-    data: bytes
-    """The bytes read (their sha256 checked against the ref)."""
-    sha256: str
-    """Full hex sha256 of :attr:`data`."""
-    grid: tuple[int, ...]
-    """The grid the ref claims (checked against the processor's limits)."""
 
 
 class ImageAdapter(ABC):
