@@ -33,7 +33,7 @@ def images(adapter, **kwargs):
 
 def test_written_from_threads_in_any_order_equals_collate(adapter):
     items = images(adapter)
-    writer = FeatureWriter(adapter, [item.grid for item in items])
+    writer = FeatureWriter(adapter, {k: item.grid for k, item in enumerate(items)})
     with ThreadPoolExecutor(2) as pool:  # put in reverse order from two threads
         list(pool.map(lambda k: writer.put(k, items[k]), reversed(range(len(items)))))
     got, want = writer.features(), adapter.collate(items)
@@ -49,7 +49,7 @@ def test_zero_features_beside_device_normalize_pixels_promote_as_cat(qwen2_vl_ad
     zeros = qwen2_vl_adapter.synthesize_placeholder((1, 4, 6))
     items = [*raw, zeros]
     assert raw[0].tensors["pixel_values"].dtype == torch.uint8
-    writer = FeatureWriter(qwen2_vl_adapter, [item.grid for item in items])
+    writer = FeatureWriter(qwen2_vl_adapter, {k: item.grid for k, item in enumerate(items)})
     for k, item in enumerate(items):
         writer.put(k, item)
     got, want = writer.features(), qwen2_vl_adapter.collate(items)
@@ -59,7 +59,7 @@ def test_zero_features_beside_device_normalize_pixels_promote_as_cat(qwen2_vl_ad
 
 def test_refusals(qwen2_vl_adapter):
     a, b = images(qwen2_vl_adapter)[:2]
-    writer = FeatureWriter(qwen2_vl_adapter, [a.grid, b.grid])
+    writer = FeatureWriter(qwen2_vl_adapter, {0: a.grid, 1: b.grid})
     with pytest.raises(ValueError, match="its grid gives"):
         writer.put(0, b)  # another grid's rows
     writer.put(0, a)
@@ -70,7 +70,7 @@ def test_refusals(qwen2_vl_adapter):
             1, type(b)(tensors={"pixel_values": b.tensors["pixel_values"]}, grid=b.grid, num_placeholders=0)
         )
     raw = images(qwen2_vl_adapter, device_normalize=True)[1]  # uint8 outputs, then float32 pixels
-    narrow = FeatureWriter(qwen2_vl_adapter, [raw.grid, b.grid])
+    narrow = FeatureWriter(qwen2_vl_adapter, {0: raw.grid, 1: b.grid})
     narrow.put(0, raw)
     with pytest.raises(ValueError, match="would be cast"):
         narrow.put(1, b)

@@ -14,7 +14,7 @@ the batch's pixel bytes: docs/PERFORMANCE.md §3).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 
@@ -24,8 +24,9 @@ __all__ = ["FeatureWriter"]
 
 
 class FeatureWriter:
-    """The collated features of ``grids`` (one image each, in order), filled by :meth:`put` from
-    any thread; :meth:`features` equals ``adapter.collate`` of the same images.
+    """The collated features of ``grids`` (one image per key, in the mapping's order: row
+    :attr:`index` ``[key]``), filled by :meth:`put` from any thread; :meth:`features` equals
+    ``adapter.collate`` of the same images in that order.
 
     The tensors are allocated at the first :meth:`put`, with its dtypes and device (one
     processor, one layout); a later image of another dtype (float32 zero features beside uint8
@@ -33,9 +34,11 @@ class FeatureWriter:
     returns the promoted dtype, as ``torch.cat`` does.
     """
 
-    def __init__(self, adapter: ImageAdapter, grids: Sequence[Sequence[int]]) -> None:
+    def __init__(self, adapter: ImageAdapter, grids: Mapping[Hashable, Sequence[int]]) -> None:
+        self.index = {key: k for k, key in enumerate(grids)}
+        """Each key's image row (``image_grid_thw`` row; ``image_index`` values)."""
         starts = [0]
-        for grid in grids:
+        for grid in grids.values():
             starts.append(starts[-1] + adapter.pixel_shape(grid)[0])
         self._rows = {"pixel_values": starts, adapter.grid_field: list(range(len(grids) + 1))}
         self._out: dict[str, torch.Tensor] = {}
@@ -43,25 +46,27 @@ class FeatureWriter:
         self._put = [False] * len(grids)
         self._lock = threading.Lock()
 
-    def put(self, k: int, item: ProcessedImage) -> None:
-        """Copy image ``k``'s tensors into its rows.
+    def put(self, key: Hashable, item: ProcessedImage) -> None:
+        """Copy the image of ``key`` into its rows.
 
         Raises:
             ValueError: fields other than the adapter's, a tensor whose shape is not the one its
                 grid gives, or a non-zero tensor of a wider dtype than the outputs'.
         """
+        k = self.index[key]
         if item.tensors.keys() != self._rows.keys():
-            raise ValueError(f"image {k}: fields {sorted(item.tensors)} != {sorted(self._rows)}")
+            raise ValueError(f"image {key}: fields {sorted(item.tensors)} != {sorted(self._rows)}")
         out = self._outputs(item)
-        for key, src in item.tensors.items():
-            dst = out[key][self._rows[key][k] : self._rows[key][k + 1]]
+        for field, src in item.tensors.items():
+            dst = out[field][self._rows[field][k] : self._rows[field][k + 1]]
             if src.shape != dst.shape:
-                raise ValueError(f"image {k}: {key} {tuple(src.shape)}, its grid gives {tuple(dst.shape)}")
+                got, want = tuple(src.shape), tuple(dst.shape)
+                raise ValueError(f"image {key}: {field} {got}, its grid gives {want}")
             if torch.promote_types(src.dtype, dst.dtype) != dst.dtype:
                 if src.any():
-                    raise ValueError(f"image {k}: {key} {src.dtype} would be cast to {dst.dtype}")
+                    raise ValueError(f"image {key}: {field} {src.dtype} would be cast to {dst.dtype}")
                 with self._lock:
-                    self._dtypes[key] = torch.promote_types(self._dtypes[key], src.dtype)
+                    self._dtypes[field] = torch.promote_types(self._dtypes[field], src.dtype)
             dst.copy_(src)
         self._put[k] = True
 
@@ -69,10 +74,10 @@ class FeatureWriter:
         """The collated tensors, allocated at the first call after ``item``'s dtypes and device."""
         with self._lock:
             if not self._out:
-                for key, t in item.tensors.items():
-                    rows = self._rows[key][-1]
-                    self._out[key] = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
-                    self._dtypes[key] = t.dtype
+                for field, t in item.tensors.items():
+                    rows = self._rows[field][-1]
+                    self._out[field] = torch.empty((rows, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                    self._dtypes[field] = t.dtype
             return self._out
 
     def features(self) -> dict[str, torch.Tensor]:
@@ -82,6 +87,7 @@ class FeatureWriter:
         Raises:
             ValueError: an image not put.
         """
-        if not all(self._put):
-            raise ValueError(f"images {[k for k, done in enumerate(self._put) if not done]} were not put")
-        return {key: t.to(self._dtypes[key]) for key, t in self._out.items()}
+        missing = [key for key, k in self.index.items() if not self._put[k]]
+        if missing:
+            raise ValueError(f"images {missing} were not put")
+        return {field: t.to(self._dtypes[field]) for field, t in self._out.items()}

@@ -168,8 +168,7 @@ def materialize(
     keep = resolved is not None  # the caller's cache holds each processed image for the step
     resolved = {} if resolved is None else resolved
     todo = [(ref, body) for ref, body in bodies.items() if ref not in resolved]
-    rows = {ref: k for k, ref in enumerate(bodies)}  # first-seen order: the features' rows
-    writer = FeatureWriter(adapter, [grids[ref] for ref in rows]) if dedup and rows else None
+    writer = FeatureWriter(adapter, grids) if dedup and grids else None  # rows: first-seen order
     source = image_source(asset_root)
     resolve = functools.partial(
         _resolve,
@@ -182,10 +181,10 @@ def materialize(
         max_pixels=max_image_pixels,
     )
     if writer is not None:  # each image copied into the collated features as it is processed
-        resolve = functools.partial(_write, resolve=resolve, writer=writer, rows=rows, keep=keep)
+        resolve = functools.partial(_write, resolve=resolve, writer=writer, keep=keep)
     done = dict(zip((ref for ref, _ in todo), run_on_pool(resolve, todo, max_workers), strict=True))
     resolved.update((ref, r) for ref, r in done.items() if r is not None)
-    results = {ref: done[ref] if ref in done else resolved[ref] for ref in rows}
+    results = {ref: done[ref] if ref in done else resolved[ref] for ref in bodies}
     written = {ref for ref, r in done.items() if not isinstance(r, MMRefError)}
     batch = _assemble(samples, per_sample, results, grids, adapter, writer=writer, written=written)
     batch.stats.processed = len(written)
@@ -234,18 +233,14 @@ def _write(
     *,
     resolve: Callable[[tuple[str, RawRefBody | ContentRef]], ProcessedImage | MMRefError],
     writer: FeatureWriter,
-    rows: Mapping[str, int],
     keep: bool,
 ) -> ProcessedImage | MMRefError | None:
-    """``resolve``, then (on the pool) the processed image copied into ``writer`` at its ref's
-    row ``rows[ref]``; None in place of the image unless ``keep`` (its tensors freed now)."""
-    ref, result = ref_and_body[0], resolve(ref_and_body)
+    """``resolve``, then (on the pool) the processed image copied into ``writer``; None in place
+    of the image unless ``keep`` (its tensors freed now)."""
+    result = resolve(ref_and_body)
     if isinstance(result, MMRefError):
         return result
-    try:
-        writer.put(rows[ref], result)
-    except ValueError as e:  # the processor's output disagrees with the ref's grid
-        raise ValueError(f"{ref}: {e}") from e
+    writer.put(ref_and_body[0], result)
     return result if keep else None
 
 
@@ -266,30 +261,31 @@ def _assemble(
     stats = MaterializeStats(unique_refs=len(results))
     stats.failed_by_code = dict(Counter(r.code for r in results.values() if isinstance(r, MMRefError)))
     placeholders: dict[str, ProcessedImage] = {}
-    items: list[ProcessedImage | None] = []  # per slot; None: written on the pool, not kept
+    items: list[ProcessedImage | None] = []  # one per slot, for the per-slot layout
     out_samples: list[TrainingSample] = []
     for sample, refs in zip(samples, per_sample, strict=True):
         failed = [ref for ref in refs if isinstance(results[ref], MMRefError)]
         for ref in failed:
             if ref not in placeholders:
                 placeholders[ref] = adapter.synthesize_placeholder(grids[ref])
-        items += [_item(ref, results, placeholders) for ref in refs]
+        if writer is None:
+            items += [_item(ref, results, placeholders) for ref in refs]
         if failed:
             stats.placeholders += len(failed)
             stats.zeroed_samples += 1
             sample = msgspec.structs.replace(sample, loss_mask=[False] * len(sample.loss_mask))
         out_samples.append(sample)
-    stats.images = len(items)
+    stats.images = sum(map(len, per_sample))
     metrics.IMAGE_SLOTS.inc(stats.images)
     metrics.PLACEHOLDER_FALLBACKS.inc(stats.placeholders)
     metrics.ZEROED_SAMPLES.inc(stats.zeroed_samples)
-    image_index, features = None, adapter.collate(items) if items and writer is None else {}
+    image_index, features = None, adapter.collate(items) if items else {}
     if writer is not None:
-        position = {ref: i for i, ref in enumerate(results)}  # the writer's rows (results' order)
-        image_index = torch.tensor([position[ref] for refs in per_sample for ref in refs], dtype=torch.int64)
-        for ref, k in position.items():  # failed, or processed by an earlier call of the step
+        index = writer.index
+        image_index = torch.tensor([index[ref] for refs in per_sample for ref in refs], dtype=torch.int64)
+        for ref in index:  # failed, or processed by an earlier call of the step
             if ref not in written:
-                writer.put(k, _item(ref, results, placeholders))
+                writer.put(ref, _item(ref, results, placeholders))
         features = writer.features()
     return MaterializedBatch(
         samples=out_samples,
@@ -363,9 +359,10 @@ def materialize_micro_batch(
         if im.ref is None
     ]
     parts: list[Mapping[str, torch.Tensor]] = ([batch.features] if batch.features else []) + synthetic
-    features = dict(parts[0]) if len(parts) == 1 else {}  # no second copy without pads
-    if len(parts) > 1:
+    if len(parts) > 1:  # real and pad images: one concatenation
         features = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    else:  # no second copy of the real images' features
+        features = dict(parts[0]) if parts else {}
     image_index = None
     if dedup and features:
         real = batch.image_index if batch.image_index is not None else torch.empty(0, dtype=torch.int64)
