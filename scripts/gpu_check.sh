@@ -40,9 +40,9 @@ step() {  # step SECONDS LOG CMD...: run CMD under `timeout`, output to $LOGS/LO
 tiny=0
 for a in "$@"; do [ "$a" = --tiny ] && tiny=1; done
 if [ "$tiny" -eq 1 ]; then ts_args=(--device cpu --repeat 1 --families qwen2_vl); else ts_args=(--device cuda); fi
-step 90 gpu_tests.log "$PY" -m pytest -m gpu -p no:cacheprovider -q -s -rA tests/test_forward.py tests/test_forward_qwen35.py
+step 120 gpu_tests.log "$PY" -m pytest -m gpu -p no:cacheprovider -q -s -rA tests/test_forward.py tests/test_forward_qwen35.py
 tests_rc=$rc
-step 220 rank_balance.md "$PY" bench/rank_balance.py --plans tokens,compute "$@"
+step 200 rank_balance.md "$PY" bench/rank_balance.py --plans tokens,compute "$@"
 balance_rc=$rc
 step 60 train_step.md "$PY" bench/train_step.py "${ts_args[@]}"
 train_rc=$rc
