@@ -17,7 +17,13 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-__all__ = ["Recorder", "summarize"]
+__all__ = ["Recorder", "py_spy", "summarize"]
+
+
+def py_spy() -> str | None:
+    """The py-spy executable: on PATH or beside this interpreter (the venv's bin); None if absent."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return shutil.which("py-spy") or (str(beside) if beside.is_file() else None)
 
 
 class Recorder:
@@ -28,7 +34,9 @@ class Recorder:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Recorder:
-        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        spy = py_spy()
+        if spy is None:
+            raise FileNotFoundError("py-spy not found (the bench extra: bash scripts/install.sh bench)")
         self.out.parent.mkdir(parents=True, exist_ok=True)
         cmd = [spy, "record", "-p", str(self.pid), "-o", str(self.out), "-f", "raw", "-r", str(self.rate)]
         cmd += ["--subprocesses", "--nonblocking"] + (["--native"] if self.native else [])

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import resource
@@ -357,6 +358,8 @@ def main() -> None:
     parser.add_argument("--roots-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-roots", action="store_true", help="skip the S3 vs local rows")
     args = parser.parse_args()
+    if args.profile and importlib.util.find_spec("pyinstrument") is None:
+        parser.error("--profile needs pyinstrument, the bench extra: bash scripts/install.sh bench")
     if args.timing_child:
         print(json.dumps(timing_child(args.repeat, args.profile)))
         return

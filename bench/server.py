@@ -47,6 +47,7 @@ from _common import (
     vllm_processor,
 )
 from _models import ensure_bench_model
+from _profile import py_spy
 from _server_load import CONCURRENCY, GROUP, MAX_TOKENS, ROLES, part_c, write_feature
 from _server_multiturn import CONVERSATIONS, TURNS, part_d
 
@@ -337,6 +338,8 @@ def main() -> None:
         help="(c, d): extra vLLM argument (repeat), e.g. --server-arg=--mm-processor-cache-gb --server-arg=0",
     )
     args = parser.parse_args()
+    if args.profile and py_spy() is None:
+        parser.error("--profile needs py-spy, the bench extra: bash scripts/install.sh bench")
     parts = set(args.parts.split(","))
     model = ensure_bench_model()
 
