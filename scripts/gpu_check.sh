@@ -30,11 +30,12 @@ fi
   "$PY" -c "import fla, triton; print('fla', fla.__version__, 'triton', triton.__version__)" || true
 } 2>&1 | tee "$LOGS/machine.txt"
 step() {  # step SECONDS LOG CMD...: run CMD under `timeout`, output to $LOGS/LOG; its rc into $rc
-  local secs=$1 log=$2
+  local secs=$1 log=$2 start=$SECONDS
   shift 2
   timeout -k 5 "$secs" "$@" 2>&1 | tee "$LOGS/$log"
   rc=${PIPESTATUS[0]}
   [ "$rc" -eq 124 ] && echo "TIMEOUT after ${secs} s: $*" | tee -a "$LOGS/$log"
+  echo "[gpu_check] $log: rc=$rc in $((SECONDS - start)) s (bound ${secs} s)" | tee -a "$LOGS/$log"
   return 0
 }
 tiny=0
