@@ -10,10 +10,24 @@ from trainer_lib.planning.cost import CostModel
 from trainer_lib.planning.plan import encoded_image_tokens
 from trainer_lib.planning.slot_bound import min_micro_batches
 
-__all__ = ["BASE", "COMPUTE", "compute_target_rows", "floors", "idle_measures", "step_flops", "target_rows"]
+__all__ = [
+    "ANNEAL",
+    "ANNEAL_STEPS",
+    "BASE",
+    "COMPUTE",
+    "DESCENT",
+    "compute_target_rows",
+    "floors",
+    "idle_measures",
+    "step_flops",
+    "target_rows",
+]
 
 TARGET_IDLE, TARGET_WASTE, TARGET_PLAN, TARGET_FLOP_IDLE = 0.02, 0.04, 200_000, 0.03
 BASE, COMPUTE = "balanced, tokens (#13)", "balanced, compute (#29)"
+DESCENT, ANNEAL = "balanced, compute + descent", "balanced, compute + descent + anneal"
+ANNEAL_STEPS = 1_000_000
+"""The annealed plan's steps per mini-batch (``Refinement.anneal_steps``)."""
 """The plan before issue 29 (the step-time reference) and ``plan_step``'s default since."""
 
 
@@ -128,25 +142,30 @@ def target_rows(name: str, plan: str, r: dict) -> list[tuple]:
     ]
 
 
-def compute_target_rows(name: str, r: dict) -> list[tuple]:
-    """Issue 29's targets for the compute-balanced plan: FLOP idle with each distinct image encoded
+def compute_target_rows(name: str, r: dict, plan: str = COMPUTE) -> list[tuple]:
+    """Issue 29's targets for a compute-balanced plan: FLOP idle with each distinct image encoded
     once per micro-batch, the micro-batch count (hence the capacity waste) at its floor, the plan
-    rate; the step time printed."""
-    c, f = r[COMPUTE], r["floor"]
+    rate; the step time printed (and, for the plan without search, two reference idle shares)."""
+    c, f = r[plan], r["floor"]
     idle, rate = float(np.mean(c["flop"])), float(np.median(c["plan"]))
     waste, m, floor = 1 - c["real"] / c["cap"], float(np.mean(c["m"])), float(np.mean(f["m"]))
-    label = f"{name}, compute (#29)"
+    label = f"{name}, {plan.removeprefix('balanced, ')}"
     idle_verdict = verdict(idle, TARGET_FLOP_IDLE, higher_is_better=False)
     rate_verdict = verdict(rate, TARGET_PLAN, higher_is_better=True)
     at_floor = "pass" if m <= floor else f"MISS by {m - floor:.2f} micro-batches"
     steps = f"{c['step'] / r[BASE]['step']:.3f}; {c['step'] / r[BASE]['step_slot']:.3f}"
     rank_time = r["dp"] * c["step"]  # the plan's rank-time, all steps
     forced, tidy = f["forced"] / rank_time, f["tidy"] / rank_time
-    return [
+    rows = [
         (f"{label}: FLOP idle (dedup)", f"{idle:.2%}", f"<= {TARGET_FLOP_IDLE:.0%}", idle_verdict),
         (f"{label}: micro-batches/rank (floor), waste", f"{m:.2f} ({floor:.2f}), {waste:.2%}", "floor", at_floor),  # noqa: E501
         (f"{label}: plan samples/s (partition)", f"{rate:,.0f}", f">= {TARGET_PLAN:,}", rate_verdict),
         (f"{label}: step FLOPs vs #13 with dedup; vs #13 per slot", steps, "printed", "-"),
+    ]  # fmt: skip
+    if plan != COMPUTE:
+        return rows
+    return [
+        *rows,
         (f"{label}: share of its rank-time idle in any plan under the cap (costliest sample's slot, language)", f"{forced:.2%}", "printed", "-"),  # noqa: E501
         (f"{label}: vision idle of groups alone in sorted bins (round(L_g / level) each), same share", f"{tidy:.2%}", "printed", "-"),  # noqa: E501
     ]  # fmt: skip

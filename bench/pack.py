@@ -15,11 +15,13 @@ The mix (GRPO-style steps; every number is a constant below, so runs compare):
 - completion: lognormal, median 900 tokens (sigma 0.9), clipped so a sample fits ``SEQ_LEN``;
 - 1% of text-only samples carry a literal ``<|image_pad|>`` (stray placeholder).
 
-Single-rank rows: ``pack_samples``. Data-parallel rows, every draw planned four ways on the same
+Single-rank rows: ``pack_samples``. Data-parallel rows, every draw planned six ways on the same
 samples (``bench/_baselines.py``): **today** (``plan_step`` before issue 13), **verl KK**
 (Karmarkar-Karp rank shares, each packed alone), **balanced, tokens (#13)** (``plan_step(...,
-balance="tokens")``, the plan before issue 29) and **balanced, compute (#29)** (``plan_step``'s
-default: samples sharing an image kept together, FLOPs balanced per slot). Columns
+balance="tokens")``, the plan before issue 29), **balanced, compute (#29)** (``plan_step``'s
+default: samples sharing an image kept together, FLOPs balanced per slot), and that plan with the
+opt-in search (``refine=Refinement()``: **+ descent**; ``Refinement(anneal_steps=1_000_000)``:
+**+ descent + anneal**, timed once per draw: ~0.2 s per mini-batch). Columns
 (docs/PACKING.md §7 defines them):
 
 - **waste, capacity** = 1 - real tokens / ``sum(max(cap, len(mb)))`` (empty room + pads), with its
@@ -61,7 +63,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baselines import karmarkar_karp, plan_today, plan_verl
 from _common import print_facts, print_table, timeit
 from _models import qwen2_vl_2b_config
-from _pack_targets import BASE, compute_target_rows, floors, idle_measures, step_flops, target_rows
+from _pack_targets import (
+    ANNEAL,
+    ANNEAL_STEPS,
+    BASE,
+    COMPUTE,
+    DESCENT,
+    compute_target_rows,
+    floors,
+    idle_measures,
+    step_flops,
+    target_rows,
+)
 
 from protocol.refs import RawRefBody, format_mmraw
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
@@ -70,6 +83,7 @@ from trainer_lib.planning.cost import CostModel
 from trainer_lib.planning.packing import analyze_entry, pack_samples
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import mini_batch_entries, plan_step
+from trainer_lib.planning.refine import Refinement
 from trainer_lib.spec import PackingSpec
 
 SEQ_LEN = 16384
@@ -180,9 +194,12 @@ PLANS = {
     "balanced, tokens (#13)": (plan_step, {"balance": "tokens"}),
     "balanced, tokens, stretch_cap": (plan_step, {"balance": "tokens", "stretch_cap": True}),
     "balanced, compute (#29)": (plan_step, {}),
+    DESCENT: (plan_step, {"refine": Refinement()}),
+    ANNEAL: (plan_step, {"refine": Refinement(anneal_steps=ANNEAL_STEPS)}),
 }
 """Name: (plan function, its options). The balanced plans also get the cost model; "compute" is
-``plan_step``'s default since issue 29 (it falls back to tokens where a sample exceeds the cap)."""
+``plan_step``'s default since issue 29 (it falls back to tokens where a sample exceeds the cap);
+the last two add the opt-in search (``Refinement``: descent, then annealing)."""
 
 
 def plans_for(cap: int) -> list[str]:
@@ -248,15 +265,15 @@ def plan_rate(name: str, inputs: list[tuple], dp: int, cap: int, repeats: int) -
                 )
 
     def balanced() -> None:
-        stretch = "stretch" in name
+        stretch, refine = "stretch" in name, PLANS[name][1].get("refine")
         for lengths, keys, kinds, vision, extra in inputs:
             partition_mini_batch(
                 lengths, dp_size=dp, cap=cap, keys=keys, kinds=kinds, vision_cost=vision, reserve=RESERVE,
-                stretch_cap=stretch, **(extra if "compute" in name else {}),
+                stretch_cap=stretch, **(extra if "compute" in name else {}), refine=refine,
             )  # fmt: skip
 
     fn = {"today": today, "verl KK": verl}.get(name, balanced)
-    return n / timeit(fn, repeat=repeats * 3).best
+    return n / timeit(fn, repeat=1 if name == ANNEAL else repeats * 3).best  # annealing: ~0.2 s/mini-batch
 
 
 def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
@@ -383,7 +400,9 @@ def main() -> None:
             targets += [
                 row for plan in plans_for(cap) if "tokens" in plan for row in target_rows(name, plan, r)
             ]
-            targets += compute_target_rows(name, r)
+            targets += [
+                row for plan in (COMPUTE, DESCENT, ANNEAL) for row in compute_target_rows(name, r, plan)
+            ]
     header = ("scenario", "plan", "micro-batches/rank (floor)", "waste, capacity (floor)", "waste, compute")
     header += ("sync idle (floor)", "FLOP idle, dedup (per slot)", "images encoded / image slots")
     header += ("step FLOPs vs #13 per slot", "plan samples/s", "plan_step ms/1024")

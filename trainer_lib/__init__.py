@@ -14,6 +14,7 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
   slot rules and bound in :mod:`trainer_lib.planning.slot_bound`, tighter packings where first fit misses
   the bound in :mod:`trainer_lib.planning.repack`).
 - :class:`CostModel` — FLOPs per sample, the predicted sync idle (:mod:`trainer_lib.planning.cost`).
+- :class:`Refinement` — the opt-in search for a shorter predicted step (:mod:`trainer_lib.planning.refine`).
 - :func:`deal_mini_batch` — one mini-batch as every rank's micro-batches (:mod:`trainer_lib.planning.ranks`).
 - :func:`plan_step`, :class:`StepPlan`, :class:`RankLoad` — a whole step (:mod:`trainer_lib.planning.plan`).
 - :func:`build_position_ids`, :func:`cu_seqlens` — MRoPE positions, sample boundaries
@@ -62,6 +63,7 @@ from trainer_lib.planning.padding import make_pad_sample, padded_sample_count
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import RankLoad, StepPlan, plan_step
 from trainer_lib.planning.ranks import deal_mini_batch
+from trainer_lib.planning.refine import Refinement
 from trainer_lib.positions import build_position_ids, cu_seqlens, mrope_position_ids
 from trainer_lib.prepare import check_packable, prepare_model_for_packing, select_backend
 from trainer_lib.spec import PackingSpec
@@ -87,6 +89,7 @@ __all__ = [
     "PackingUnsupported",
     "RankFailed",
     "RankLoad",
+    "Refinement",
     "SampleSlot",
     "StepPlan",
     "build_position_ids",

@@ -17,6 +17,7 @@ from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bin
 from trainer_lib.planning.cost import CostModel, sync_idle
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import plan_step
+from trainer_lib.planning.refine import Refinement
 from trainer_lib.planning.repack import min_slack_bins
 from trainer_lib.planning.slot_bound import EITHER, SlotRules, min_micro_batches
 
@@ -47,10 +48,12 @@ def mini_batches(draw, max_size: int = 80):
     by_compute=st.booleans(),
     one_key=st.booleans(),
     clip=st.booleans(),
+    refine=st.sampled_from([None, None, Refinement(), Refinement(anneal_steps=500)]),
 )
-def test_partition_rules(batch, dp, reserve, stretch, by_compute, one_key, clip):
+def test_partition_rules(batch, dp, reserve, stretch, by_compute, one_key, clip, refine):
     """Every rule, on the token-balanced plan and, with ``groups``, the compute-balanced one (one
-    key is where it applies: drawn half the time, then half of those with nothing above the cap)."""
+    key is where it applies: drawn half the time, then half of those with nothing above the cap),
+    with and without the search (``refine``)."""
     lengths, keys, kinds, vision, cap, groups = batch
     if one_key:
         keys = ["a"] * len(lengths)
@@ -66,6 +69,7 @@ def test_partition_rules(batch, dp, reserve, stretch, by_compute, one_key, clip)
         stretch_cap=stretch,
         groups=groups if by_compute else None,
         language_cost=[n * (1 + n / (4 * cap)) for n in lengths] if by_compute else None,
+        refine=refine,
     )
     reserve = reserve if dp > 1 else 0  # one rank: nothing to align, no pad
     m = part.num_micro_batches

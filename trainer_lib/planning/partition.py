@@ -46,6 +46,7 @@ from operator import itemgetter
 
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
 from trainer_lib.planning.grouped import even_text_slots, grouped_vision_slots
+from trainer_lib.planning.refine import Refinement, refine_slots
 from trainer_lib.planning.repack import best_fit_with_exchange, min_slack_bins
 from trainer_lib.planning.slot_bound import EITHER, TEXT, VISION, SlotRules, places, slot_floor, slots_needed
 
@@ -91,6 +92,7 @@ def partition_mini_batch(
     stretch_cap: bool = False,
     groups: Sequence[Hashable | None] | None = None,
     language_cost: Sequence[float] | None = None,
+    refine: Refinement | None = None,
 ) -> DpPartition:
     """Deal one mini-batch's samples to ``dp_size`` ranks as equal-count, equal-work micro-batches.
 
@@ -118,6 +120,8 @@ def partition_mini_batch(
             without images; default: no grouping (every slot planned by tokens).
         language_cost: per sample, its language-model cost (``CostModel.language``); default its
             tokens. Used with ``groups``.
+        refine: with ``groups`` and one isolation key, search the plan's samples for a shorter
+            predicted step (:func:`~trainer_lib.planning.refine.refine_slots`: slower, opt-in).
 
     Returns:
         A :class:`DpPartition` in which every sample index appears exactly once.
@@ -136,6 +140,7 @@ def partition_mini_batch(
         raise ValueError(f"{n} lengths but {len(keys)} keys, {len(kinds)} kinds, {len(weight)} vision costs")
     if (n and min(lengths) < 1) or not set(kinds) <= {NEUTRAL, PIXELS, STRAY}:
         raise ValueError("every length must be >= 1 and every kind NEUTRAL, PIXELS or STRAY")
+    language = lengths if language_cost is None else language_cost
     if dp_size == 1:  # nothing to align: first-fit-decreasing is the plan (groups kept together)
         bins = plan_bins(lengths, cap, keys=keys, kinds=kinds, groups=groups)
         slots = [[(sum(lengths[i] for i in b), b)] for b in bins]
@@ -151,14 +156,32 @@ def partition_mini_batch(
         text_slots, free = _text_slots(mb, rest)
         section, room = [i for i in rest if mb.place[i] == VISION] + free, cap - reserve
         if groups is not None and mb.one_key:
-            language = lengths if language_cost is None else language_cost
             if vision_slots := _by_compute(
                 mb, section, len(long_slots) + len(text_slots), groups, language, weight
             ):
                 text_slots = even_text_slots(text_slots, lengths=lengths, language=language, cap=cap)
-                return _deal(long_slots + vision_slots + text_slots, kinds, dp_size)
+                slots = _refined(mb, long_slots + vision_slots + text_slots, refine, groups, language, weight)
+                return _deal(slots, kinds, dp_size)
     slots = _planned(mb, lambda pack: long_slots + _section(mb, section, room, weight, pack) + text_slots)
-    return _deal(slots, kinds, dp_size)
+    return _deal(_refined(mb, slots, refine, groups, language, weight), kinds, dp_size)
+
+
+def _refined(
+    mb: SlotRules,
+    slots: list[_Bins],
+    refine: Refinement | None,
+    groups: Sequence[Hashable | None] | None,
+    language: Sequence[float],
+    vision: Sequence[float],
+) -> list[_Bins]:
+    """``slots`` searched for a shorter step (:func:`~trainer_lib.planning.refine.refine_slots`)
+    when ``refine`` asks for it, with ``groups`` and one isolation key."""
+    if refine is None or groups is None or not mb.one_key:
+        return slots
+    return refine_slots(
+        [slot for slot in slots if any(b for _, b in slot)], refine, lengths=mb.lengths, place=mb.place,
+        groups=groups, language=language, vision=vision, cap=mb.cap, reserve=mb.reserve,
+    )  # fmt: skip
 
 
 def _by_compute(

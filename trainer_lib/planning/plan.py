@@ -20,6 +20,7 @@ from trainer_lib.planning.cost import CostModel, sync_idle
 from trainer_lib.planning.packing import PackEntry
 from trainer_lib.planning.padding import make_pad_sample, pad_key, padded_sample_count
 from trainer_lib.planning.ranks import Balance, deal_mini_batch
+from trainer_lib.planning.refine import Refinement
 from trainer_lib.spec import PackingSpec
 
 __all__ = ["RankLoad", "StepPlan", "encoded_image_tokens", "mini_batch_entries", "plan_step"]
@@ -156,6 +157,7 @@ def plan_step(
     cost_model: CostModel | None = None,
     stretch_cap: bool = False,
     balance: Balance = "compute",
+    refine: Refinement | None = None,
 ) -> StepPlan:
     """Pad, split into mini-batches, deal each to the ranks as balanced micro-batches.
 
@@ -182,6 +184,9 @@ def plan_step(
             language cost levelled and its ranks' vision cost alike, each distinct image costed
             once per micro-batch (the trainer's dedup); ``"tokens"``: issue 13's token-balanced
             plan (each slot's tokens even, vision slots grouped by vision cost).
+        refine: with ``"compute"``, search each mini-batch's plan for a shorter predicted step
+            (:class:`~trainer_lib.planning.refine.Refinement`: descent, optionally annealing;
+            opt-in: ~10-200x slower to plan, docs/PACKING.md §3.8).
         stretch_cap: off by default. On: in a micro-batch slot where some rank runs a sample
             longer than the cap, the other ranks' micro-batches may hold up to that sample's
             length instead of idling (no micro-batch exceeds the step's longest sample, which
@@ -208,6 +213,7 @@ def plan_step(
             cost_model=cost_model,
             stretch_cap=stretch_cap,
             balance=balance,
+            refine=refine,
         )
         for entries in chunks
     ]

@@ -28,6 +28,7 @@ from trainer_lib.planning.cost import CostModel
 from trainer_lib.planning.packing import PackEntry, SampleAnalysis, analyze_entry, build_micro_batch
 from trainer_lib.planning.padding import make_pad_sample, pad_key
 from trainer_lib.planning.partition import partition_mini_batch
+from trainer_lib.planning.refine import Refinement
 from trainer_lib.spec import PackingSpec
 
 __all__ = ["Balance", "deal_mini_batch"]
@@ -46,6 +47,7 @@ def deal_mini_batch(
     cost_model: CostModel | None = None,
     stretch_cap: bool = False,
     balance: Balance = "compute",
+    refine: Refinement | None = None,
 ) -> list[PackedBatch]:
     """One mini-batch's samples as ``dp_size`` ranks' micro-batches, the same count on every rank.
 
@@ -62,6 +64,8 @@ def deal_mini_batch(
             ranks' micro-batches may hold up to that sample's length (see
             :func:`~trainer_lib.planning.partition.partition_mini_batch`).
         balance: ``"compute"`` (default) or ``"tokens"`` (:data:`Balance`).
+        refine: with ``"compute"``, search the plan for a shorter predicted step
+            (:class:`~trainer_lib.planning.refine.Refinement`; opt-in, slower).
 
     Returns:
         ``dp_size`` :class:`~trainer_lib.PackedBatch` es in rank order: micro-batch ``k`` runs the
@@ -92,6 +96,7 @@ def deal_mini_batch(
         stretch_cap=stretch_cap,
         groups=[a.image_key for a in analyses] if balance == "compute" else None,
         language_cost=None if cost_model is None else [cost_model.language(a.length) for a in analyses],
+        refine=refine if balance == "compute" else None,
     )
     last_key = pad_key(entries[-1].sample if entries else None)  # the sample-count pads' key
     build = functools.partial(_micro_batch, entries, analyses, spec, last_key)

@@ -1,0 +1,194 @@
+"""The opt-in search on a compute-balanced plan (trainer_lib/planning/refine.py): it keeps every
+rule of the partition, never lengthens the predicted step, finds the changes a hand-made plan
+needs, gives the same plans compiled and as plain Python, and shortens the step on the bench mix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helpers import REPO
+from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY
+from trainer_lib.planning.partition import partition_mini_batch
+from trainer_lib.planning.plan import plan_step
+from trainer_lib.planning.refine import Refinement, refine_slots
+from trainer_lib.planning.slot_bound import EITHER, TEXT, VISION, places
+
+
+def step_cost(slots, language, vision, groups) -> float:
+    """Sum over slots of the slowest bin's vision cost (each image set once) plus the slowest
+    bin's language cost: what the search lowers."""
+    cost = {g: v for g, v in zip(groups, vision, strict=True) if g is not None}
+    return sum(
+        max(sum(cost[g] for g in {groups[i] for i in b} - {None}) for _, b in slot)
+        + max(sum(language[i] for i in b) for _, b in slot)
+        for slot in slots
+    )
+
+
+def test_a_sample_moves_to_level_its_slot():
+    """Slot 0 holds 8+4 | 4, slot 1 holds 6 | 6 (text; language = tokens): moving the 4 beside the
+    other 4 gives 8 | 8 and the step 14, its optimum (the 8 and the 6s cannot shrink)."""
+    lengths = [8, 4, 4, 6, 6]
+    slots = [[(12, [0, 1]), (4, [2])], [(6, [3]), (6, [4])]]
+    groups = [None] * 5
+    out = refine_slots(
+        slots, Refinement(), lengths=lengths, place=[EITHER] * 5, groups=groups,
+        language=lengths, vision=[0.0] * 5, cap=100, reserve=0,
+    )  # fmt: skip
+    assert step_cost(out, lengths, [0.0] * 5, groups) == 14
+    assert sorted(sorted(b) for _, b in out[0]) == [[0], [1, 2]] and out[1] == slots[1]
+    assert [t for slot in out for t, _ in slot] == [
+        sum(lengths[i] for i in b) for slot in out for _, b in slot
+    ]
+
+
+def test_a_swap_keeps_each_image_set_in_one_bin():
+    """Two image sets, each split over both bins of one slot: both bins encode both sets (20 each).
+    One swap puts each set's samples together: each bin encodes one set, the tower's slowest bin
+    halves and the language is unchanged."""
+    lengths, language = [5, 5, 5, 5], [5.0] * 4
+    groups, vision = ["g1", "g2", "g1", "g2"], [10.0] * 4
+    slots = [[(10, [0, 1]), (10, [2, 3])]]
+    out = refine_slots(
+        slots, Refinement(), lengths=lengths, place=[VISION] * 4, groups=groups,
+        language=language, vision=vision, cap=100, reserve=0,
+    )  # fmt: skip
+    assert step_cost(slots, language, vision, groups) == 30
+    assert step_cost(out, language, vision, groups) == 20
+    assert sorted(len({groups[i] for i in b}) for _, b in out[0]) == [1, 1]
+
+
+def test_the_rules_hold_where_a_gain_would_break_them():
+    """The gains the search must refuse: a text sample near the cap would level slot 0 but must not
+    join the vision slot, an image sample must not join the text slot, and no bin may pass the cap
+    (nor, in a vision slot without an image of its own, ``cap - reserve``)."""
+    cap, reserve = 20, 3
+    lengths = [18, 2, 10, 2, 9]
+    kinds = [NEUTRAL, NEUTRAL, PIXELS, NEUTRAL, STRAY]
+    groups = [None, None, "g", None, None]
+    place = places(lengths, kinds, cap, reserve)
+    slots = [[(20, [0, 1]), (9, [4])], [(10, [2]), (2, [3])]]  # slot 1 runs the tower
+    out = refine_slots(
+        slots, Refinement(anneal_steps=2000), lengths=lengths, place=place, groups=groups,
+        language=[float(n) for n in lengths], vision=[0.0, 0.0, 7.0, 0.0, 0.0], cap=cap, reserve=reserve,
+    )  # fmt: skip
+    for k, slot in enumerate(out):
+        images = any(groups[i] for _, b in slot for i in b)
+        for tokens, b in slot:
+            assert tokens == sum(lengths[i] for i in b) <= cap
+            if k == 1:
+                assert all(place[i] != TEXT for i in b)  # nothing that must not meet the tower
+                assert any(groups[i] for i in b) or tokens + reserve <= cap
+            else:
+                assert not images
+    assert sorted(i for slot in out for _, b in slot for i in b) == list(range(5))
+
+
+@pytest.fixture(scope="module")
+def bench_mix():
+    """``bench/pack.py``: the realistic mix and its Qwen2-VL cost model."""
+    import importlib
+
+    sys.path.insert(0, str(REPO / "bench"))
+    pack = importlib.import_module("pack")
+    models = importlib.import_module("_models")
+    from trainer_lib.planning.cost import CostModel
+
+    return pack, CostModel.from_config(models.qwen2_vl_2b_config())
+
+
+def bench_inputs(bench_mix, seed: int) -> list[tuple]:
+    import numpy as np
+
+    pack, cm = bench_mix
+    samples = pack.make_step(np.random.default_rng(seed))
+    return pack.mini_batch_inputs(samples, 8, 256, cm)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000), cap=st.sampled_from([4096, 8192, 16384]), anneal=st.sampled_from([0, 5000])
+)
+def test_the_search_never_lengthens_the_step_and_keeps_the_slots(bench_mix, seed, cap, anneal):
+    """On the bench mix (dp 8, 256 samples): the refined partition runs the same slots, keeps every
+    sample once, and its predicted step is at most the plan's without the search; annealing
+    starts from the descent's plan, so it ends at most there."""
+    lengths, keys, kinds, vision, extra = bench_inputs(bench_mix, seed)[0]
+    kwargs = dict(dp_size=8, cap=cap, keys=keys, kinds=kinds, vision_cost=vision, reserve=6, **extra)
+    plain = partition_mini_batch(lengths, **kwargs)
+    descent = partition_mini_batch(lengths, **kwargs, refine=Refinement())
+    refined = partition_mini_batch(lengths, **kwargs, refine=Refinement(anneal_steps=anneal))
+
+    def cost(part) -> float:
+        slots = [[(0, part.ranks[r][k]) for r in range(8)] for k in range(part.num_micro_batches)]
+        return step_cost(slots, extra["language_cost"], vision, extra["groups"])
+
+    assert refined.num_micro_batches == plain.num_micro_batches
+    assert sorted(i for row in refined.ranks for b in row for i in b) == list(range(len(lengths)))
+    assert cost(refined) <= cost(descent) * (1 + 1e-9) <= cost(plain) * (1 + 1e-9)
+
+
+def test_the_same_seed_gives_the_same_plan(bench_mix):
+    lengths, keys, kinds, vision, extra = bench_inputs(bench_mix, 3)[1]
+    kwargs = dict(dp_size=8, cap=16384, keys=keys, kinds=kinds, vision_cost=vision, reserve=6, **extra)
+    runs = [partition_mini_batch(lengths, **kwargs, refine=Refinement(anneal_steps=20_000)) for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_the_python_kernels_give_the_compiled_plans(bench_mix, tmp_path):
+    """Without numba the kernels run as Python (``NUMBA_DISABLE_JIT=1`` runs them so): the same
+    plans, descent and annealing, as compiled."""
+    inputs = bench_inputs(bench_mix, 7)[2]
+    (tmp_path / "inputs.json").write_text(json.dumps(inputs))
+    script = (
+        "import json, sys\n"
+        "from trainer_lib.planning.partition import partition_mini_batch\n"
+        "from trainer_lib.planning.refine import Refinement\n"
+        "lengths, keys, kinds, vision, extra = json.load(open(sys.argv[1]))\n"
+        "part = partition_mini_batch(lengths, dp_size=8, cap=16384, keys=[tuple(k) for k in keys],\n"
+        "    kinds=kinds, vision_cost=vision, reserve=6, language_cost=extra['language_cost'],\n"
+        "    groups=[g if g is None else tuple(g) for g in extra['groups']],\n"
+        "    refine=Refinement(anneal_steps=3000))\n"
+        "print(json.dumps(part.ranks))\n"
+    )
+    plans = []
+    for jit in ("0", "1"):
+        env = {**os.environ, "NUMBA_DISABLE_JIT": jit, "PYTHONPATH": str(REPO)}
+        run = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / "inputs.json")],
+            env=env, capture_output=True, text=True, timeout=300, cwd=REPO,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-2000:]
+        plans.append(json.loads(run.stdout))
+    assert plans[0] == plans[1]
+
+
+def test_the_search_shortens_the_step_on_the_bench_mix(bench_mix):
+    """plan_step with ``refine`` on a bench step (dp 8, mini-batch 256, cap 8k, where the plan
+    leaves most idle): the same micro-batches per rank, a lower FLOP idle and a shorter step."""
+    import numpy as np
+
+    pack, cm = bench_mix
+    samples = pack.make_step(np.random.default_rng(2))
+    kwargs = dict(dp_size=8, mini_batch_size=256, seq_len=16384, micro_batch_max_tokens=8192, cost_model=cm)
+    plain = plan_step(samples, pack.SPEC, **kwargs)
+    refined = plan_step(samples, pack.SPEC, **kwargs, refine=Refinement())
+    assert [r[0].num_micro_batches for r in refined.mini_batches] == [
+        r[0].num_micro_batches for r in plain.mini_batches
+    ]
+    assert refined.sync_idle(cm) < plain.sync_idle(cm) - 0.01
+    assert pack.step_flops(refined, cm) < 0.99 * pack.step_flops(plain, cm)
+
+
+def test_bad_refinements_are_refused():
+    with pytest.raises(ValueError, match="changes and anneal_steps"):
+        Refinement(changes=-1)
+    with pytest.raises(ValueError, match="changes and anneal_steps"):
+        Refinement(anneal_steps=-5)

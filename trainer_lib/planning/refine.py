@@ -1,0 +1,157 @@
+"""Opt-in refinement of a compute-balanced plan by search on the step itself (docs/PACKING.md §3.8).
+
+The constructive plan (:mod:`~trainer_lib.planning.grouped`) is fast but leaves a few percent of
+the ranks' FLOPs idle at the syncs. :func:`refine_slots` lowers the predicted step, the sum over
+slots of the slowest rank's vision-tower cost plus the slowest rank's language cost (each distinct
+image set costed once per bin, as the trainer encodes it), by changing which bin holds which
+sample; the slots keep their count and their kind, so token waste stays where it was:
+
+1. **Descent** (always): the interchange neighbourhood of makespan scheduling (Finn & Horowitz
+   1979): a sample of a slot's slowest bin, in either stage, moves to any bin of any slot or swaps
+   with one of its samples, the partner that lowers the step most, until no change lowers it by
+   ``1e-6`` of the slot or ``changes`` were made.
+2. **Annealing** (``anneal_steps > 0``): random moves and swaps accepted with probability
+   ``exp(-delta / T)`` (Kirkpatrick, Gelatt & Vecchi 1983), ``T`` falling geometrically from
+   ``4e-4`` to ``2e-6`` of the mean slot cost; the best plan seen is kept.
+
+Every change keeps the partition's rules: a sample with images stays in a slot that runs the
+tower, a stray-placeholder or near-cap text sample in one that does not; a bin holds at most
+``cap`` tokens, ``cap - reserve`` where it runs the tower without an image of its own (the
+synthetic pad needs the room); a bin above the cap (a sample longer than it, or a stretched slot)
+is left as it is. Only single-key mini-batches are refined.
+
+Costs: both stages are compiled with numba (:mod:`~trainer_lib.planning.search`)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from trainer_lib.planning.search import anneal, descend
+
+__all__ = ["Refinement", "refine_slots"]
+
+_Bins = list[tuple[int, list[int]]]
+_EPS = 1e-6
+"""The smallest change the descent makes, as a share of its slot's cost."""
+_T0, _T1 = 4e-4, 2e-6
+"""Annealing temperatures at the first and last step, as shares of the mean slot cost."""
+
+
+@dataclass(frozen=True)
+class Refinement:
+    """How hard to search (:func:`refine_slots`).
+
+    Attributes:
+        changes: most descent changes per mini-batch (each lowers the predicted step).
+        anneal_steps: annealing steps per mini-batch after the descent (0: none). On
+            ``bench/pack.py``'s mix, 200k steps take ~0.2 s per 256-sample mini-batch.
+        seed: the annealing's random seed (plans are reproducible; every rank gets the same).
+    """
+
+    changes: int = 1000
+    anneal_steps: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.changes < 0 or self.anneal_steps < 0:
+            raise ValueError(
+                f"changes and anneal_steps must be >= 0, got {self.changes}, {self.anneal_steps}"
+            )
+
+
+def refine_slots(
+    slots: list[_Bins],
+    refine: Refinement,
+    *,
+    lengths: Sequence[int],
+    place: Sequence[int],
+    groups: Sequence[Hashable | None],
+    language: Sequence[float],
+    vision: Sequence[float],
+    cap: int,
+    reserve: int,
+) -> list[_Bins]:
+    """``slots`` (each a list of ``dp`` ``(tokens, sample indices)`` bins) with their samples
+    re-dealt to lower the predicted step (module docstring).
+
+    Args:
+        place: per sample, :data:`~trainer_lib.planning.slot_bound.VISION`, ``TEXT`` or
+            ``EITHER`` (:func:`~trainer_lib.planning.slot_bound.places`).
+        groups: per sample, its image set's key (None: no image); a bin costs each set once.
+        language: per sample, its language-model cost (any unit consistent with ``vision``).
+        vision: per sample, its image set's vision-tower cost.
+        cap, reserve: tokens a bin may hold, and what a tower-running bin without an image keeps
+            free.
+
+    Returns:
+        The same number of slots of the same width, every sample index once; no image joins a
+        slot that had none.
+    """
+    dp, S = len(slots[0]) if slots else 0, len(slots)
+    if S == 0 or dp == 0:
+        return slots
+    st = _state(slots, lengths, place, groups, language, vision, cap, reserve)
+    args = (dp, S, *st, cap, reserve)
+    descend(*args, refine.changes, _EPS)
+    if refine.anneal_steps:
+        V, L = st[_V].reshape(S, dp), st[_L].reshape(S, dp)
+        per_slot = float(np.sum(V.max(1) + L.max(1))) / S
+        rng = np.random.default_rng(refine.seed)
+        bin_of = anneal(*args, refine.anneal_steps, rng, _T0 * per_slot, _T1 * per_slot)
+    else:  # each sample's bin from the descent's per-bin lists
+        members, count = st[_MEMBERS], st[_COUNT]
+        bin_of = np.empty(len(lengths), np.int64)
+        bin_of[members[np.arange(members.shape[1]) < count[:, None]]] = np.repeat(np.arange(S * dp), count)
+    held: list[list[int]] = [[] for _ in range(S * dp)]
+    for i in np.argsort(bin_of, kind="stable").tolist():
+        held[int(bin_of[i])].append(i)
+    return [
+        [(sum(lengths[i] for i in held[k * dp + r]), held[k * dp + r]) for r in range(dp)] for k in range(S)
+    ]
+
+
+_MEMBERS, _COUNT, _V, _L = 5, 6, 9, 10
+"""Positions in :func:`_state`'s tuple."""
+
+
+def _state(
+    slots: list[_Bins],
+    lengths: Sequence[int],
+    place: Sequence[int],
+    groups: Sequence[Hashable | None],
+    language: Sequence[float],
+    vision: Sequence[float],
+    cap: int,
+    reserve: int,
+) -> tuple:
+    """The search's arrays: per slot whether it runs the tower; per sample its place, language
+    cost, tokens and image-set id; per bin its samples, their count, per-set counts, distinct
+    sets, vision and language cost, tokens and whether it is frozen (above the cap)."""
+    dp, S, n = len(slots[0]), len(slots), len(lengths)
+    ids: dict[Hashable, int] = {}
+    grp = np.array([-1 if g is None else ids.setdefault(g, len(ids)) for g in groups], np.int64)
+    gcost = np.zeros(max(len(ids), 1))
+    has = grp >= 0
+    gcost[grp[has]] = np.asarray(vision, np.float64)[has]
+    bin_of = np.empty(n, np.int64)
+    for k, slot in enumerate(slots):
+        for r, (_, held) in enumerate(slot):
+            bin_of[held] = k * dp + r
+    nbins, size = S * dp, np.asarray(lengths, np.int64)
+    count = np.bincount(bin_of, minlength=nbins)
+    order = np.argsort(bin_of, kind="stable")
+    members = np.full((nbins, n), -1, np.int64)
+    members[bin_of[order], np.arange(n) - np.repeat(np.cumsum(count) - count, count)] = order
+    cnt = np.zeros((nbins, len(gcost)), np.int64)
+    np.add.at(cnt, (bin_of[has], grp[has]), 1)
+    vis_slot = np.array([any(grp[i] >= 0 for _, held in slot for i in held) for slot in slots])
+    tokens = np.bincount(bin_of, size, minlength=nbins).astype(np.int64)
+    lang = np.asarray(language, np.float64)
+    return (
+        vis_slot, np.asarray(place, np.int64), lang, size, grp, members, count, cnt,
+        (cnt > 0).sum(1), (cnt > 0) @ gcost, np.bincount(bin_of, lang, minlength=nbins),
+        tokens, tokens > cap, gcost,
+    )  # fmt: skip

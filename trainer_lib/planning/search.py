@@ -1,0 +1,278 @@
+"""The refinement's search kernels (:mod:`~trainer_lib.planning.refine`), compiled with numba.
+
+They work on one mini-batch's per-bin arrays (:func:`~trainer_lib.planning.refine.refine_slots`
+builds them): bin ``b`` is rank ``b % dp`` of slot ``b // dp``; a slot costs its slowest bin's
+vision cost plus its slowest bin's language cost, and a bin's vision cost is the sum of its
+distinct image sets' costs. :func:`descend` is the descent, :func:`anneal` the annealing (the
+algorithms are the refine module's steps 1 and 2).
+
+numba compiles them on first use (a few seconds, cached on disk next to this file) with ``nogil``,
+so a trainer may plan the next step in a thread while the GPU runs this one. Without numba they
+run as the same Python: the same plans (``tests/planning/test_refine.py``), about 150x slower for
+the descent and 50x for the annealing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from trainer_lib.planning.slot_bound import EITHER, VISION
+
+try:
+    from numba import njit
+except ImportError:  # pragma: no cover - numba ships with vLLM; without it the kernels run as Python
+
+    def njit(*_args, **_kwargs):  # type: ignore[no-redef]
+        return lambda fn: fn
+
+
+__all__ = ["anneal", "descend"]
+
+_JIT = {"cache": True, "nogil": True}
+_INLINE = {**_JIT, "inline": "always"}
+"""Small helpers inlined into the loops (as separate calls the descent ran ~6x slower)."""
+
+
+@njit(**_INLINE)
+def _tops(k, dp, X):
+    """Slot ``k``'s largest value of ``X``, its bin, and the second largest."""
+    i1, v1, v2 = k * dp, X[k * dp], -1.0
+    for j in range(k * dp + 1, (k + 1) * dp):
+        if X[j] > v1:
+            v2, v1, i1 = v1, X[j], j
+        elif X[j] > v2:
+            v2 = X[j]
+    return v1, i1, v2
+
+
+@njit(**_INLINE)
+def _slot_cost(k, dp, V, L, a, va, la, b, vb, lb):
+    """Slot ``k``'s slowest vision plus slowest language cost, bins ``a`` and ``b`` (-1: none)
+    taking the given costs."""
+    mv = ml = 0.0
+    for j in range(k * dp, (k + 1) * dp):
+        v, lc = (va, la) if j == a else (vb, lb) if j == b else (V[j], L[j])
+        mv, ml = max(mv, v), max(ml, lc)
+    return mv + ml
+
+
+@njit(**_INLINE)
+def _vision_after(a, gout, gin, cnt, nd, gcost, V):
+    """Bin ``a``'s vision cost and distinct image sets once a sample of set ``gout`` leaves it and
+    one of set ``gin`` joins it (-1: no sample, or no image)."""
+    if gout == gin:
+        return V[a], nd[a]
+    v, d = V[a], nd[a]
+    if gout >= 0 and cnt[a, gout] == 1:
+        v, d = v - gcost[gout], d - 1
+    if gin >= 0 and cnt[a, gin] == 0:
+        v, d = v + gcost[gin], d + 1
+    return (v if d > 0 else 0.0), d
+
+
+@njit(**_INLINE)
+def _allowed(where, i, vis_slot_k):
+    return where[i] == EITHER or (where[i] == VISION) == vis_slot_k
+
+
+@njit(**_INLINE)
+def _change(i, j, a, b, vis_slot, where, size, grp, cnt, nd, gcost, V, T, dp, cap, reserve):
+    """Sample ``i`` from bin ``a`` to ``b`` and ``j`` (-1: none) back: the two bins' vision costs,
+    or ``(-1.0, -1.0)`` where a rule forbids it."""
+    ka, kb = a // dp, b // dp
+    if not _allowed(where, i, vis_slot[kb]) or (j >= 0 and not _allowed(where, j, vis_slot[ka])):
+        return -1.0, -1.0
+    ds = size[i] - (size[j] if j >= 0 else 0)
+    if T[a] - ds > cap or T[b] + ds > cap:
+        return -1.0, -1.0
+    gj = grp[j] if j >= 0 else -1
+    va, da = _vision_after(a, grp[i], gj, cnt, nd, gcost, V)
+    vb, db = _vision_after(b, gj, grp[i], cnt, nd, gcost, V)
+    room_a = cap - reserve if vis_slot[ka] and da == 0 else cap
+    room_b = cap - reserve if vis_slot[kb] and db == 0 else cap
+    if T[a] - ds > room_a or T[b] + ds > room_b:
+        return -1.0, -1.0
+    return va, vb
+
+
+@njit(**_JIT)
+def _apply(i, a, b, members, count, cnt, nd, grp, lang, size, L, T):
+    """Move sample ``i`` from bin ``a`` to bin ``b``, every per-bin array kept."""
+    for p in range(count[a]):
+        if members[a, p] == i:
+            members[a, p] = members[a, count[a] - 1]
+            count[a] -= 1
+            break
+    members[b, count[b]] = i
+    count[b] += 1
+    L[a] -= lang[i]
+    L[b] += lang[i]
+    T[a] -= size[i]
+    T[b] += size[i]
+    g = grp[i]
+    if g >= 0:
+        cnt[a, g] -= 1
+        nd[a] -= 1 if cnt[a, g] == 0 else 0
+        nd[b] += 1 if cnt[b, g] == 0 else 0
+        cnt[b, g] += 1
+
+
+@njit(**_INLINE)
+def _pair_cost(a, b, va, la, vb, lb, dp, V, L, tops):
+    """The cost of the slots of bins ``a`` and ``b`` once they take the given costs (``tops``: per
+    slot, the largest vision cost, its bin, the second; the same for language)."""
+    ka, kb = a // dp, b // dp
+    if ka == kb:
+        return _slot_cost(ka, dp, V, L, a, va, la, b, vb, lb)
+    return _one_changed(ka, a, va, la, tops) + _one_changed(kb, b, vb, lb, tops)
+
+
+@njit(**_INLINE)
+def _one_changed(k, j, v, lc, tops):
+    """Slot ``k``'s cost once bin ``j`` costs ``v`` in vision and ``lc`` in language."""
+    ov = tops[k, 2] if tops[k, 1] == j else tops[k, 0]
+    ol = tops[k, 5] if tops[k, 4] == j else tops[k, 3]
+    return max(ov, v) + max(ol, lc)
+
+
+@njit(**_JIT)
+def _retop(k, dp, V, L, tops):
+    """``tops[k]``: slot ``k``'s largest vision cost, its bin, the second; the same for language."""
+    tops[k, 0], tops[k, 1], tops[k, 2] = _tops(k, dp, V)
+    tops[k, 3], tops[k, 4], tops[k, 5] = _tops(k, dp, L)
+
+
+# fmt: off
+@njit(**_JIT)
+def _best_partner(
+    i, a, dp, S, vis_slot, where, lang, size, grp, members, count, cnt, nd, V, L, T, frozen, gcost,
+    tops, cap, reserve, eps
+):
+    """The move or swap of sample ``i`` (in bin ``a``) that lowers the step most, at least by
+    ``eps``: ``(gain, bin, partner or -1, vision of a, vision of the bin)``; bin -1 if none."""
+    # fmt: on
+    best, bb, bj, bva, bvb = eps, -1, -1, 0.0, 0.0
+    ka = a // dp
+    for b in range(S * dp):
+        kb = b // dp
+        if b == a or frozen[b] or not _allowed(where, i, vis_slot[kb]):
+            continue
+        base = tops[ka, 0] + tops[ka, 3] + (0.0 if kb == ka else tops[kb, 0] + tops[kb, 3])
+        for q in range(-1, count[b]):
+            j = members[b, q] if q >= 0 else -1
+            va, vb = _change(i, j, a, b, vis_slot, where, size, grp, cnt, nd, gcost, V, T, dp, cap, reserve)
+            if va < 0.0:
+                continue
+            dl = lang[i] - (lang[j] if j >= 0 else 0.0)
+            gain = base - _pair_cost(a, b, va, L[a] - dl, vb, L[b] + dl, dp, V, L, tops)
+            if gain > best:
+                best, bb, bj, bva, bvb = gain, b, j, va, vb
+    return best, bb, bj, bva, bvb
+
+
+# fmt: off
+@njit(**_JIT)
+def descend(
+    dp, S, vis_slot, where, lang, size, grp, members, count, cnt, nd, V, L, T, frozen, gcost, cap,
+    reserve, max_changes, eps_share
+):
+    """The descent (:mod:`~trainer_lib.planning.refine`'s step 1) on the state that
+    ``refine._state`` builds, changed in place: slot after slot, a sample of its slowest bin
+    (language, then vision) takes its best partner (the first such sample that has one); a changed
+    slot is visited again; it stops after a round of the slots without a change of at least
+    ``eps_share`` of the slot, or after ``max_changes``. Returns the number of changes."""
+    # fmt: on
+    tops = np.empty((S, 6))
+    for k in range(S):
+        _retop(k, dp, V, L, tops)
+    dirty = np.ones(S, np.bool_)
+    changes, k, quiet = 0, 0, 0
+    while changes < max_changes and quiet < S:
+        if not dirty[k]:
+            k, quiet = (k + 1) % S, quiet + 1
+            continue
+        dirty[k] = False
+        eps = eps_share * (tops[k, 0] + tops[k, 3])
+        done = False
+        for src in range(2):  # the slowest bin in language, then in vision
+            a = int(tops[k, 4]) if src == 0 else int(tops[k, 1])
+            if done or frozen[a] or (src == 1 and a == int(tops[k, 4])):
+                continue
+            for p in range(count[a]):
+                i = members[a, p]
+                _, b, j, va, vb = _best_partner(
+                    i, a, dp, S, vis_slot, where, lang, size, grp, members, count, cnt, nd, V, L, T,
+                    frozen, gcost, tops, cap, reserve, eps,
+                )  # fmt: skip
+                if b >= 0:
+                    _apply(i, a, b, members, count, cnt, nd, grp, lang, size, L, T)
+                    if j >= 0:
+                        _apply(j, b, a, members, count, cnt, nd, grp, lang, size, L, T)
+                    V[a], V[b] = va, vb
+                    for kk in (k, b // dp):
+                        _retop(kk, dp, V, L, tops)
+                        dirty[kk] = True
+                    changes, done = changes + 1, True
+                    break
+        quiet = 0 if done else quiet + 1
+        if not done:
+            k = (k + 1) % S
+    return changes
+
+
+# fmt: off
+@njit(**_JIT)
+def anneal(
+    dp, S, vis_slot, where, lang, size, grp, members, count, cnt, nd, V, L, T, frozen, gcost, cap,
+    reserve, steps, rng, t0, t1
+):
+    """The annealing (:mod:`~trainer_lib.planning.refine`'s step 2) from the state given: ``steps``
+    random moves (40%) and swaps (60%) of a random sample to a random bin, each kept if it
+    shortens the step or with probability ``exp(-delta / T)``, ``T`` falling geometrically from
+    ``t0`` to ``t1``; ``rng`` a ``numpy.random.Generator``. Returns the best plan seen, as each
+    sample's bin."""
+    # fmt: on
+    n, nbins = lang.shape[0], S * dp
+    bin_of = np.empty(n, np.int64)
+    for b in range(nbins):
+        for p in range(count[b]):
+            bin_of[members[b, p]] = b
+    cur = 0.0
+    for k in range(S):
+        cur += _slot_cost(k, dp, V, L, -1, 0.0, 0.0, -1, 0.0, 0.0)
+    best, best_of = cur, bin_of.copy()
+    ratio = math.log(t1 / t0)
+    for step in range(steps):
+        i, b = rng.integers(0, n), rng.integers(0, nbins)
+        a = bin_of[i]
+        if b == a or frozen[a] or frozen[b]:
+            continue
+        j = members[b, rng.integers(0, count[b])] if count[b] > 0 and rng.random() < 0.6 else -1
+        va, vb = _change(i, j, a, b, vis_slot, where, size, grp, cnt, nd, gcost, V, T, dp, cap, reserve)
+        if va < 0.0:
+            continue
+        ka, kb = a // dp, b // dp
+        old = _slot_cost(ka, dp, V, L, -1, 0.0, 0.0, -1, 0.0, 0.0)
+        dl = lang[i] - (lang[j] if j >= 0 else 0.0)
+        if ka == kb:
+            new = _slot_cost(ka, dp, V, L, a, va, L[a] - dl, b, vb, L[b] + dl)
+        else:
+            old += _slot_cost(kb, dp, V, L, -1, 0.0, 0.0, -1, 0.0, 0.0)
+            new = _slot_cost(ka, dp, V, L, a, va, L[a] - dl, -1, 0.0, 0.0)
+            new += _slot_cost(kb, dp, V, L, b, vb, L[b] + dl, -1, 0.0, 0.0)
+        delta = new - old
+        if delta > 0.0 and rng.random() >= math.exp(-delta / (t0 * math.exp(ratio * step / steps))):
+            continue
+        _apply(i, a, b, members, count, cnt, nd, grp, lang, size, L, T)
+        bin_of[i] = b
+        if j >= 0:
+            _apply(j, b, a, members, count, cnt, nd, grp, lang, size, L, T)
+            bin_of[j] = a
+        V[a], V[b] = va, vb
+        cur += delta
+        if cur < best * (1.0 - 1e-12):
+            best = cur
+            best_of[:] = bin_of
+    return best_of
