@@ -7,18 +7,19 @@ Usage::
     .venv/bin/python bench/rank_balance.py --tiny          # any machine: tiny Qwen2-VL, smoke run
 
 One mini-batch of ``bench/pack.py``'s mix (``--prompts`` x 16 rollouts sharing their prompt's
-images; default 16 x 16 = 256 samples) is planned for ``--dp`` ranks (default 8) at cap
-``--cap`` (default 16k) by each plan of ``--plans``: ``tokens`` (issue 13's token-balanced
-plan), ``compute`` (``plan_step``'s default since issue 29) and ``verl`` (Karmarkar-Karp rank
-shares, ``bench/_baselines.py``). Every micro-batch of every rank then runs forward + backward on
-the one GPU (the library's path: ``packed_inputs`` with each distinct image once and its
-``image_index``, ``packed_logprobs``, a token loss), timed alone (``torch.cuda.synchronize``
-around it), in ``--rounds`` interleaved rounds (default 2), each micro-batch's best round kept:
-on an H100 single runs showed stalls of 0.2-1.0 s on ~0.8 s micro-batches, at random, in either
-plan (a run that includes a ``cudaMalloc`` retry is named). Pixels are random (the tower's cost
-does not depend on their values), and the model keeps activation checkpointing on
-(``gradient_checkpointing_enable``: a 16k-token micro-batch of the 2B shapes does not fit in
-80 GB without it).
+images; default 16 x 16 = 256 samples) is planned for ``--dp`` ranks (default 8) at cap ``--cap``
+(default 16k) by each plan of ``--plans``: ``tokens`` (issue 13's token-balanced plan),
+``compute`` (``plan_step``'s default since issue 29), ``verl`` (Karmarkar-Karp rank shares,
+``bench/_baselines.py``), and the compute plan with the opt-in search: ``descent``
+(``Refinement()``) and ``anneal`` (``Refinement(anneal_steps=1_000_000)``, as ``bench/pack.py``).
+Every micro-batch of every rank then runs forward + backward on the one GPU (the library's path:
+``packed_inputs`` with each distinct image once and its ``image_index``, ``packed_logprobs``, a
+token loss), timed alone (``torch.cuda.synchronize`` around it), in ``--rounds`` interleaved
+rounds (default 2), each micro-batch's best round kept: on an H100 single runs showed stalls of
+0.2-1.0 s on ~0.8 s micro-batches, at random, in either plan (a run that includes a ``cudaMalloc``
+retry is named). Pixels are random (the tower's cost does not depend on their values), and the
+model keeps activation checkpointing on (``gradient_checkpointing_enable``: a 16k-token
+micro-batch of the 2B shapes does not fit in 80 GB without it).
 
 Per plan: micro-batch slots per rank; **step seconds** = the sum over slots of the slowest rank's
 seconds (with data parallelism every rank waits for it at the slot's synchronisation);
@@ -44,17 +45,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _baselines import plan_verl
 from _common import machine_facts, print_table
+from _pack_targets import ANNEAL_STEPS
 from pack import ROLLOUTS, SEQ_LEN, TOK, V_END, V_START, make_step, qwen_spec
 from packed_forward import build_model, random_features
 
 from trainer_lib import packed_inputs, packed_logprobs, prepare_model_for_packing
 from trainer_lib.planning.cost import CostModel
 from trainer_lib.planning.plan import encoded_image_tokens, plan_step
+from trainer_lib.planning.refine import Refinement
 
 PLANS = {
     "tokens": lambda samples, spec, **kw: plan_step(samples, spec, balance="tokens", **kw),
     "compute": lambda samples, spec, **kw: plan_step(samples, spec, balance="compute", **kw),
     "verl": lambda samples, spec, cost_model, **kw: plan_verl(samples, spec, **kw),
+    "descent": lambda samples, spec, **kw: plan_step(samples, spec, refine=Refinement(), **kw),
+    "anneal": lambda samples, spec, **kw: plan_step(
+        samples, spec, refine=Refinement(anneal_steps=ANNEAL_STEPS), **kw
+    ),
 }
 
 
