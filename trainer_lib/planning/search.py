@@ -8,8 +8,8 @@ algorithms are the refine module's steps 1 and 2).
 
 numba compiles them on first use (a few seconds, cached on disk next to this file) with ``nogil``,
 so a trainer may plan the next step in a thread while the GPU runs this one. Without numba they
-run as the same Python: the same plans (``tests/planning/test_refine.py``), about 150x slower for
-the descent and 50x for the annealing.
+run as the same Python: the same plans (``tests/planning/test_refine.py``), about 250x slower for
+the descent and 80x for the annealing.
 """
 
 from __future__ import annotations
