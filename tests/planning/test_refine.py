@@ -65,14 +65,16 @@ def test_a_swap_keeps_each_image_set_in_one_bin():
     assert sorted(len({groups[i] for i in b}) for _, b in out[0]) == [1, 1]
 
 
-def test_the_rules_hold_where_a_gain_would_break_them():
+@pytest.mark.parametrize("image_set", ["g", None])
+def test_the_rules_hold_where_a_gain_would_break_them(image_set):
     """The gains the search must refuse: a text sample near the cap would level slot 0 but must not
     join the vision slot, an image sample must not join the text slot, and no bin may pass the cap
-    (nor, in a vision slot without an image of its own, ``cap - reserve``)."""
+    (nor, in a vision slot without an image of its own, ``cap - reserve``). The slot that runs the
+    tower is the one holding the image sample, whether or not the caller gave it an image set."""
     cap, reserve = 20, 3
     lengths = [18, 2, 10, 2, 9]
     kinds = [NEUTRAL, NEUTRAL, PIXELS, NEUTRAL, STRAY]
-    groups = [None, None, "g", None, None]
+    groups = [None, None, image_set, None, None]
     place = places(lengths, kinds, cap, reserve)
     slots = [[(20, [0, 1]), (9, [4])], [(10, [2]), (2, [3])]]  # slot 1 runs the tower
     out = refine_slots(
@@ -80,12 +82,12 @@ def test_the_rules_hold_where_a_gain_would_break_them():
         language=[float(n) for n in lengths], vision=[0.0, 0.0, 7.0, 0.0, 0.0], cap=cap, reserve=reserve,
     )  # fmt: skip
     for k, slot in enumerate(out):
-        images = any(groups[i] for _, b in slot for i in b)
+        images = any(kinds[i] == PIXELS for _, b in slot for i in b)
         for tokens, b in slot:
             assert tokens == sum(lengths[i] for i in b) <= cap
             if k == 1:
                 assert all(place[i] != TEXT for i in b)  # nothing that must not meet the tower
-                assert any(groups[i] for i in b) or tokens + reserve <= cap
+                assert any(kinds[i] == PIXELS for i in b) or tokens + reserve <= cap
             else:
                 assert not images
     assert sorted(i for slot in out for _, b in slot for i in b) == list(range(5))

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trainer_lib.planning.search import anneal, descend
+from trainer_lib.planning.slot_bound import VISION
 
 __all__ = ["Refinement", "refine_slots"]
 
@@ -147,7 +148,7 @@ def _state(
     members[bin_of[order], np.arange(n) - np.repeat(np.cumsum(count) - count, count)] = order
     cnt = np.zeros((nbins, len(gcost)), np.int64)
     np.add.at(cnt, (bin_of[has], grp[has]), 1)
-    vis_slot = np.array([any(grp[i] >= 0 for _, held in slot for i in held) for slot in slots])
+    vis_slot = np.array([any(place[i] == VISION for _, held in slot for i in held) for slot in slots])
     tokens = np.bincount(bin_of, size, minlength=nbins).astype(np.int64)
     lang = np.asarray(language, np.float64)
     return (
