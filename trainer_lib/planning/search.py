@@ -74,6 +74,8 @@ def _vision_after(a, gout, gin, cnt, nd, gcost, V):
 
 @njit(**_INLINE)
 def _allowed(where, i, vis_slot_k):
+    """Whether sample ``i`` (its place: vision, text or either) may sit in a slot that does or
+    does not run the tower."""
     return where[i] == EITHER or (where[i] == VISION) == vis_slot_k
 
 
