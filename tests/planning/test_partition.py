@@ -11,7 +11,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import REPO
 from trainer_lib.planning import grouped, partition
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
 from trainer_lib.planning.cost import CostModel, sync_idle
@@ -282,18 +281,6 @@ def test_cost_model_names_the_supported_families():
     )
     with pytest.raises(ValueError, match="qwen2_vl, qwen2_5_vl, qwen3_vl"):
         CostModel.from_config(config)
-
-
-@pytest.fixture(scope="module")
-def bench_mix():
-    """``bench/pack.py``: the realistic mix and its Qwen2-VL placeholder arithmetic."""
-    import importlib
-    import sys
-
-    sys.path.insert(0, str(REPO / "bench"))
-    pack = importlib.import_module("pack")
-    models = importlib.import_module("_models")
-    return pack, CostModel.from_config(models.qwen2_vl_2b_config())
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -93,19 +93,6 @@ def test_the_rules_hold_where_a_gain_would_break_them(image_set):
     assert sorted(i for slot in out for _, b in slot for i in b) == list(range(5))
 
 
-@pytest.fixture(scope="module")
-def bench_mix():
-    """``bench/pack.py``: the realistic mix and its Qwen2-VL cost model."""
-    import importlib
-
-    sys.path.insert(0, str(REPO / "bench"))
-    pack = importlib.import_module("pack")
-    models = importlib.import_module("_models")
-    from trainer_lib.planning.cost import CostModel
-
-    return pack, CostModel.from_config(models.qwen2_vl_2b_config())
-
-
 def bench_inputs(bench_mix, seed: int) -> list[tuple]:
     import numpy as np
 

@@ -94,7 +94,7 @@ def refine_slots(
     dp, S = len(slots[0]) if slots else 0, len(slots)
     if S == 0 or dp == 0:
         return slots
-    st = _state(slots, lengths, place, groups, language, vision, cap, reserve)
+    st = _state(slots, lengths, place, groups, language, vision, cap)
     args = (dp, S, *st, cap, reserve)
     descend(*args, refine.changes, _EPS)
     if refine.anneal_steps:
@@ -126,7 +126,6 @@ def _state(
     language: Sequence[float],
     vision: Sequence[float],
     cap: int,
-    reserve: int,
 ) -> tuple:
     """The search's arrays: per slot whether it runs the tower; per sample its place, language
     cost, tokens and image-set id; per bin its samples, their count, per-set counts, distinct
