@@ -176,6 +176,17 @@ def test_the_search_shortens_the_step_on_the_bench_mix(bench_mix):
     assert pack.step_flops(refined, cm) < 0.99 * pack.step_flops(plain, cm)
 
 
+def test_costless_samples_leave_nothing_to_search():
+    """Where every sample costs nothing, every plan costs the same: the search, annealing too,
+    returns the plan as it was (before, the annealing's temperature divided by zero)."""
+    slots = [[(3, [0]), (2, [1])], [(4, [2]), (1, [3])]]
+    out = refine_slots(
+        slots, Refinement(anneal_steps=100), lengths=[3, 2, 4, 1], place=[EITHER] * 4,
+        groups=[None] * 4, language=[0.0] * 4, vision=[0.0] * 4, cap=10, reserve=0,
+    )  # fmt: skip
+    assert out == slots
+
+
 def test_bad_refinements_are_refused():
     with pytest.raises(ValueError, match="changes and anneal_steps"):
         Refinement(changes=-1)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trainer_lib.planning.search import anneal, descend
+from trainer_lib.planning.search import anneal, bins_of, descend
 from trainer_lib.planning.slot_bound import VISION
 
 __all__ = ["Refinement", "refine_slots"]
@@ -97,15 +97,13 @@ def refine_slots(
     st = _state(slots, lengths, place, groups, language, vision, cap)
     args = (dp, S, *st, cap, reserve)
     descend(*args, refine.changes, _EPS)
-    if refine.anneal_steps:
-        V, L = st[_V].reshape(S, dp), st[_L].reshape(S, dp)
-        per_slot = float(np.sum(V.max(1) + L.max(1))) / S
+    V, L = st[_V].reshape(S, dp), st[_L].reshape(S, dp)
+    per_slot = float(np.sum(V.max(1) + L.max(1))) / S  # 0: every plan costs nothing, none to search
+    if refine.anneal_steps and per_slot > 0:
         rng = np.random.default_rng(refine.seed)
         bin_of = anneal(*args, refine.anneal_steps, rng, _T0 * per_slot, _T1 * per_slot)
-    else:  # each sample's bin from the descent's per-bin lists
-        members, count = st[_MEMBERS], st[_COUNT]
-        bin_of = np.empty(len(lengths), np.int64)
-        bin_of[members[np.arange(members.shape[1]) < count[:, None]]] = np.repeat(np.arange(S * dp), count)
+    else:
+        bin_of = bins_of(st[_MEMBERS], st[_COUNT], len(lengths))
     held: list[list[int]] = [[] for _ in range(S * dp)]
     for i in np.argsort(bin_of, kind="stable").tolist():
         held[int(bin_of[i])].append(i)
