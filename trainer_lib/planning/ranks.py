@@ -96,7 +96,7 @@ def deal_mini_batch(
         stretch_cap=stretch_cap,
         groups=[a.image_key for a in analyses] if balance == "compute" else None,
         language_cost=None if cost_model is None else [cost_model.language(a.length) for a in analyses],
-        refine=refine if balance == "compute" else None,
+        refine=refine,  # searched only where groups are given (balance="compute")
     )
     last_key = pad_key(entries[-1].sample if entries else None)  # the sample-count pads' key
     build = functools.partial(_micro_batch, entries, analyses, spec, last_key)
