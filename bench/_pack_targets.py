@@ -25,10 +25,11 @@ __all__ = [
 
 TARGET_IDLE, TARGET_WASTE, TARGET_PLAN, TARGET_FLOP_IDLE = 0.02, 0.04, 200_000, 0.03
 BASE, COMPUTE = "balanced, tokens (#13)", "balanced, compute (#29)"
+"""The plan before issue 29 (the step-time reference) and ``plan_step``'s default since."""
 DESCENT, ANNEAL = "balanced, compute + descent", "balanced, compute + descent + anneal"
+"""The default plan with the opt-in search (``Refinement``): descent, then annealing too."""
 ANNEAL_STEPS = 1_000_000
 """The annealed plan's steps per mini-batch (``Refinement.anneal_steps``)."""
-"""The plan before issue 29 (the step-time reference) and ``plan_step``'s default since."""
 
 
 def step_flops(plan, cm: CostModel, dedup: bool = True) -> float:
