@@ -200,6 +200,21 @@ def test_text_near_the_cap_never_sits_in_a_vision_slot():
     assert relaxed.num_micro_batches == 2 and relaxed.slot_has_pixels == [True, True]
 
 
+def test_a_text_slot_paced_by_its_longest_sample_takes_text_up_to_that_length():
+    """The near-cap sample sets its text slot's pace: the slot's other bin takes plain text up to
+    its length (800 of 998 tokens, not the mini-batch's expected fill of 700), which the vision
+    slots then do without: the slots' maxima sum to 600 + 600 + 998 (before: 800 + 600 + 998)."""
+    lengths = [400] * 4 + [998] + [200] * 8
+    kinds = [PIXELS] * 4 + [NEUTRAL] * 9
+    part = partition_mini_batch(
+        lengths, dp_size=2, cap=1000, kinds=kinds, reserve=6, groups=["a", "b"] * 2 + [None] * 9,
+        language_cost=lengths, vision_cost=[1.0] * 4 + [0.0] * 9,
+    )  # fmt: skip
+    assert part.slot_has_pixels == [True, True, False]
+    assert sorted(row[2] for row in part.tokens) == [800, 998]
+    assert sum(max(row[k] for row in part.tokens) for k in range(3)) == 600 + 600 + 998
+
+
 def test_keys_with_few_samples_still_give_every_rank_the_same_slots():
     lengths = [400] * 20 + [100]
     keys = ["big"] * 20 + ["lora-x"]

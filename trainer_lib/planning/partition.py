@@ -12,7 +12,8 @@ gathered layer by layer), so the slowest rank of a slot sets its pace. The algor
 1. **Sections.** With images, a slot runs the vision tower on every rank or on none. Samples with
    pixels go to *vision* slots; stray-placeholder text, and text within ``reserve`` tokens of the
    cap (no room for an image pad), to *text* slots, topped up with plain text (LPT, up to the
-   expected fill). Other text joins the vision slots, whose bins keep ``reserve`` tokens free for
+   expected fill, or in one text slot up to its longest sample, which sets its pace). Other text
+   joins the vision slots, whose bins keep ``reserve`` tokens free for
    the synthetic-image pad a bin without images gets there.
 2. **Head.** A section is packed first-fit-decreasing (:func:`~trainer_lib.planning.bins.plan_bins`; in
    step 4's second pass, by minimum bin slack). Every bin but the last of its key holds more than
@@ -225,8 +226,11 @@ def _planned(mb: SlotRules, build: Callable[[Callable], list[_Bins]]) -> list[_B
 
 def _text_slots(mb: SlotRules, items: list[int]) -> tuple[list[_Bins], list[int]]:
     """Step 1's text slots: the samples that must not meet the vision tower, LPT into the fewest
-    slots that hold them, topped up with plain text up to the mini-batch's expected fill. Returns
-    the slots and the plain text left for the vision slots."""
+    slots that hold them, topped up with plain text up to the mini-batch's expected fill, or, in
+    one text slot, up to its longest sample if that is more: that sample sets the slot's pace, and
+    a bin of at most its tokens costs at most as much (``sum n_i**2 <= (sum n_i)**2``), so the room
+    takes language the vision slots then need not hold. Returns the slots and the plain text left
+    for the vision slots."""
     lengths, keys, cap, dp = mb.lengths, mb.keys, mb.cap, mb.dp
     text = [i for i in items if mb.place[i] == TEXT]
     free = [i for i in items if mb.place[i] == EITHER]
@@ -234,6 +238,8 @@ def _text_slots(mb: SlotRules, items: list[int]) -> tuple[list[_Bins], list[int]
         return [], free
     target = min(cap, sum(lengths[i] for i in items) / (dp * max(slot_floor(mb, items), 1)))
     x = slots_needed(mb, text, cap)
+    if x == 1:
+        target = min(cap, max(target, max(lengths[i] for i in text)))
     while (dealt := lpt_bins(text, lengths, keys, x * dp, cap, free, target)) is None:
         x += 1
     bins, free = dealt
