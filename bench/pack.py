@@ -21,7 +21,7 @@ samples (``bench/_baselines.py``): **today** (``plan_step`` before issue 13), **
 balance="tokens")``, the plan before issue 29), **balanced, compute (#29)** (``plan_step``'s
 default: samples sharing an image kept together, FLOPs balanced per slot), and that plan with the
 opt-in search (``refine=Refinement()``: **+ descent**; ``Refinement(anneal_steps=1_000_000)``:
-**+ descent + anneal**, timed once per draw: ~0.2 s per mini-batch). Columns
+**+ descent + anneal**, timed once per draw: ~0.1 s per mini-batch). Columns
 (docs/PACKING.md §7 defines them):
 
 - **waste, capacity** = 1 - real tokens / ``sum(max(cap, len(mb)))`` (empty room + pads), with its
@@ -273,7 +273,7 @@ def plan_rate(name: str, inputs: list[tuple], dp: int, cap: int, repeats: int) -
             )  # fmt: skip
 
     fn = {"today": today, "verl KK": verl}.get(name, balanced)
-    return n / timeit(fn, repeat=1 if name == ANNEAL else repeats * 3).best  # annealing: ~0.2 s/mini-batch
+    return n / timeit(fn, repeat=1 if name == ANNEAL else repeats * 3).best  # annealing: ~0.1 s/mini-batch
 
 
 def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:

@@ -192,3 +192,5 @@ def test_bad_refinements_are_refused():
         Refinement(changes=-1)
     with pytest.raises(ValueError, match="changes and anneal_steps"):
         Refinement(anneal_steps=-5)
+    with pytest.raises(ValueError, match="seed"):
+        Refinement(seed=-1)

@@ -186,7 +186,7 @@ def plan_step(
             plan (each slot's tokens even, vision slots grouped by vision cost).
         refine: with ``"compute"``, search each mini-batch's plan for a shorter predicted step
             (:class:`~trainer_lib.planning.refine.Refinement`: descent, optionally annealing;
-            opt-in: planning ~2x slower with the descent, ~150x with 1M annealing steps;
+            opt-in: planning ~2x slower with the descent, ~100x with 1M annealing steps;
             docs/PACKING.md §3.8).
         stretch_cap: off by default. On: in a micro-batch slot where some rank runs a sample
             longer than the cap, the other ranks' micro-batches may hold up to that sample's
