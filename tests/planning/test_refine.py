@@ -9,11 +9,13 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import REPO
+from trainer_lib.planning import search
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import plan_step
@@ -185,6 +187,35 @@ def test_costless_samples_leave_nothing_to_search():
         groups=[None] * 4, language=[0.0] * 4, vision=[0.0] * 4, cap=10, reserve=0,
     )  # fmt: skip
     assert out == slots
+
+
+def test_the_annealing_draws_from_splitmix64():
+    """The kernel's generator gives SplitMix64's reference outputs for seed 1234567 (Rosetta Code,
+    "Pseudo-random numbers/Splitmix64"; Steele, Lea & Flood 2014), compiled and as Python. The
+    compiled loop keeps its state ``uint64`` as the annealing does (numba returns a ``uint64``
+    in a tuple to Python as a signed int, so the state must not round-trip through Python)."""
+    expected = [
+        6457827717110365317, 3203168211198807973, 9817491932198370423, 4593380528125082431,
+        16408922859458223821,
+    ]  # fmt: skip
+    numba = pytest.importorskip("numba")
+    splitmix = search._splitmix
+
+    @numba.njit
+    def draws(state, k):
+        out = np.empty(k, np.uint64)
+        for p in range(k):
+            state, bits = splitmix(state)
+            out[p] = bits
+        return out
+
+    assert [int(x) for x in draws(np.uint64(1234567), 5)] == expected
+    state, out = np.uint64(1234567), []
+    with np.errstate(over="ignore"):
+        for _ in range(5):
+            state, bits = splitmix.py_func(state)
+            out.append(int(bits))
+    assert out == expected
 
 
 def test_bad_refinements_are_refused():

@@ -239,7 +239,8 @@ def _splitmix(state):
     """The next state and 64 random bits of SplitMix64 (Steele, Lea & Flood 2014; the seeding
     generator of Java's ``SplittableRandom``): a few multiplies, against the tens of nanoseconds a
     ``numpy.random.Generator`` draw costs inside a kernel. Unsigned arithmetic wraps (the caller
-    silences numpy's overflow warnings where the kernel runs as Python)."""
+    silences numpy's overflow warnings where the kernel runs as Python). Keep the state inside the
+    kernel: numba hands a returned ``uint64`` to Python as a signed int."""
     state = state + np.uint64(0x9E3779B97F4A7C15)
     z = (state ^ (state >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
