@@ -13,8 +13,8 @@ gathered layer by layer), so the slowest rank of a slot sets its pace. The algor
    pixels go to *vision* slots; stray-placeholder text, and text within ``reserve`` tokens of the
    cap (no room for an image pad), to *text* slots, topped up with plain text (LPT, up to the
    expected fill, or in one text slot up to its longest sample, which sets its pace). Other text
-   joins the vision slots, whose bins keep ``reserve`` tokens free for
-   the synthetic-image pad a bin without images gets there.
+   joins the vision slots, whose bins keep ``reserve`` tokens free for the synthetic-image pad a
+   bin without images gets there.
 2. **Head.** A section is packed first-fit-decreasing (:func:`~trainer_lib.planning.bins.plan_bins`; in
    step 4's second pass, by minimum bin slack). Every bin but the last of its key holds more than
    ``cap - largest sample`` tokens; whole slots of these full bins form the head, grouped by
