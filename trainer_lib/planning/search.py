@@ -273,9 +273,11 @@ def anneal(
     # fmt: on
     n, nbins = lang.shape[0], S * dp
     bin_of = bins_of(members, count, n)
+    tops = np.empty((S, 6))  # per slot, as in the descent: each stage's largest cost, its bin, the second
     cur = 0.0
     for k in range(S):
-        cur += _slot_cost(k, dp, V, L, -1, 0.0, 0.0, -1, 0.0, 0.0)
+        _retop(k, dp, V, L, tops)
+        cur += tops[k, 0] + tops[k, 3]
     best, best_of = cur, bin_of.copy()
     ratio = math.log(t1 / t0)
     state = seed
@@ -293,15 +295,9 @@ def anneal(
         if va < 0.0:
             continue
         ka, kb = a // dp, b // dp
-        old = _slot_cost(ka, dp, V, L, -1, 0.0, 0.0, -1, 0.0, 0.0)
+        old = tops[ka, 0] + tops[ka, 3] + (0.0 if kb == ka else tops[kb, 0] + tops[kb, 3])
         dl = lang[i] - (lang[j] if j >= 0 else 0.0)
-        if ka == kb:
-            new = _slot_cost(ka, dp, V, L, a, va, L[a] - dl, b, vb, L[b] + dl)
-        else:
-            old += _slot_cost(kb, dp, V, L, -1, 0.0, 0.0, -1, 0.0, 0.0)
-            new = _slot_cost(ka, dp, V, L, a, va, L[a] - dl, -1, 0.0, 0.0)
-            new += _slot_cost(kb, dp, V, L, b, vb, L[b] + dl, -1, 0.0, 0.0)
-        delta = new - old
+        delta = _pair_cost(a, b, va, L[a] - dl, vb, L[b] + dl, dp, V, L, tops) - old
         if delta > 0.0:
             state, bits = _splitmix(state)
             if _unit(bits) >= math.exp(-delta / (t0 * math.exp(ratio * step / steps))):
@@ -312,6 +308,9 @@ def anneal(
             _apply(j, b, a, members, count, cnt, nd, grp, lang, size, L, T)
             bin_of[j] = a
         V[a], V[b] = va, vb
+        _retop(ka, dp, V, L, tops)
+        if kb != ka:
+            _retop(kb, dp, V, L, tops)
         cur += delta
         if cur < best * (1.0 - 1e-12):
             best = cur
