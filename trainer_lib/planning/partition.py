@@ -49,7 +49,7 @@ from operator import itemgetter
 
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
 from trainer_lib.planning.grouped import even_text_slots, grouped_vision_slots
-from trainer_lib.planning.refine import Refinement, refine_slots
+from trainer_lib.planning.refine import Refinement, refine_plan
 from trainer_lib.planning.repack import best_fit_with_exchange, min_slack_bins
 from trainer_lib.planning.slot_bound import EITHER, TEXT, VISION, SlotRules, places, slot_floor, slots_needed
 
@@ -163,28 +163,10 @@ def partition_mini_batch(
                 mb, section, len(long_slots) + len(text_slots), groups, language, weight
             ):
                 text_slots = even_text_slots(text_slots, lengths=lengths, language=language, cap=cap)
-                slots = _refined(mb, long_slots + vision_slots + text_slots, refine, groups, language, weight)
-                return _deal(slots, kinds, dp_size)
+                slots = long_slots + vision_slots + text_slots
+                return _deal(refine_plan(mb, slots, refine, groups, language, weight), kinds, dp_size)
     slots = _planned(mb, lambda pack: long_slots + _section(mb, section, room, weight, pack) + text_slots)
-    return _deal(_refined(mb, slots, refine, groups, language, weight), kinds, dp_size)
-
-
-def _refined(
-    mb: SlotRules,
-    slots: list[_Bins],
-    refine: Refinement | None,
-    groups: Sequence[Hashable | None] | None,
-    language: Sequence[float],
-    vision: Sequence[float],
-) -> list[_Bins]:
-    """``slots`` searched for a shorter step (:func:`~trainer_lib.planning.refine.refine_slots`)
-    when ``refine`` asks for it, with ``groups`` and one isolation key."""
-    if refine is None or groups is None or not mb.one_key:
-        return slots
-    return refine_slots(
-        [slot for slot in slots if any(b for _, b in slot)], refine, lengths=mb.lengths, place=mb.place,
-        groups=groups, language=language, vision=vision, cap=mb.cap, reserve=mb.reserve,
-    )  # fmt: skip
+    return _deal(refine_plan(mb, slots, refine, groups, language, weight), kinds, dp_size)
 
 
 def _by_compute(

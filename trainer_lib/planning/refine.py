@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from trainer_lib.planning.search import anneal, bins_of, descend
-from trainer_lib.planning.slot_bound import VISION
+from trainer_lib.planning.slot_bound import VISION, SlotRules
 
-__all__ = ["Refinement", "refine_slots"]
+__all__ = ["Refinement", "refine_plan", "refine_slots"]
 
 _Bins = list[tuple[int, list[int]]]
 _EPS = 1e-6
@@ -64,6 +64,25 @@ class Refinement:
             )
         if not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+
+
+def refine_plan(
+    mb: SlotRules,
+    slots: list[_Bins],
+    refine: Refinement | None,
+    groups: Sequence[Hashable | None] | None,
+    language: Sequence[float],
+    vision: Sequence[float],
+) -> list[_Bins]:
+    """A partition's ``slots`` (:mod:`~trainer_lib.planning.partition`) searched by
+    :func:`refine_slots` where ``refine`` asks for it, with ``groups`` and one isolation key (as
+    the compute plan applies); its empty slots are dropped first. Otherwise ``slots`` as given."""
+    if refine is None or groups is None or not mb.one_key:
+        return slots
+    return refine_slots(
+        [slot for slot in slots if any(b for _, b in slot)], refine, lengths=mb.lengths, place=mb.place,
+        groups=groups, language=language, vision=vision, cap=mb.cap, reserve=mb.reserve,
+    )  # fmt: skip
 
 
 def refine_slots(
