@@ -149,6 +149,22 @@ def _one_changed(k, j, v, lc, tops):
     return max(ov, v) + max(ol, lc)
 
 
+@njit(**_INLINE)
+def _pair_now(ka, kb, tops):
+    """The cost of slots ``ka`` and ``kb`` (once if they are one slot) as ``tops`` has them."""
+    return tops[ka, 0] + tops[ka, 3] + (0.0 if kb == ka else tops[kb, 0] + tops[kb, 3])
+
+
+@njit(**_INLINE)
+def _exchange(i, j, a, b, va, vb, members, count, cnt, nd, grp, lang, size, V, L, T):
+    """Sample ``i`` from bin ``a`` to ``b`` and ``j`` (-1: none) back, the bins' vision costs
+    becoming ``va`` and ``vb`` (:func:`_change`'s)."""
+    _apply(i, a, b, members, count, cnt, nd, grp, lang, size, L, T)
+    if j >= 0:
+        _apply(j, b, a, members, count, cnt, nd, grp, lang, size, L, T)
+    V[a], V[b] = va, vb
+
+
 @njit(**_JIT)
 def _retop(k, dp, V, L, tops):
     """``tops[k]``: slot ``k``'s largest vision cost, its bin, the second; the same for language."""
@@ -171,7 +187,7 @@ def _best_partner(
         kb = b // dp
         if b == a or frozen[b] or not _allowed(where, i, vis_slot[kb]):
             continue
-        base = tops[ka, 0] + tops[ka, 3] + (0.0 if kb == ka else tops[kb, 0] + tops[kb, 3])
+        base = _pair_now(ka, kb, tops)
         for q in range(-1, count[b]):
             j = members[b, q] if q >= 0 else -1
             va, vb = _change(i, j, a, b, vis_slot, where, size, grp, cnt, nd, gcost, V, T, dp, cap, reserve)
@@ -219,10 +235,7 @@ def descend(
                     frozen, gcost, tops, cap, reserve, eps,
                 )  # fmt: skip
                 if b >= 0:
-                    _apply(i, a, b, members, count, cnt, nd, grp, lang, size, L, T)
-                    if j >= 0:
-                        _apply(j, b, a, members, count, cnt, nd, grp, lang, size, L, T)
-                    V[a], V[b] = va, vb
+                    _exchange(i, j, a, b, va, vb, members, count, cnt, nd, grp, lang, size, V, L, T)
                     for kk in (k, b // dp):
                         _retop(kk, dp, V, L, tops)
                         dirty[kk] = True
@@ -295,19 +308,17 @@ def anneal(
         if va < 0.0:
             continue
         ka, kb = a // dp, b // dp
-        old = tops[ka, 0] + tops[ka, 3] + (0.0 if kb == ka else tops[kb, 0] + tops[kb, 3])
+        old = _pair_now(ka, kb, tops)
         dl = lang[i] - (lang[j] if j >= 0 else 0.0)
         delta = _pair_cost(a, b, va, L[a] - dl, vb, L[b] + dl, dp, V, L, tops) - old
         if delta > 0.0:
             state, bits = _splitmix(state)
             if _unit(bits) >= math.exp(-delta / (t0 * math.exp(ratio * step / steps))):
                 continue
-        _apply(i, a, b, members, count, cnt, nd, grp, lang, size, L, T)
+        _exchange(i, j, a, b, va, vb, members, count, cnt, nd, grp, lang, size, V, L, T)
         bin_of[i] = b
         if j >= 0:
-            _apply(j, b, a, members, count, cnt, nd, grp, lang, size, L, T)
             bin_of[j] = a
-        V[a], V[b] = va, vb
         _retop(ka, dp, V, L, tops)
         if kb != ka:
             _retop(kb, dp, V, L, tops)
