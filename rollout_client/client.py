@@ -17,17 +17,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Awaitable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
 import httpx
 
-from rollout_client.core import Blocking, ClientCore, Concurrent, Flow, Post, Sleep, T, step
+from rollout_client.core import Answer, Blocking, ClientCore, Concurrent, Flow, Post, Sleep, T, step
 from rollout_client.result import Rollout
 
 __all__ = ["AsyncRolloutClient", "RolloutClient"]
+
+
+class _Abandoned(Exception):
+    """A flow of a group stopped because another one failed (never leaves the client)."""
 
 
 class RolloutClient(ClientCore[Rollout, list[Rollout]]):
@@ -46,7 +51,8 @@ class RolloutClient(ClientCore[Rollout, list[Rollout]]):
         suppress_token_ids: more token ids to bias out.
         template, offloader: share a :class:`ChatTemplate` / :class:`Offloader` between clients.
         headers: sent with every request (e.g. an ``Authorization`` for vLLM's ``--api-key``).
-        max_concurrency: a group's requests in flight at once.
+        max_concurrency: a group's requests in flight at once (the client's own connection pool
+            has no cap: groups run side by side).
         seed: seeds the backoff jitter (tests).
         http_client: an ``httpx.Client`` to use (its base URL is ignored; the client does not close it).
     """
@@ -65,25 +71,42 @@ class RolloutClient(ClientCore[Rollout, list[Rollout]]):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _drive(self, flow: Flow[T]) -> T:
+    def _drive(self, flow: Flow[T], stop: threading.Event | None = None) -> T:
         done, item = step(flow, None)
         while not done:
-            done, item = step(flow, self._perform(item))
+            if stop is not None and stop.is_set():  # another flow of its group failed
+                flow.close()
+                raise _Abandoned
+            done, item = step(flow, self._perform(item, stop))
         return item
 
-    def _perform(self, effect: Any) -> Any:
+    def _perform(self, effect: Any, stop: threading.Event | None) -> Any:
         if isinstance(effect, Post):
             try:
-                return effect.send(self.http)
+                response = effect.send(self.http)
             except httpx.TransportError as e:
-                return e
+                response = e
+            return Answer(response, time.monotonic())
         if isinstance(effect, Sleep):
-            return time.sleep(effect.seconds)
+            return stop.wait(effect.seconds) if stop is not None else time.sleep(effect.seconds)
         if isinstance(effect, Concurrent):
-            with ThreadPoolExecutor(max_workers=max(1, min(len(effect.flows), self.max_concurrency))) as pool:
-                return list(pool.map(self._drive, effect.flows))
+            return self._concurrent(effect.flows)
         assert isinstance(effect, Blocking)
         return effect.fn(*effect.args)
+
+    def _concurrent(self, flows: list[Flow[Any]]) -> list[Any]:
+        """The flows on threads; at the first error the others stop before their next attempt or
+        wait (one in flight finishes in the background) and the error is raised at once."""
+        stop = threading.Event()
+        pool = ThreadPoolExecutor(max_workers=max(1, min(len(flows), self.max_concurrency)))
+        futures = [pool.submit(self._drive, flow, stop) for flow in flows]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in futures if f.done() and f.exception() is not None]
+        stop.set()
+        pool.shutdown(wait=not failed, cancel_futures=True)
+        if failed:
+            raise failed[0].exception()  # type: ignore[misc]
+        return [f.result() for f in futures]
 
 
 class AsyncRolloutClient(ClientCore[Awaitable[Rollout], Awaitable[list[Rollout]]]):
@@ -117,13 +140,26 @@ class AsyncRolloutClient(ClientCore[Awaitable[Rollout], Awaitable[list[Rollout]]
         if isinstance(effect, Post):
             async with gate or contextlib.nullcontext():
                 try:
-                    return await effect.send(self.http)
+                    response = await effect.send(self.http)
                 except httpx.TransportError as e:
-                    return e
+                    response = e
+                return Answer(response, time.monotonic())
         if isinstance(effect, Sleep):
             return await asyncio.sleep(effect.seconds)
         if isinstance(effect, Concurrent):
-            inner = asyncio.Semaphore(max(1, self.max_concurrency))
-            return list(await asyncio.gather(*(self._drive(f, inner) for f in effect.flows)))
+            return await self._concurrent(effect.flows)
         assert isinstance(effect, Blocking)
         return await asyncio.to_thread(effect.fn, *effect.args)
+
+    async def _concurrent(self, flows: list[Flow[Any]]) -> list[Any]:
+        """The flows as tasks; at the first error the others are cancelled (their requests in
+        flight too) and the error is raised."""
+        gate = asyncio.Semaphore(max(1, self.max_concurrency))
+        tasks = [asyncio.ensure_future(self._drive(flow, gate)) for flow in flows]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise

@@ -35,7 +35,18 @@ from rollout_client.template import ChatTemplate, Message
 from rollout_client.versions import VersionClock
 from rollout_client.wire import GENERATE_PATH, Retry, encode_body, read_answer, request_headers
 
-__all__ = ["Blocking", "Call", "ClientCore", "Concurrent", "Flow", "Post", "Prompt", "Sleep", "step"]
+__all__ = [
+    "Answer",
+    "Blocking",
+    "Call",
+    "ClientCore",
+    "Concurrent",
+    "Flow",
+    "Post",
+    "Prompt",
+    "Sleep",
+    "step",
+]
 
 logger = logging.getLogger("rollout_client")
 
@@ -51,7 +62,7 @@ Prompt = Conversation | Sequence[Message]
 
 
 class Post(NamedTuple):
-    """One HTTP attempt; the driver sends back the ``httpx.Response`` or the ``httpx.TransportError``."""
+    """One HTTP attempt; the driver sends back an :class:`Answer`."""
 
     url: str
     body: bytes
@@ -61,6 +72,14 @@ class Post(NamedTuple):
     def send(self, http: httpx.Client | httpx.AsyncClient) -> Any:
         """``http.post(...)``: the response, or (an ``AsyncClient``) an awaitable of it."""
         return http.post(self.url, content=self.body, headers=self.headers, timeout=self.timeout)
+
+
+class Answer(NamedTuple):
+    """What one :class:`Post` got: the ``httpx.Response`` or the ``httpx.TransportError``, and
+    ``time.monotonic()`` when the driver got it back (what orders weight versions)."""
+
+    result: Any
+    received_at: float
 
 
 class Sleep(NamedTuple):
@@ -84,7 +103,9 @@ class Call(NamedTuple):
 
 
 class Concurrent(NamedTuple):
-    """Run the flows at once (at most ``max_concurrency`` in flight); their results, in order."""
+    """Run the flows at once (at most ``max_concurrency`` in flight); their results, in order.
+    The first flow to raise ends the others (no attempt or wait of theirs starts after it; the
+    async client cancels their requests in flight) and its error is raised."""
 
     flows: list[Flow[Any]]
 
@@ -132,7 +153,9 @@ class ClientCore(Generic[One, Many]):
         self.max_concurrency = max_concurrency
         self.versions = VersionClock()
         self._rng = random.Random(seed)
-        limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+        # No cap on connections: max_concurrency bounds one group's requests, not the client's
+        # (many groups at once is the usual rollout; a capped pool would queue them).
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(20, max_concurrency))
         self._owns_http = http_client is None
         self.http = http_client or self._new_http(limits)
 
@@ -211,7 +234,8 @@ class ClientCore(Generic[One, Many]):
         extra_body: Mapping[str, Any] | None = None,
     ) -> One:
         """One completion of a prompt already in tokens (each image's placeholders expanded) with
-        its refs (``RawMMRef`` or ref strings, prompt order). Raises as :meth:`generate`."""
+        its refs (``RawMMRef`` or ref strings, prompt order; a rollout of bare strings cannot become
+        a ``TrainingSample``: it has no grids). Raises as :meth:`generate`."""
         prepared = PreparedPrompt(list(prompt_ids), tuple(images))  # type: ignore[arg-type]
         call = Call(sampling or Sampling(), session_id, expected_weight_version, extra_body)
         return self._drive(self._tokens(prepared, call))
@@ -264,14 +288,15 @@ class ClientCore(Generic[One, Many]):
         return (yield from self._send(prepared, call))
 
     def _group(self, prompt: Prompt, n: int, one_version: bool, call: Call) -> Flow[list[Rollout]]:
+        started = time.monotonic()
         prepared = yield Blocking(self._prepare_all, (prompt,))
         call = call._replace(session_id=uuid.uuid4().hex)
 
         def draw(k: int) -> Concurrent:
-            return Concurrent([self._send(prepared, call) for _ in range(k)])
+            return Concurrent([self._send(prepared, call, started) for _ in range(k)])
 
         group = list((yield draw(n)))
-        for _ in range(self.retry.max_attempts):
+        for _ in range(self.retry.max_attempts - 1):  # at most max_attempts draws in all
             stale = self.versions.stale(group) if one_version else []
             if not stale:
                 return group
@@ -282,17 +307,18 @@ class ClientCore(Generic[One, Many]):
             raise self.versions.unsettled(group)
         return group
 
-    def _send(self, prepared: PreparedPrompt, call: Call) -> Flow[Rollout]:
-        """One request, sent again on retryable answers until the policy gives up."""
+    def _send(self, prepared: PreparedPrompt, call: Call, started: float | None = None) -> Flow[Rollout]:
+        """One request, sent again on retryable answers until the policy gives up (its attempts,
+        or the deadline of the call that began at ``started``, default now)."""
         headers = request_headers(self.headers, call.session_id)
         body = self.body(prepared, call.sampling, call.extra_body)
         post = Post(self.base_url + GENERATE_PATH, body, headers, httpx.Timeout(None))
-        started, failures = time.monotonic(), 0
+        started, failures = time.monotonic() if started is None else started, 0
         while True:
             timeout = self._attempt_timeout(self.retry.deadline_s - (time.monotonic() - started))
-            answer = yield post._replace(timeout=timeout)
+            answer, received_at = yield post._replace(timeout=timeout)
             if isinstance(answer, httpx.Response) and answer.status_code == 200:
-                self.versions.observe(answer.headers.get(WEIGHT_VERSION_HEADER))
+                self.versions.observe(answer.headers.get(WEIGHT_VERSION_HEADER), received_at)
             outcome = read_answer(
                 answer,
                 expected_version=call.expected_version,

@@ -68,7 +68,16 @@ class Rollout:
     def to_training_sample(self) -> TrainingSample:
         """The trainer's sample: ``P + C`` tokens, loss and the server's logprobs on the completion
         (:meth:`protocol.structs.TrainingSample.from_rollout`), ``sampling_temperature`` the
-        rollout's; advantages 0.0 for the RL algorithm."""
+        rollout's; advantages 0.0 for the RL algorithm.
+
+        Raises:
+            TypeError: an image was sent as a bare ref string (``generate_tokens`` accepts them),
+                which lacks the grid and placeholder count the trainer needs: send ``RawMMRef``.
+        """
+        if any(not isinstance(ref, RawMMRef) for ref in self.images):
+            raise TypeError(
+                "a rollout sent with bare ref strings has no grids for the trainer: send RawMMRef"
+            )
         return TrainingSample.from_rollout(
             self.prompt_ids,
             self.completion_ids,

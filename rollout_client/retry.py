@@ -26,10 +26,12 @@ class RetryPolicy:
     server's ``Retry-After`` seconds when it sends one (capped at ``max_backoff_s``).
 
     Attributes:
-        max_attempts: attempts per request, the first included (>= 1).
+        max_attempts: attempts per request, the first included (>= 1); also the most draws of a
+            ``sample_group`` whose versions do not settle.
         initial_backoff_s: the first wait's upper bound, seconds.
         max_backoff_s: the largest wait, seconds.
-        deadline_s: the whole call (every attempt and wait) ends within this many seconds.
+        deadline_s: the whole call (every attempt and wait, a group's redraws included) ends
+            within this many seconds.
         statuses: the HTTP statuses sent again.
     """
 

@@ -47,12 +47,14 @@ SESSION_HEADER = "X-Session-ID"
 RETRYABLE_TRANSPORT = (
     httpx.ConnectError,
     httpx.ConnectTimeout,
+    httpx.PoolTimeout,
     httpx.RemoteProtocolError,
     httpx.ReadError,
     httpx.WriteError,
 )
-"""Connection refused or reset, the server closing without an answer: sent again. Other timeouts
-(read, write, pool) raise :class:`RolloutTimeout`."""
+"""Connection refused or reset, the server closing without an answer, no free connection in a
+caller's capped pool (the request was never sent): sent again. Other timeouts (read, write) raise
+:class:`RolloutTimeout`."""
 
 
 @dataclass

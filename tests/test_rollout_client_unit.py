@@ -210,8 +210,9 @@ def _scripted(script: list):
     return handler, seen
 
 
-def _run(mode: str, handler, call, model_dir="unused"):
-    """``call(client)`` on a RolloutClient (sync) or an AsyncRolloutClient (awaited) over ``handler``."""
+def _run(mode: str, handler, call, model_dir="unused", **options):
+    """``call(client)`` on a RolloutClient (sync) or an AsyncRolloutClient (awaited) over ``handler``
+    (``options`` override the client's arguments)."""
     import asyncio
 
     import httpx
@@ -219,7 +220,7 @@ def _run(mode: str, handler, call, model_dir="unused"):
     from rollout_client import AsyncRolloutClient, RolloutClient
 
     fast = RetryPolicy(max_attempts=4, initial_backoff_s=0.0, max_backoff_s=0.0)
-    kwargs = {"retry": fast, "suppress_placeholders": False, "max_concurrency": 1}
+    kwargs = {"retry": fast, "suppress_placeholders": False, "max_concurrency": 1, **options}
     if mode == "sync":
         http = httpx.Client(transport=httpx.MockTransport(handler))
         return call(RolloutClient("http://x", model_dir, "unused", http_client=http, **kwargs))
@@ -275,3 +276,107 @@ def test_version_clock_orders_by_receipt_not_by_recording():
     assert clock.latest == "new"
     group = [Rollout([1], [2], [-0.1], "length", None, v) for v in ("old", "new", "old")]
     assert clock.stale(group) == [0, 2] and clock.stale(group[1:2]) == []
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_failed_sample_ends_its_group(mode, qwen2_vl_dir):
+    """The first sample refused (400) ends the call at once; the others, slow 503s that would be
+    retried, start no attempt after it (the async client cancels them, the sync one lets the
+    attempt in flight end)."""
+    import asyncio
+    import threading
+    import time
+
+    import httpx
+
+    from rollout_client import ServerRefusal
+
+    seen, lock = [], threading.Lock()
+
+    def answer(request):
+        with lock:
+            seen.append(request)
+            first = len(seen) == 1
+        if first:
+            return None, httpx.Response(400, json={"error": {"message": "bad", "code": 400}})
+        return 1.0, httpx.Response(503, json={"error": {"message": "busy", "code": 503}})
+
+    def sync_handler(request):
+        delay, response = answer(request)
+        time.sleep(delay or 0)
+        return response
+
+    async def async_handler(request):
+        delay, response = answer(request)
+        await asyncio.sleep(delay or 0)
+        return response
+
+    handler = sync_handler if mode == "sync" else async_handler
+    text = [{"role": "user", "content": "Hi."}]
+    start = time.monotonic()
+    with pytest.raises(ServerRefusal):
+        _run(mode, handler, lambda c: c.sample_group(text, 4), qwen2_vl_dir, max_concurrency=4)
+    assert time.monotonic() - start < 0.9  # not after the others' 1 s answers
+    time.sleep(1.5)
+    assert len(seen) == 4  # no retry of the others started
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_group_is_drawn_at_most_max_attempts_times(mode, qwen2_vl_dir):
+    """Versions that never settle (answers alternate a, b): 4 draws in all (4 + 2 + 1 + 3 requests,
+    module comment in the test), then WeightVersionMismatch."""
+    import httpx
+
+    from rollout_client import WeightVersionMismatch
+
+    seen = []
+
+    def handler(request):
+        seen.append(request)
+        choice = {"token_ids": [7], "logprobs": {"content": [{"logprob": -0.5}]}, "finish_reason": "length"}
+        version = "ab"[(len(seen) - 1) % 2]
+        return httpx.Response(200, json={"choices": [choice]}, headers={"x-mmref-weight-version": version})
+
+    # draw 1: a b a b (newest b) -> redraw 0, 2: a b -> [a b b b] -> redraw 0: a (newest a)
+    # -> redraw 1, 2, 3: b a b -> [a b a b]: still mixed after 4 draws
+    text = [{"role": "user", "content": "Hi."}]
+    with pytest.raises(WeightVersionMismatch):
+        _run(mode, handler, lambda c: c.sample_group(text, 4), qwen2_vl_dir)
+    assert len(seen) == 10
+
+
+def test_a_group_has_one_deadline(qwen2_vl_dir):
+    """Redraws share the call's deadline: answers of 0.3 s in versions that never settle, a 1 s
+    deadline: RolloutTimeout after about 4 requests, not the 10 of four full draws."""
+    import time
+
+    import httpx
+
+    from rollout_client import RolloutTimeout
+
+    seen = []
+
+    def handler(request):
+        seen.append(request)
+        time.sleep(0.3)
+        choice = {"token_ids": [7], "logprobs": {"content": [{"logprob": -0.5}]}, "finish_reason": "length"}
+        version = "ab"[(len(seen) - 1) % 2]
+        return httpx.Response(200, json={"choices": [choice]}, headers={"x-mmref-weight-version": version})
+
+    policy = RetryPolicy(max_attempts=4, initial_backoff_s=0.0, max_backoff_s=0.0, deadline_s=1.0)
+    text = [{"role": "user", "content": "Hi."}]
+    with pytest.raises(RolloutTimeout):
+        _run("sync", handler, lambda c: c.sample_group(text, 4), qwen2_vl_dir, retry=policy)
+    assert 4 <= len(seen) < 10
+
+
+def test_no_free_connection_is_retried_and_bare_ref_strings_do_not_make_a_sample():
+    import httpx
+
+    from rollout_client.wire import Retry, read_answer
+
+    outcome = read_answer(httpx.PoolTimeout("no connection"), expected_version=None, retry_statuses={503})
+    assert isinstance(outcome, Retry) and outcome.status is None  # never sent: sent again
+    rollout = Rollout([1, 2], [3], [-0.1], "length", None, "v", ("mmraw:abc",))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="RawMMRef"):
+        rollout.to_training_sample()
