@@ -34,6 +34,7 @@ from trainer_lib import PackingSpec
 from trainer_lib.attention import VARLEN_ATTENTION
 from trainer_lib.forward import packed_logprobs
 from trainer_lib.materialize import materialize_micro_batch
+from trainer_lib.micro_batch import replace_loss_mask
 from trainer_lib.model_inputs import PackedInputs, packed_inputs
 from trainer_lib.packed_call import PackingUnsupported
 from trainer_lib.planning.packing import pack_samples, rebuild_micro_batch
@@ -477,3 +478,23 @@ def test_a_checkpointed_lm_head_keeps_no_logits_and_changes_nothing(families):
         fam.model.gradient_checkpointing_disable()
         fam.model.eval()
     assert kept_anyway - by_default >= logits_bytes
+
+
+def test_a_replaced_loss_mask_cannot_take_a_sample_start(families):
+    """PACKING.md §1: ``num_loss_tokens`` equals the loss mask the forward returns, which drops
+    each sample's first token (it has no logprob). A replacement with a loss there is refused;
+    one without it is counted as the forward counts it."""
+    fam = families["qwen2_vl"]
+    samples = [chat([], "Hi", "yo", fam.tok), chat([], "Say", "ok", fam.tok)]
+    (mb,) = pack_samples(samples, fam.spec, seq_len=4096).micro_batches
+    starts = [slot.start for slot in mb.slots]
+    assert len(starts) == 2 and starts[0] == 0
+    with pytest.raises(ValueError, match="True at position 0, the first token of packed sample 0"):
+        replace_loss_mask(mb, [True] * mb.num_tokens)  # counted 2 tokens the forward drops
+    second = [i != 0 for i in range(mb.num_tokens)]
+    with pytest.raises(ValueError, match=f"True at position {starts[1]}, the first token of packed sample 1"):
+        replace_loss_mask(mb, second)
+    ok = replace_loss_mask(mb, [i not in starts for i in range(mb.num_tokens)])
+    with torch.no_grad():
+        out = packed_logprobs(fam.model, packed_inputs(ok, {}, fam.model, fam.spec))
+    assert ok.num_loss_tokens == int(out.loss_mask.sum()) == mb.num_tokens - 2

@@ -258,7 +258,8 @@ def test_bad_arguments(store, qwen2_vl_adapter):
 
 def test_materialize_and_packing_refuse_the_same_prompts_the_same_way(store, qwen2_vl_adapter):
     """One placeholder check (protocol.placeholders): materialize(placeholder_token_id=...) and
-    pack_samples raise the same PlaceholderMismatch for the same prompt."""
+    pack_samples raise the same PlaceholderMismatch for the same prompt, and accept the same ones:
+    a text-only sample holding the placeholder id as text (a stray placeholder) included."""
     root, refs = store
     good = refs["coffee"]
     tok, n = 261, good.num_placeholders
@@ -269,7 +270,7 @@ def test_materialize_and_packing_refuse_the_same_prompts_the_same_way(store, qwe
             loss_mask=[False] * len(ids),
             advantages=[0.0] * len(ids),
             inference_logprobs=[0.0] * len(ids),
-            mm_refs=MMRefs(items=[ref], mm_token_type_ids=types),
+            mm_refs=MMRefs(items=[ref] if ref else [], mm_token_type_ids=types) if ref or types else None,
         )
 
     bad = [
@@ -280,6 +281,7 @@ def test_materialize_and_packing_refuse_the_same_prompts_the_same_way(store, qwe
         prompt(
             [1, *[tok] * (n + 4)], ref=msgspec.structs.replace(good, num_placeholders=n + 4)
         ),  # lying count
+        prompt([1, tok, 2, 3], [0, 1, 0, 0], ref=None),  # an image-typed token without images
     ]
     spec = PackingSpec(placeholder_token_id=tok, pad_token_id=0, adapter=qwen2_vl_adapter)
     for s in bad:
@@ -294,6 +296,13 @@ def test_materialize_and_packing_refuse_the_same_prompts_the_same_way(store, qwe
         pack_samples([ok], PackingSpec(placeholder_token_id=tok, pad_token_id=0), seq_len=4096).num_samples
         == 1
     )
+    stray = [prompt([1, tok, 2, 3], ref=None), prompt([1, tok, 2, 3], [0, 0, 0, 0], ref=None)]
+    for s in stray:  # packed apart from pixels, never a reason to kill the step
+        step = pack_samples([s, ok], spec, seq_len=4096)
+        (mb,) = [mb for mb in step.micro_batches if any(x.sample_index == 0 for x in mb.slots)]
+        assert [x.stray_placeholders for x in mb.slots] == [True] and not mb.images
+        assert step.num_samples == 2
+        assert materialize([s, ok], qwen2_vl_adapter, root, placeholder_token_id=tok).stats.images == 1
 
 
 def packable(ref) -> TrainingSample:

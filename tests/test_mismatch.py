@@ -5,6 +5,7 @@ real photos)."""
 from __future__ import annotations
 
 import logging
+import math
 
 import msgspec
 import pytest
@@ -15,6 +16,7 @@ from helpers import Family, chat
 from trainer_lib import (
     SUPPRESSED_LOGIT,
     check_sampling_temperature,
+    logprob_mismatch,
     materialize,
     pack_samples,
     packed_inputs,
@@ -114,3 +116,36 @@ def test_recompute_warns_when_samples_were_sampled_at_another_temperature(fam, c
         assert not check_sampling_temperature(mixed, 1.0)
     (record,) = caplog.records
     assert "2 of 3 sample(s)" in record.getMessage() and "2 at 0.5" in record.getMessage()
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.7, float("nan"), float("inf")])
+def test_a_temperature_logits_cannot_be_divided_by_is_refused(fam, bad, caplog):
+    """Greedy (``sampling_temperature=0.0``) passed as is gave -inf/NaN logprobs, a negative one an
+    inverted distribution: both refused, the message naming what a greedy sample's caller passes,
+    before any packing or warning; 1.0 (greedy is compared unscaled) gives finite logprobs."""
+    greedy = [msgspec.structs.replace(s, sampling_temperature=0.0) for s in samples_of(fam)]
+    (mb,) = pack_samples(greedy[1:2], fam.spec, seq_len=4096).micro_batches
+    inputs = packed_inputs(mb, {}, fam.model, fam.spec)
+    with pytest.raises(ValueError, match=r"finite and > 0.*greedy.*temperature=1\.0"):
+        packed_logprobs(fam.model, inputs, temperature=bad)
+    with caplog.at_level(logging.WARNING, logger="trainer_lib.mismatch"):
+        with pytest.raises(ValueError, match=r"finite and > 0.*greedy.*temperature=1\.0"):
+            recompute_logprobs(greedy, fam.model, fam.spec, fam.config, seq_len=4096, temperature=bad)
+        assert not caplog.records
+        out = recompute_logprobs(greedy, fam.model, fam.spec, fam.config, seq_len=4096, temperature=1.0)
+        assert not caplog.records  # greedy is compared at 1.0
+    assert all(torch.isfinite(lp).all() for lp, _ in out)
+
+
+def test_an_integer_mask_is_refused_not_used_as_indices():
+    """An int64 0/1 mask (verl's response_mask) would gather positions 0 and 1: a false perfect
+    match on these logprobs, which differ by 0.5 on the masked tokens."""
+    trainer = torch.tensor([0.0, -1.0, -2.0, -3.0])
+    inference = torch.tensor([0.0, -1.0, -2.5, -3.5])
+    ints = torch.tensor([0, 0, 1, 1])
+    for mask in (ints, ints.int(), ints.float()):
+        with pytest.raises(ValueError, match=r"mask must be bool.*mask\.bool\(\)"):
+            logprob_mismatch(trainer, inference, mask)
+    stats = logprob_mismatch(trainer, inference, ints.bool())
+    assert stats.tokens == 2 and stats.max_abs == 0.5 and stats.mean_abs == 0.5
+    assert stats.k3_kl == pytest.approx(math.expm1(0.5) - 0.5)

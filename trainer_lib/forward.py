@@ -9,6 +9,7 @@ no ``[L, vocab]`` tensor at once).
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from trainer_lib.model_inputs import PackedInputs
 from trainer_lib.packed_call import CU_SEQLENS_KWARG, MAX_SEQLEN_KWARG, PackingUnsupported
 from trainer_lib.prepare import check_packable
 
-__all__ = ["SUPPRESSED_LOGIT", "ForwardResult", "packed_logprobs"]
+__all__ = ["SUPPRESSED_LOGIT", "ForwardResult", "check_temperature", "packed_logprobs"]
 
 SUPPRESSED_LOGIT = -1.0e4
 """The logit a suppressed token gets (after the temperature division): ``exp`` of it relative to
@@ -88,6 +89,25 @@ def _per_slot_pixels(
     return torch.cat([chunks[i] for i in index]), grid[image_index]
 
 
+def check_temperature(temperature: float) -> None:
+    """Refuse a temperature the logits cannot be divided by: 0 gives -inf/NaN logprobs (NaN
+    gradients), a negative one inverts the distribution into plausible-looking numbers.
+
+    A greedy sample records ``sampling_temperature=0.0``; vLLM's logprobs for it are the unscaled
+    ones (``vllm/v1/sample/sampler.py`` divides greedy rows by 1.0), so its caller passes 1.0, as
+    :func:`~trainer_lib.check_sampling_temperature` compares it.
+
+    Raises:
+        ValueError: ``temperature`` is not finite and > 0.
+    """
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(
+            f"temperature must be finite and > 0, got {temperature!r} (logits are divided by it); "
+            "for a greedy sample (sampling_temperature 0.0, whose vLLM logprobs are unscaled) pass "
+            "temperature=1.0"
+        )
+
+
 def packed_logprobs(
     model: torch.nn.Module,
     inputs: PackedInputs,
@@ -124,10 +144,12 @@ def packed_logprobs(
             gradients are enabled. Logprobs and gradients are the same either way.
 
     Raises:
-        ValueError: a suppressed id outside the vocabulary.
+        ValueError: ``temperature`` not finite and > 0 (:func:`check_temperature`: a greedy
+            sample's caller passes 1.0); a suppressed id outside the vocabulary.
         PackingUnsupported: see :func:`check_packable`; a hybrid model whose linear-attention
             path is not installed (:func:`~trainer_lib.prepare_model_for_packing` not called).
     """
+    check_temperature(temperature)
     linear = check_packable(model)
     if linear is not None and linear_attention_path(model) != linear:
         raise PackingUnsupported(

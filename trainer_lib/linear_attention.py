@@ -26,8 +26,10 @@ Paths (:func:`linear_attention_path` reports the installed one, like the attenti
   ``fla.modules.convolution.causal_conv1d(..., cu_seqlens=)`` and
   ``fla.ops.gated_delta_rule.chunk_gated_delta_rule(..., cu_seqlens=)`` (PyPI ``fla-core``,
   also pulled in by ``flash-linear-attention``; Triton; written against 0.6.0, where
-  ``fla.modules.convolution`` is the alias of ``fla.modules.causal_conv1d``). Unverified: not run
-  on this project's CPU machines, and no GPU run recorded yet (docs/PACKING.md §9).
+  ``fla.modules.convolution`` is the alias of ``fla.modules.causal_conv1d``). Not run on this
+  project's CPU machines; verified on a lent H100 (2026-11-26, docs/PACKING.md §9 and "GPU
+  measurements"): bf16, packed vs each sample alone bit-identical for the tiny Qwen3.5 and
+  Qwen3.5-MoE. fla-core 0.6.0 refuses the backward on Hopper with Triton < 3.7.1 (the forward runs).
 
 Both paths compute the layer as ``Qwen3_5GatedDeltaNet.forward`` does without a cache
 (transformers ``models/qwen3_5/modeling_qwen3_5.py``, mirrored by :func:`_gated_delta_net`; the
@@ -203,7 +205,8 @@ def _torch_kernels(layer_cls: type) -> _Kernels:
 
 
 def _fla_kernels() -> _Kernels:
-    """flash-linear-attention's varlen conv and chunked delta rule (CUDA; unverified here)."""
+    """flash-linear-attention's varlen conv and chunked delta rule (CUDA; verified on a lent H100,
+    docs/PACKING.md "GPU measurements"; its backward needs Triton >= 3.7.1 on Hopper)."""
     from fla.modules.convolution import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 

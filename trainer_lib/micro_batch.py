@@ -196,13 +196,26 @@ def replace_loss_mask(packed: PackedMicroBatch, loss_mask: list[bool]) -> Packed
         loss_mask: bool ``[num_tokens]``.
 
     Raises:
-        ValueError: ``loss_mask`` does not have ``num_tokens`` entries.
+        ValueError: ``loss_mask`` does not have ``num_tokens`` entries, or is True at a sample's
+            first token (it has no logprob: the packed forward drops it from its loss mask, so
+            ``num_loss_tokens`` would count a token no loss sees).
     """
     if len(loss_mask) != packed.num_tokens:
         raise ValueError(f"{len(loss_mask)} loss-mask entries for {packed.num_tokens} tokens")
+    _refuse_loss_at_starts(packed.slots, loss_mask)
     slots = tuple(
         dataclasses.replace(s, num_loss_tokens=loss_mask[s.start : s.start + s.length].count(True))
         for s in packed.slots
     )
     micro_batch = msgspec.structs.replace(packed.micro_batch, loss_mask=loss_mask)
     return PackedMicroBatch(micro_batch=micro_batch, slots=slots, images=packed.images)
+
+
+def _refuse_loss_at_starts(slots: tuple[SampleSlot, ...], loss_mask: list[bool]) -> None:
+    """Raises ValueError where ``loss_mask`` is True at a slot's first token."""
+    for i, s in enumerate(slots):
+        if s.length and loss_mask[s.start]:
+            raise ValueError(
+                f"loss_mask is True at position {s.start}, the first token of packed sample {i}: it "
+                f"has no logprob (nothing precedes it) and takes no loss"
+            )

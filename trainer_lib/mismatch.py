@@ -23,7 +23,7 @@ import torch
 
 from protocol.structs import TrainingSample
 from trainer_lib.config import MaterializeConfig
-from trainer_lib.forward import packed_logprobs
+from trainer_lib.forward import check_temperature, packed_logprobs
 from trainer_lib.materialize import Resolved, materialize_micro_batch
 from trainer_lib.model_inputs import packed_inputs
 from trainer_lib.planning.packing import pack_samples
@@ -58,11 +58,17 @@ def logprob_mismatch(trainer: torch.Tensor, inference: torch.Tensor, mask: torch
     """Compare float ``[L]`` logprobs on the positions where bool ``mask`` ``[L]`` is True.
 
     Raises:
-        ValueError: shapes differ or nothing is compared.
+        ValueError: shapes differ, ``mask`` is not bool (an integer 0/1 mask would index
+            positions instead of selecting them), or nothing is compared.
     """
     if trainer.shape != inference.shape or trainer.shape != mask.shape:
         raise ValueError(
             f"shapes differ: {tuple(trainer.shape)}, {tuple(inference.shape)}, {tuple(mask.shape)}"
+        )
+    if mask.dtype != torch.bool:
+        raise ValueError(
+            f"mask must be bool, got {mask.dtype}: an integer mask would gather positions, not select "
+            "them (pass mask.bool() for a 0/1 mask)"
         )
     d = (trainer.double() - inference.double())[mask]
     if d.numel() == 0:
@@ -139,8 +145,11 @@ def recompute_logprobs(
     (:func:`trainer_lib.prepare_model_for_packing`).
 
     Raises:
+        ValueError: ``temperature`` not finite and > 0 (:func:`~trainer_lib.forward.check_temperature`;
+            for greedy samples, ``sampling_temperature`` 0.0, pass 1.0), before any work.
         MMRefError subclasses, PlaceholderMismatch, PackingUnsupported: see the steps.
     """
+    check_temperature(temperature)
     check_sampling_temperature(samples, temperature)
     step = pack_samples(samples, spec, seq_len=seq_len, micro_batch_max_tokens=micro_batch_max_tokens)
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from protocol.adapters import ImageAdapter
-from protocol.errors import GridMismatch, InvalidRef
+from protocol.errors import GridMismatch, InvalidRef, PlaceholderMismatch
 from protocol.placeholders import check_placeholder_counts, locate_image_runs
 from protocol.refs import ContentRef, FileRef, RawRefBody, parse_ref
 from protocol.roots import AssetRoots, LocalRoot
@@ -73,7 +73,9 @@ def _check_sample(
     placeholder_token_id: int | None,
 ) -> None:
     """Each ``RawMMRef``'s grid is its ref string's, its count is the grid's; with a placeholder id,
-    the prompt's image runs fit the refs (:func:`protocol.placeholders.locate_image_runs`)."""
+    the prompt's image runs fit the refs (:func:`protocol.placeholders.locate_image_runs`), as
+    packing checks them (:func:`~trainer_lib.planning.packing.analyze_entry`): a sample without
+    refs may hold the placeholder id as text (a stray placeholder) but no image-typed token."""
     refs = sample.mm_refs.items if sample.mm_refs else []
     for r in refs:
         if tuple(r.grid) != grids[r.ref]:
@@ -81,10 +83,25 @@ def _check_sample(
                 f"sample {index}: RawMMRef grid {r.grid} != its ref's grid {list(grids[r.ref])}", ref=r.ref
             )
     check_placeholder_counts(refs, adapter.num_placeholders, sample=index)
-    if placeholder_token_id is not None:
-        type_ids = sample.mm_refs.mm_token_type_ids if sample.mm_refs else None
-        locate_image_runs(
-            sample.input_ids, refs, placeholder_token_id, mm_token_type_ids=type_ids, sample=index
+    if placeholder_token_id is None:
+        return
+    type_ids = sample.mm_refs.mm_token_type_ids if sample.mm_refs else None
+    if not refs:
+        _refuse_typed_images(index, type_ids)
+        return
+    locate_image_runs(sample.input_ids, refs, placeholder_token_id, mm_token_type_ids=type_ids, sample=index)
+
+
+def _refuse_typed_images(index: int, type_ids: Sequence[int] | None) -> None:
+    """A sample without images may not type any token as an image (packing's own message).
+
+    Raises:
+        PlaceholderMismatch: ``type_ids`` marks an image token.
+    """
+    if type_ids is not None and any(type_ids):
+        raise PlaceholderMismatch(
+            f"sample {index}: mm_token_type_ids marks {sum(type_ids)} image token(s) but the "
+            f"sample has no images"
         )
 
 
