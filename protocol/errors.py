@@ -182,7 +182,8 @@ class SeedUnsupported(MMRefError, ValueError):
 
 class UpdateConflict(MMRefError, RuntimeError):
     """A weight-update call that does not fit the server's state: a hold while another holds the
-    server, a release without a hold (``vllm_plugin/updates.py``)."""
+    server, a release without a hold, or either while a hold or an update still drains or an
+    update reloads (``vllm_plugin/updates.py``)."""
 
     code = "update_conflict"
     http_status = 409
@@ -199,8 +200,9 @@ class DrainTimeout(MMRefError, TimeoutError):
 class StoreUnavailable(MMRefError, ConnectionError):
     """No asset root held the image and at least one could not be asked: an object store that
     refused the connection, timed out (``MMREF_STORE_TIMEOUT_S``, retries included) or denied the
-    request (``protocol/roots.py``). The image may exist: retryable, never replaced by a
-    placeholder."""
+    request, or a local file that could not be opened (permission denied, too many open files, an
+    I/O error: ``protocol/store.py``) (``protocol/roots.py``). The image may exist: retryable,
+    never replaced by a placeholder."""
 
     code = "store_unavailable"
     http_status = 503

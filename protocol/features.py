@@ -138,6 +138,8 @@ def read_feature_item(
     Raises:
         FingerprintMismatch: the ref or the file is for another layout.
         AssetOutsideRoot, AssetNotFound: see :meth:`protocol.store.AssetStore.confine`.
+        StoreUnavailable: the file is there but cannot be opened (permission denied, too many
+            open files: :func:`protocol.store.read_confined`).
         AssetTooLarge: the file exceeds ``max_bytes``.
         CorruptFeature: the file is not a valid envelope (truncated, corrupt, wrong schema, kind
             or modality), or the envelope's ids differ from the ref's.

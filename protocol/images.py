@@ -18,7 +18,7 @@ import warnings
 
 from PIL import Image, ImageOps
 
-from protocol.errors import AssetTooLarge, ImageUnreadable
+from protocol.errors import AssetTooLarge, ImageUnreadable, MMRefError
 
 __all__ = ["ALLOWED_FORMATS", "DEFAULT_MAX_IMAGE_PIXELS", "load_image", "sniff_media_type"]
 
@@ -43,7 +43,9 @@ def sniff_media_type(data: bytes) -> tuple[str, str]:
     else ``.img``.
 
     Raises:
-        ImageUnreadable: the header is not one of :data:`ALLOWED_FORMATS`.
+        AssetTooLarge: a header over Pillow's decompression-bomb limit.
+        ImageUnreadable: the header is not one of :data:`ALLOWED_FORMATS`, or Pillow fails on it
+            in any other way (``OSError``, ``ValueError``, ...).
     """
     try:
         with warnings.catch_warnings():
@@ -52,7 +54,9 @@ def sniff_media_type(data: bytes) -> tuple[str, str]:
                 fmt = im.format or ""
     except Image.DecompressionBombError as e:
         raise AssetTooLarge(f"decompression bomb refused: {e}") from e
-    except (OSError, Image.UnidentifiedImageError) as e:
+    except (MMRefError, MemoryError):
+        raise
+    except Exception as e:  # OSError, ValueError ("Truncated IHDR chunk"), ...: whatever Pillow raises
         raise ImageUnreadable(f"not a readable image ({len(data)} bytes): {e}") from e
     return _MEDIA_TYPES.get(fmt, ("application/octet-stream", ".img"))
 
@@ -73,7 +77,8 @@ def load_image(
 
     Raises:
         AssetTooLarge: more than ``max_pixels`` pixels.
-        ImageUnreadable: unknown format, truncated or corrupt data.
+        ImageUnreadable: unknown format, truncated or corrupt data: whatever Pillow raises
+            (``OSError``, ``ValueError``, ``TypeError``...), but ``MemoryError``.
     """
     try:
         with warnings.catch_warnings():  # the max_pixels check below decides, as in vLLM
@@ -87,9 +92,9 @@ def load_image(
             image.load()
     except Image.DecompressionBombError as e:  # PIL's hard limit, 2x its warning threshold
         raise AssetTooLarge(f"decompression bomb refused: {e}", ref=ref) from e
-    except (OSError, Image.UnidentifiedImageError, SyntaxError, ValueError) as e:
-        if isinstance(e, AssetTooLarge):
-            raise
+    except (MMRefError, MemoryError):  # AssetTooLarge above; out of memory is not the image's fault
+        raise
+    except Exception as e:  # OSError, SyntaxError, ValueError, TypeError (a mis-typed TIFF tag), ...
         raise ImageUnreadable(f"cannot decode image ({len(data)} bytes): {e}", ref=ref) from e
     return _to_rgb(image)
 

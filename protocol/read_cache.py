@@ -82,7 +82,8 @@ class ReadCache:
         """The cached bytes of ``sha256``, verified, or None (a miss).
 
         A file that is not a regular file, is over ``max_bytes``, or does not hash to its name is a
-        miss (the last one is removed). A hit refreshes the file's mtime (its LRU age).
+        miss (the last one is removed, where this process may: a failed removal is still a miss).
+        A hit refreshes the file's mtime (its LRU age).
 
         Raises:
             ValueError: ``sha256`` is not 64 lowercase hex characters.
@@ -100,7 +101,8 @@ class ReadCache:
             if len(data) > max_bytes:
                 return None
             if hashlib.sha256(data).hexdigest() != sha256:
-                self._discard(path, st.st_size)
+                with contextlib.suppress(OSError):  # a lock or folder this user may not write: still a miss
+                    self._discard(path, st.st_size)
                 return None
             with contextlib.suppress(OSError):  # another user's file: still a hit, not re-aged
                 os.utime(fd)
@@ -199,7 +201,12 @@ class ReadCache:
         return total
 
     def _discard(self, path: Path, size: int) -> None:
-        """Remove a file that failed its check, and count its bytes out."""
+        """Remove a file that failed its check, and count its bytes out.
+
+        Raises:
+            OSError: the lock, the file's folder or ``.usage`` cannot be written by this process
+                (:meth:`get` counts the file as a miss all the same).
+        """
         with self._locked():
             try:
                 os.unlink(path)

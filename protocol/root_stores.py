@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -53,10 +54,18 @@ class StoreClientConfig:
     allow_http: bool = False
     """Plain-HTTP endpoints (a local S3 such as moto or MinIO; ``http://`` roots always allow it):
     ``MMREF_STORE_ALLOW_HTTP``."""
+    hold_down_s: float = 5.0
+    """After a request finds the root unreachable (refused, timed out, a 5xx), its reads and
+    writes fail at once (:class:`StoreUnavailable`) for this long (seconds), then it is asked
+    again: the requests queued behind a down or slow root end now instead of each paying
+    :meth:`deadline_s` in the worker pool they share with every other request. 0: never held
+    down. ``MMREF_STORE_HOLD_DOWN_S``."""
 
     def __post_init__(self) -> None:
         if not (self.timeout_s > 0 and self.connect_timeout_s > 0 and self.retry_timeout_s > 0):
             raise ValueError("store timeouts must be > 0 seconds")
+        if self.hold_down_s < 0:
+            raise ValueError(f"hold_down_s must be >= 0, got {self.hold_down_s}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
 
@@ -80,6 +89,7 @@ class StoreClientConfig:
             max_retries=int(env.get("MMREF_STORE_MAX_RETRIES", d.max_retries)),
             retry_timeout_s=float(env.get("MMREF_STORE_RETRY_TIMEOUT_S", d.retry_timeout_s)),
             allow_http=env.get("MMREF_STORE_ALLOW_HTTP", "").lower() in ("1", "true", "yes"),
+            hold_down_s=float(env.get("MMREF_STORE_HOLD_DOWN_S", d.hold_down_s)),
         )
 
     def obstore_options(self, *, allow_http: bool = False) -> dict[str, Any]:
@@ -112,7 +122,10 @@ class AssetRoot(ABC):
 
     @abstractmethod
     def get(self, key: str, *, max_bytes: int, ref: str | None = None) -> bytes:
-        """The bytes under ``key`` (not hash-checked here).
+        """The bytes under ``key`` (not hash-checked here). Messages of the errors raised at
+        once (:class:`AssetTooLarge`, :class:`AssetOutsideRoot`) name the key, never the root;
+        a :class:`StoreUnavailable`'s may name it (for logs: :mod:`protocol.roots` never passes
+        it on).
 
         Raises:
             AssetNotFound: no object under ``key``.
@@ -148,7 +161,10 @@ class LocalRoot(AssetRoot):
         self.url = str(self.store.root)
 
     def get(self, key: str, *, max_bytes: int, ref: str | None = None) -> bytes:
-        return self.store.read_confined(self.store.root / key, max_bytes=max_bytes, ref=ref)
+        """See :meth:`AssetRoot.get`; messages name ``key``, never the folder. Also
+        :class:`StoreUnavailable` for a file that cannot be opened (permission denied, too many
+        open files: :meth:`AssetStore.read_confined`)."""
+        return self.store.read_confined(self.store.root / key, max_bytes=max_bytes, ref=ref, name=key)
 
     def put(self, key: str, data: bytes) -> bool:
         return atomic_write(self.store.root / key, data)
@@ -192,35 +208,57 @@ class ObjectRoot(AssetRoot):
             self._store = from_url(url, **options)
         except Exception as e:  # obstore's GenericError / ValueError: configuration
             raise ValueError(f"asset root {url!r} cannot be opened: {_first_line(e)}") from e
+        self._down_until = 0.0
+        """``time.monotonic()`` until which the root is held down (``client.hold_down_s``)."""
+
+    def _unavailable(self, what: str, e: Exception, ref: str | None = None) -> StoreUnavailable:
+        """The error of a request that could not ask the root; holds the root down unless only
+        this object was denied (the root answered)."""
+        from obstore.exceptions import PermissionDeniedError
+
+        if not isinstance(e, PermissionDeniedError):
+            self._down_until = time.monotonic() + self.client.hold_down_s
+        return StoreUnavailable(f"{self.url} unavailable for {what}: {_first_line(e)}", ref=ref)
+
+    def _check_up(self, what: str, ref: str | None = None) -> None:
+        """Raises StoreUnavailable at once while the root is held down."""
+        left = self._down_until - time.monotonic()
+        if left > 0:
+            raise StoreUnavailable(
+                f"{self.url} unavailable for {what}: held down {left:.1f} s more after a failed request",
+                ref=ref,
+            )
 
     def get(self, key: str, *, max_bytes: int, ref: str | None = None) -> bytes:
         import obstore
 
+        self._check_up(key, ref)
         try:
             result = obstore.get(self._store, key)
             size = int(result.meta["size"])
             if size > max_bytes:
-                raise AssetTooLarge(f"{self.url}/{key} is {size} bytes, limit {max_bytes}", ref=ref)
+                raise AssetTooLarge(f"object {key} is {size} bytes, limit {max_bytes}", ref=ref)
             data = bytes(result.bytes())
         except FileNotFoundError as e:
-            raise AssetNotFound(f"no object {key} under {self.url}", ref=ref) from e
+            raise AssetNotFound(f"no object {key} in an object-store root", ref=ref) from e
         except AssetTooLarge:
             raise
         except Exception as e:  # obstore BaseError (timeouts, refused, 5xx, denied), OSError
-            raise StoreUnavailable(f"{self.url} unavailable for {key}: {_first_line(e)}", ref=ref) from e
+            raise self._unavailable(key, e, ref) from e
         if len(data) > max_bytes:  # the body disagreed with its declared size
-            raise AssetTooLarge(f"{self.url}/{key} is over {max_bytes} bytes", ref=ref)
+            raise AssetTooLarge(f"object {key} is over {max_bytes} bytes", ref=ref)
         return data
 
     def _size(self, key: str) -> int | None:
         import obstore
 
+        self._check_up(key)
         try:
             return int(obstore.head(self._store, key)["size"])
         except FileNotFoundError:
             return None
         except Exception as e:
-            raise StoreUnavailable(f"{self.url} unavailable for {key}: {_first_line(e)}") from e
+            raise self._unavailable(key, e) from e
 
     def put(self, key: str, data: bytes) -> bool:
         """HEAD first (a duplicate image uploads nothing), then a conditional PUT
@@ -237,7 +275,7 @@ class ObjectRoot(AssetRoot):
             except AlreadyExistsError:
                 existing = self._size(key)
             except Exception as e:
-                raise StoreUnavailable(f"{self.url} unavailable for put {key}: {_first_line(e)}") from e
+                raise self._unavailable(f"put {key}", e) from e
         if existing is not None and existing != len(data):
             raise HashMismatch(
                 f"{self.url}/{key} holds {existing} bytes, this image is {len(data)}: another object "

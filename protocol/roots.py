@@ -12,9 +12,12 @@ Resolution (:meth:`AssetRoots.read_image`), in order:
 1. the node's read-through cache (:class:`protocol.read_cache.ReadCache`), when configured;
 2. each root in turn: the first holding bytes whose sha256 is the ref's wins (bytes from an
    object store then go to the cache); a missing key, an unreachable root (connection refused,
-   timeout after obstore's retries, permission denied) or other bytes -> the next root;
+   timeout after obstore's retries, permission denied; a local file that cannot be opened:
+   permission denied, too many open files) or other bytes -> the next root;
 3. nothing found: :class:`StoreUnavailable` (503) if a root could not be asked, else
    :class:`HashMismatch` (409) if a root held other bytes, else :class:`AssetNotFound` (404).
+   The message counts the roots tried and their kind, never a path or URL (docs/SECURITY.md);
+   which roots, and why each failed, go to this module's log.
 
 A file over ``max_bytes`` (:class:`AssetTooLarge`, from the object's size before its body is
 read) or a local path leading out of its root (:class:`AssetOutsideRoot`) raises at once.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -71,6 +75,8 @@ __all__ = [
 
 ROOTS_ENV = "MMREF_ASSET_ROOTS"
 """Environment variable: the ordered roots, comma-separated or a JSON list of strings."""
+
+_log = logging.getLogger(__name__)
 
 _V1_TAIL_RE = re.compile(
     r"(?:/(?P<run>run_[A-Za-z0-9_.-]+)/assets)?/images/(?P<name>[a-f0-9]{16}(?:\.jpg|\.png|\.webp|\.gif|\.img))\Z"
@@ -282,20 +288,26 @@ class AssetRoots:
         ref: str | None,
         first_error: AssetOutsideRoot | AssetNotFound | None,
     ) -> tuple[bytes, str]:
-        unavailable: list[str] = []
-        mismatched: list[str] = []
+        """The first candidate ``(root, key)`` holding bytes that hash to ``mm_hash``, else the
+        refusal of the module docstring's step 3. Refusals count the roots tried and say of which
+        kind; which roots, and why each failed, goes to this module's log (never to a client)."""
+        unavailable: set[str] = set()  # root URLs: a root may be tried under two keys (v1)
+        mismatched: set[str] = set()
         for root, key in candidates:
             try:
                 data = root.get(key, max_bytes=max_bytes, ref=ref)
             except AssetNotFound:
+                _log.debug("image %s: asset root %s has no %s", mm_hash, root.url, key)
                 continue
             except StoreUnavailable as e:
-                unavailable.append(e.message)
+                _log.warning("image %s: asset root %s could not be asked: %s", mm_hash, root.url, e.message)
+                unavailable.add(root.url)
                 continue
             try:
                 digest = check_sha256(data, mm_hash, ref=ref)
             except HashMismatch:
-                mismatched.append(f"{root.url}/{key}")
+                _log.warning("image %s: asset root %s holds other bytes under %s", mm_hash, root.url, key)
+                mismatched.add(root.url)
                 continue
             if self.cache is not None and not root.local and len(mm_hash) == 64:
                 try:
@@ -303,16 +315,29 @@ class AssetRoots:
                 except OSError:  # a full or read-only cache disk: serve without caching
                     pass
             return data, digest
+        tried = _describe_tried(candidates)
         if unavailable:
             raise StoreUnavailable(
-                f"image {mm_hash} not found in the reachable roots; unavailable: {'; '.join(unavailable)}",
+                f"image {mm_hash} not found in the reachable roots; {len(unavailable)} of the {tried} "
+                "could not be asked",
                 ref=ref,
             )
         if mismatched:
             raise HashMismatch(
-                f"no root holds bytes hashing to {mm_hash}; other bytes at {', '.join(mismatched)}", ref=ref
+                f"no root holds bytes hashing to {mm_hash}; other bytes in {len(mismatched)} of the {tried}",
+                ref=ref,
             )
         if first_error is not None:
             raise first_error
-        where = ", ".join(dict.fromkeys(r.url for r, _ in candidates)) or "no asset roots configured"
-        raise AssetNotFound(f"image {mm_hash} is in none of the roots ({where})", ref=ref)
+        where = f"none of the {tried}" if candidates else "no root: no asset roots configured"
+        raise AssetNotFound(f"image {mm_hash} is in {where}", ref=ref)
+
+
+def _describe_tried(candidates: Sequence[tuple[AssetRoot, str]]) -> str:
+    """How many distinct roots ``candidates`` names, and of which kind, e.g. ``"2 roots tried (1
+    local folder, 1 object store)"``: never a path or URL (docs/SECURITY.md)."""
+    roots = {r.url: r for r, _ in candidates}.values()
+    local = sum(1 for r in roots if r.local)
+    kinds = [(local, "local folder"), (len(roots) - local, "object store")]
+    parts = ", ".join(f"{n} {kind}{'s' if n != 1 else ''}" for n, kind in kinds if n)
+    return f"{len(roots)} root{'s' if len(roots) != 1 else ''} tried ({parts})"

@@ -55,6 +55,9 @@ class RootSettings(BaseSettings):
     """No retry starts later than this (seconds)."""
     store_allow_http: bool = False
     """Plain-HTTP object-store endpoints (a local S3)."""
+    store_hold_down_s: float = Field(default=5.0, ge=0)
+    """After a request finds an object-store root unreachable, its reads fail at once for this
+    long (seconds; 0: never)."""
 
     @field_validator("asset_root")
     @classmethod
@@ -81,6 +84,7 @@ class RootSettings(BaseSettings):
             max_retries=self.store_max_retries,
             retry_timeout_s=self.store_retry_timeout_s,
             allow_http=self.store_allow_http,
+            hold_down_s=self.store_hold_down_s,
         )
 
     def root_urls(self) -> list[str]:

@@ -15,6 +15,7 @@ whole contract.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import secrets
@@ -23,7 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from protocol.errors import AssetNotFound, AssetOutsideRoot, AssetTooLarge, HashMismatch, InvalidRef
+from protocol.errors import (
+    AssetNotFound,
+    AssetOutsideRoot,
+    AssetTooLarge,
+    HashMismatch,
+    InvalidRef,
+    MMRefError,
+    StoreUnavailable,
+)
 from protocol.images import sniff_media_type
 from protocol.refs import MM_HASH_RE, ContentRef, RawRefBody, file_uri_to_path
 
@@ -42,6 +51,9 @@ DEFAULT_MAX_IMAGE_BYTES = 64 * 1024 * 1024
 """Largest image file read (bytes); larger files raise :class:`AssetTooLarge`."""
 TEMP_PREFIX = ".tmp-"
 """Name prefix of a writer's temp file (in the target's folder, renamed over the target when whole)."""
+_GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ENXIO, errno.ENODEV})
+"""``open`` errors of a confined path that was removed, or replaced by a socket or a device."""
+_DENIED_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
 
 
 class ImageSource(Protocol):
@@ -174,14 +186,20 @@ class AssetStore:
         atomic_write(path, data)
         return StoredImage(sha256=digest, path=path, media_type=media_type, nbytes=len(data))
 
-    def confine(self, path: str | os.PathLike[str], *, ref: str | None = None) -> Path:
+    def confine(
+        self, path: str | os.PathLike[str], *, ref: str | None = None, name: str | None = None
+    ) -> Path:
         """Resolve ``path`` (symlinks included) and require it to stay inside the root.
+
+        Args:
+            name: how messages name the path (default: ``path`` as given, the ref's own); a
+                root's reads pass the key, so no message names the root.
 
         Raises:
             AssetOutsideRoot: the resolved path is outside the root.
             AssetNotFound: the path does not exist.
         """
-        shown = repr(str(path)[:200])  # messages name the ref's own path, never the root or realpath
+        shown = _shown(path, name)
         try:
             resolved = Path(os.path.realpath(path))
             outside = resolved != self.root and self.root not in resolved.parents
@@ -194,26 +212,32 @@ class AssetStore:
             raise AssetNotFound(f"no file at {shown}", ref=ref)
         return resolved
 
-    def read_confined(self, path: str | os.PathLike[str], *, max_bytes: int, ref: str | None = None) -> bytes:
+    def read_confined(
+        self, path: str | os.PathLike[str], *, max_bytes: int, ref: str | None = None, name: str | None = None
+    ) -> bytes:
         """Read a regular file inside the root, at most ``max_bytes``.
 
         :meth:`confine` first; then ``open(O_NOFOLLOW | O_NONBLOCK)`` on the resolved path and
         ``fstat`` of the open descriptor: a symlink, FIFO or device swapped in after the check is
         refused instead of followed or blocked on, and the size limit holds for what is read.
 
+        Args:
+            name: how messages name the path (see :meth:`confine`).
+
         Raises:
             AssetOutsideRoot, AssetNotFound: see :meth:`confine`; also a path that changed
                 into a symlink (outside) or into something that is not a regular file (not found).
+            StoreUnavailable: the file cannot be opened: permission denied (``EACCES``,
+                ``EPERM``: :class:`protocol.roots.AssetRoots` tries the next root), too many open
+                files, an I/O error (retryable).
             AssetTooLarge: the file exceeds ``max_bytes``.
         """
-        resolved = self.confine(path, ref=ref)
-        shown = repr(str(path)[:200])
+        resolved = self.confine(path, ref=ref, name=name)
+        shown = _shown(path, name)
         try:
             fd = os.open(resolved, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except FileNotFoundError as e:
-            raise AssetNotFound(f"no file at {shown}", ref=ref) from e
-        except OSError as e:  # a symlink swapped in after confine(): ELOOP
-            raise AssetOutsideRoot(f"{shown} changed while being opened: {e.strerror}", ref=ref) from e
+        except OSError as e:
+            raise _open_error(e, shown, ref) from e
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode):
@@ -246,6 +270,7 @@ class AssetStore:
         Raises:
             InvalidRef: not an absolute local ``file://`` URI.
             AssetOutsideRoot, AssetNotFound: see :meth:`confine`.
+            StoreUnavailable: see :meth:`read_confined`.
             AssetTooLarge: the file exceeds ``max_bytes``.
             HashMismatch: the bytes do not hash to ``mm_hash``.
         """
@@ -269,9 +294,33 @@ class AssetStore:
 
         Raises:
             InvalidRef, AssetOutsideRoot, AssetNotFound, AssetTooLarge, HashMismatch: see
-                :meth:`read_hashed`.
+                :meth:`read_hashed` (a v2 ref's messages name its key, never the root).
+            StoreUnavailable: see :meth:`read_confined`.
         """
         if isinstance(body, ContentRef):
-            data = self.read_confined(self.root / body.key, max_bytes=max_bytes, ref=ref)
+            data = self.read_confined(self.root / body.key, max_bytes=max_bytes, ref=ref, name=body.key)
             return data, check_sha256(data, body.sha256, ref=ref)
         return self.read_hashed(body.raw_image_uri, body.mm_hash, max_bytes=max_bytes, ref=ref)
+
+
+def _shown(path: str | os.PathLike[str], name: str | None) -> str:
+    """How a message names a path: ``name``, else the path as given (the ref's own), never the
+    root nor where it resolves to; at most 200 characters, quoted."""
+    return repr((str(path) if name is None else name)[:200])
+
+
+def _open_error(e: OSError, shown: str, ref: str | None) -> MMRefError:
+    """The typed error of an ``os.open`` of a confined path that failed with ``e``.
+
+    ``ELOOP`` (a symlink swapped in after :meth:`AssetStore.confine`; ``O_NOFOLLOW``):
+    :class:`AssetOutsideRoot`. Removed, or replaced by a socket or device: :class:`AssetNotFound`.
+    Permission denied, and anything else (``EMFILE``, ``ENFILE``, ``EIO``...): the file may be
+    there but cannot be read now, :class:`StoreUnavailable` (503, retryable; the next root is tried).
+    """
+    if e.errno == errno.ELOOP:
+        return AssetOutsideRoot(f"{shown} changed into a symlink while being opened", ref=ref)
+    if e.errno in _GONE_ERRNOS:
+        return AssetNotFound(f"no file at {shown}", ref=ref)
+    if e.errno in _DENIED_ERRNOS:
+        return StoreUnavailable(f"{shown} cannot be read: permission denied", ref=ref)
+    return StoreUnavailable(f"{shown} cannot be opened now: {e.strerror or e}", ref=ref)

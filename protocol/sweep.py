@@ -45,11 +45,36 @@ class SweepReport:
 
 
 def _feature_roots(root: Path) -> list[Path]:
-    """Every ``<assets>/mm_features/v1/vllm-mmitem`` under ``root`` (an asset root or an output root)."""
-    direct = root / FEATURES_SUBDIR
-    if direct.is_dir():
-        return [direct]
-    return sorted(p / FEATURES_SUBDIR for p in root.glob("run_*/assets") if (p / FEATURES_SUBDIR).is_dir())
+    """Every ``<assets>/mm_features/v1/vllm-mmitem`` under ``root`` (an asset root or an output root).
+
+    A base is kept only when each step below ``root`` (``run_X``, ``assets``, ``mm_features``,
+    ``v1``, ``vllm-mmitem``) is a real folder, not a symlink: a writer of the store who plants
+    ``vllm-mmitem -> /elsewhere`` or ``run_X -> /elsewhere`` gets nothing outside swept.
+    """
+    if _real_dirs(root, FEATURES_SUBDIR):
+        return [root / FEATURES_SUBDIR]
+    try:
+        with os.scandir(root) as entries:
+            names = sorted(e.name for e in entries if e.name.startswith("run_"))
+    except OSError:  # not a folder, unreadable
+        return []
+    rels = [Path(name) / "assets" / FEATURES_SUBDIR for name in names]
+    return [root / rel for rel in rels if _real_dirs(root, rel)]
+
+
+def _real_dirs(root: Path, rel: Path) -> bool:
+    """Whether every path from ``root / rel.parts[0]`` down to ``root / rel`` is a folder and none
+    is a symlink (``lstat`` of each step; ``root`` itself, the operator's argument, may be one)."""
+    path = root
+    for part in rel.parts:
+        path = path / part
+        try:
+            st = path.lstat()
+        except OSError:
+            return False
+        if not stat.S_ISDIR(st.st_mode):  # a symlink's lstat is S_ISLNK, never S_ISDIR
+            return False
+    return True
 
 
 def sweep_features(

@@ -20,6 +20,7 @@ from vllm_server import free_port
 __all__ = [
     "DEADLINE_S",
     "GREEDY",
+    "HOLD_DOWN_S",
     "LONG",
     "PAD",
     "ROUTER",
@@ -52,8 +53,12 @@ STORE = {
     "MMREF_STORE_CONNECT_TIMEOUT_S": "0.5",
     "MMREF_STORE_MAX_RETRIES": "1",
     "MMREF_STORE_RETRY_TIMEOUT_S": "2",
+    "MMREF_STORE_HOLD_DOWN_S": "1",
 }
-"""The replicas' object-store requests: one read of one root ends within 3 s."""
+"""The replicas' object-store requests: one read of one root ends within 3 s; a root found down
+is held down 1 s (:data:`HOLD_DOWN_S`)."""
+
+HOLD_DOWN_S = 1.0
 
 
 DEADLINE_S = 3.0 + 2.0
@@ -151,9 +156,16 @@ def offload(fleet: Fleet, adapter, tag: str):
     )
 
 
-def body(ref, **sampling) -> dict:
-    ids = [1, 259, *[PAD] * ref.num_placeholders, 260, 2]
-    return {"token_ids": ids, "mm_refs": [ref.ref], "sampling_params": {**GREEDY, **sampling}}
+def body(ref, *more, **sampling) -> dict:
+    """A generate body of ``ref`` (and ``more`` refs), each image in its own vision span."""
+    ids = [1]
+    for r in (ref, *more):
+        ids += [259, *[PAD] * r.num_placeholders, 260]
+    return {
+        "token_ids": [*ids, 2],
+        "mm_refs": [r.ref for r in (ref, *more)],
+        "sampling_params": {**GREEDY, **sampling},
+    }
 
 
 def tokens(response: httpx.Response) -> list[int]:

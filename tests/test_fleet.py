@@ -34,6 +34,7 @@ import pytest
 from fleet_helpers import (
     DEADLINE_S,
     GREEDY,
+    HOLD_DOWN_S,
     LONG,
     PAD,
     STORE,
@@ -211,6 +212,23 @@ def test_a_handle_minted_on_one_replica_is_served_on_the_other(fleet, qwen2_vl_a
     assert tokens(post(fleet.router, by_handle(other, minted_b), sessions["a"][0])) == on_b
 
 
+def test_resolve_of_a_handle_with_null_kwargs_data_encodes_it_from_the_bucket(fleet, qwen2_vl_adapter):
+    """``kwargs_data: null`` (vLLM's form of "every item cached") naming a handle replica B never
+    held: ``/inference/v1/resolve`` reads the image from the bucket and answers the item A encodes
+    (once a 500: the null was filled in place)."""
+    ref = offload(fleet, qwen2_vl_adapter, "handle4")
+    request = by_handle(ref, resolved_hash(fleet.a.url, ref))
+    del request["sampling_params"]
+    request["features"]["kwargs_data"] = None
+    on_b = httpx.post(f"{fleet.b.url}/inference/v1/resolve", json=request)
+    assert on_b.status_code == 200, on_b.text[:300]
+    plain = body(ref)
+    del plain["sampling_params"]
+    on_a = httpx.post(f"{fleet.a.url}/inference/v1/resolve", json=plain)
+    (item,) = on_b.json()["features"]["kwargs_data"]["image"]
+    assert isinstance(item, str) and item == on_a.json()["features"]["kwargs_data"]["image"][0]
+
+
 def test_a_handle_under_other_weights_or_opaque_is_not_cached(fleet, qwen2_vl_adapter):
     ref = offload(fleet, qwen2_vl_adapter, "handle3")
     minted = resolved_hash(fleet.a.url, ref)
@@ -247,6 +265,7 @@ def test_store_endpoint_down_is_503_and_the_replica_stays_up(fleet, qwen2_vl_ada
         assert tokens(via_router) and routed == {"a": 0.0, "b": 1.0}
     finally:
         fleet.proxy.reopen()
+    time.sleep(HOLD_DOWN_S)  # B holds the root down that long after it found it down
     assert tokens(post(fleet.b.url, body(lost)))  # the endpoint is back: served (failures are not cached)
 
 
@@ -271,7 +290,35 @@ def test_slow_store_is_503_within_the_deadline(fleet, qwen2_vl_adapter):
         fleet.proxy.close()  # drop the held connections
         fleet.proxy.reopen()
     assert 1.0 <= elapsed < DEADLINE_S  # gave up on time: no hung request
+    time.sleep(HOLD_DOWN_S)
     assert tokens(post(fleet.b.url, body(ref)))
+
+
+def test_a_slow_store_holds_up_no_other_work_of_the_replica(fleet, qwen2_vl_adapter):
+    """Six images of a slow store in one request: 503 within one read's deadline, and the five
+    reads queued behind the first in B's worker pool end at once (the root held down) instead of
+    each waiting out the deadline there: an inline item, checked in that pool, is served next
+    without waiting (once ~6 s more: ~3 s per read, two workers)."""
+    refs = [offload(fleet, qwen2_vl_adapter, f"queued{i}") for i in range(6)]
+    held = offload(fleet, qwen2_vl_adapter, "queued-inline")
+    plain = {k: v for k, v in body(held).items() if k != "sampling_params"}
+    features = httpx.post(f"{fleet.a.url}/inference/v1/resolve", json=plain).json()["features"]
+    features["mm_hashes"] = {"image": [hashlib.sha256(b"queued-inline").hexdigest()[:32]]}  # the client's
+    inline = {"token_ids": plain["token_ids"], "features": features, "sampling_params": GREEDY}
+    fleet.proxy.delay_s = 30.0
+    try:
+        start = time.monotonic()
+        assert refusal(post(fleet.b.url, body(*refs))) == (503, "store_unavailable")
+        assert time.monotonic() - start < DEADLINE_S
+        start = time.monotonic()
+        assert tokens(post(fleet.b.url, inline))
+        assert time.monotonic() - start < 2.0
+    finally:
+        fleet.proxy.delay_s = 0.0
+        fleet.proxy.close()
+        fleet.proxy.reopen()
+    time.sleep(HOLD_DOWN_S)
+    assert tokens(post(fleet.b.url, body(*refs[:2])))
 
 
 # --- the trainer: the same pixels from its own mount -------------------------------------------------

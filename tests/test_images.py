@@ -244,6 +244,41 @@ def test_formats_outside_the_allow_list_are_unreadable():
             sniff_media_type(data)
 
 
+def _tiff_with_float_strip_offsets() -> bytes:
+    """A 9x7 RGB TIFF whose StripOffsets tag (273) is typed DOUBLE (11) instead of LONG (4):
+    Pillow's decoder raises ``TypeError: 'float' object cannot be interpreted as an integer``."""
+    data = bytearray(encode(Image.new("RGB", (9, 7)), "TIFF"))
+    assert data[70:74] == b"\x11\x01\x04\x00"  # tag 273, type 4 at byte 72
+    data[72] = 11
+    return bytes(data)
+
+
+def _png_with_truncated_ihdr() -> bytes:
+    """PNG magic, then an IHDR chunk of length 1 with a valid CRC: ``ValueError: Truncated IHDR chunk``."""
+    return b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\x01IHDR\x00" + struct.pack(">I", zlib.crc32(b"IHDR\x00"))
+
+
+def test_a_mis_typed_tiff_tag_is_unreadable_not_a_type_error():
+    """Pillow raises a TypeError decoding a TIFF whose StripOffsets tag is typed DOUBLE: 422
+    ``image_unreadable`` (docs/SECURITY.md), never an untyped 500."""
+    tiff = _tiff_with_float_strip_offsets()
+    assert sniff_media_type(tiff) == ("image/tiff", ".img")  # the header is a TIFF's
+    with pytest.raises(ImageUnreadable) as info:
+        load_image(tiff, ref="mmraw:tiff")
+    assert info.value.ref == "mmraw:tiff" and isinstance(info.value.__cause__, TypeError)
+
+
+def test_sniffing_a_truncated_ihdr_is_unreadable_not_a_value_error():
+    """Pillow raises a ValueError opening a PNG whose IHDR chunk is 1 byte long: the sniff of a
+    writer (``put_image``, ``put_content``) refuses it as ``image_unreadable`` too."""
+    png = _png_with_truncated_ihdr()
+    with pytest.raises(ImageUnreadable) as info:
+        sniff_media_type(png)
+    assert isinstance(info.value.__cause__, ValueError) and "IHDR" in str(info.value)
+    with pytest.raises(ImageUnreadable):
+        load_image(png)
+
+
 def test_max_pixels_limit():
     data = photo_bytes("coffee", "PNG", (64, 48))
     assert load_image(data, max_pixels=64 * 48).size == (64, 48)

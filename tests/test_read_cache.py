@@ -3,6 +3,7 @@ writes, several processes on one folder)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import subprocess
@@ -11,8 +12,11 @@ import textwrap
 
 import pytest
 
-from helpers import REPO
+from helpers import REPO, photo_bytes
+from protocol.errors import AssetNotFound
 from protocol.read_cache import LOW_WATER, ReadCache
+from protocol.roots import AssetRoots, LocalRoot, put_content
+from protocol.store import AssetStore
 
 
 def blob(i: int, n: int = 1000) -> tuple[str, bytes]:
@@ -40,6 +44,34 @@ def test_a_hit_is_checked_and_a_bad_file_is_a_miss_and_removed(tmp_path):
     assert cache.get(sha, max_bytes=1 << 20) is None
     assert not path.exists()
     assert int((cache.folder / ".usage").read_text()) == 0
+
+
+def test_a_bad_file_that_cannot_be_removed_is_still_a_miss(tmp_path, monkeypatch):
+    """A cached file failing its check whose removal fails (``.lock`` not openable by this user:
+    another user's 0600 cache) is a miss, never a raw PermissionError: the read falls through to
+    the roots (the cache is optional, as failed puts already are)."""
+    jpeg = photo_bytes("coffee", size=(32, 24))
+    sha = hashlib.sha256(jpeg).hexdigest()
+    cache = ReadCache(tmp_path / "c", 1 << 20)
+    cache.put(sha, jpeg)
+    cache.path_of(sha).write_bytes(jpeg[:-1] + b"?")  # on disk, other bytes under its name
+    lock = cache.folder / ".lock"
+    real_open = os.open
+
+    def fake_open(path, flags, *args, **kwargs):
+        if str(path) == str(lock):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    assert cache.get(sha, max_bytes=1 << 20) is None
+    assert cache.path_of(sha).exists()  # left in place, still checked (and a miss) on every read
+    root = tmp_path / "root"
+    put_content(AssetStore(root), jpeg)
+    roots = AssetRoots([LocalRoot(root)], cache=cache)
+    assert roots.read_content(sha, ".jpg") == (jpeg, sha)
+    with pytest.raises(AssetNotFound):  # no root holds it: the roots' own answer, typed
+        AssetRoots([LocalRoot(tmp_path / "empty")], cache=cache).read_content(sha, ".jpg")
 
 
 def test_symlinks_fifos_and_oversize_files_are_misses(tmp_path):

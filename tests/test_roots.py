@@ -4,7 +4,10 @@ Object-store roots against a real S3 endpoint: tests/test_roots_s3.py."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import logging
+import os
 import shutil
 
 import pytest
@@ -20,6 +23,7 @@ from protocol.errors import (
     GridMismatch,
     HashMismatch,
     InvalidRef,
+    StoreUnavailable,
     UnsupportedFamily,
 )
 from protocol.refs import ContentRef, RawRefBody, format_content_ref, parse_ref
@@ -94,7 +98,8 @@ def test_store_client_config_bounds_a_read():
     assert StoreClientConfig.from_env({"MMREF_STORE_TIMEOUT_S": "3", "MMREF_STORE_ALLOW_HTTP": "1"}) == (
         StoreClientConfig(timeout_s=3.0, allow_http=True)
     )
-    for bad in ({"timeout_s": 0}, {"max_retries": -1}):
+    assert StoreClientConfig.from_env({"MMREF_STORE_HOLD_DOWN_S": "0"}).hold_down_s == 0.0
+    for bad in ({"timeout_s": 0}, {"max_retries": -1}, {"hold_down_s": -1}):
         with pytest.raises(ValueError):
             StoreClientConfig(**bad)
 
@@ -158,6 +163,62 @@ def test_one_asset_store_reads_v2_refs_at_their_key(tmp_path, jpeg):
     assert store.read_image(content_ref(jpeg)) == (jpeg, hashlib.sha256(jpeg).hexdigest())
     with pytest.raises(AssetNotFound):
         store.read_image(content_ref(jpeg, ".png"))
+
+
+def _failing_open(monkeypatch, under, code: int) -> None:
+    """``os.open`` raises ``OSError(code)`` for paths under ``under``; the real call elsewhere (a
+    0600 file of another user cannot be made as root, nor EMFILE on demand)."""
+    real_open = os.open
+
+    def fake_open(path, flags, *args, **kwargs):
+        if str(path).startswith(f"{under}{os.sep}"):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", fake_open)
+
+
+@pytest.mark.parametrize("code", [errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE])
+def test_a_file_the_first_root_cannot_open_is_read_from_the_next(tmp_path, jpeg, monkeypatch, code):
+    """Permission denied (a 0600 file of another user), too many open files: the next root serves
+    the image (docs/PROTOCOL.md §2.5); it used to be 403 ``outside_root`` at once. With no other
+    root holding it: 503 ``store_unavailable`` (the image may exist), naming no root."""
+    ref = content_ref(jpeg)
+    for name in ("a", "b"):
+        put_content(AssetStore(tmp_path / name), jpeg)
+    _failing_open(monkeypatch, tmp_path / "a", code)
+    assert AssetRoots([LocalRoot(tmp_path / "a"), LocalRoot(tmp_path / "b")]).read_image(ref)[0] == jpeg
+    with pytest.raises(StoreUnavailable) as info:
+        AssetRoots([LocalRoot(tmp_path / "a"), LocalRoot(tmp_path / "c")]).read_image(ref, ref="r")
+    assert (info.value.http_status, info.value.ref) == (503, "r")
+    assert str(tmp_path) not in info.value.message and "2 roots tried (2 local folders)" in info.value.message
+
+
+def test_refusals_name_no_root_only_how_many_were_tried(tmp_path, jpeg, caplog):
+    """docs/SECURITY.md: no server-side path beyond the offending ref. A refusal counts the roots
+    tried and their kind; which roots goes to the log."""
+    ref = content_ref(jpeg)
+    a, b = tmp_path / "root-a", tmp_path / "root-b"
+    roots = AssetRoots([LocalRoot(a), LocalRoot(b)])
+    with pytest.raises(AssetNotFound) as missing:
+        roots.read_image(ref)
+    (b / "images").mkdir(parents=True)
+    (b / ref.key).write_bytes(b"x" * len(jpeg))
+    with caplog.at_level(logging.WARNING, logger="protocol.roots"), pytest.raises(HashMismatch) as other:
+        roots.read_image(ref)
+    (a / "images").mkdir(parents=True)
+    (tmp_path / "secret.jpg").write_bytes(jpeg)
+    (a / ref.key).symlink_to(tmp_path / "secret.jpg")
+    with pytest.raises(AssetOutsideRoot) as outside:
+        roots.read_image(ref)
+    with pytest.raises(AssetOutsideRoot) as outside_one_store:
+        AssetStore(a).read_image(ref)
+    assert "none of the 2 roots tried (2 local folders)" in missing.value.message
+    assert "other bytes in 1 of the 2 roots tried" in other.value.message
+    assert ref.key in outside.value.message and ref.key in outside_one_store.value.message
+    for error in (missing, other, outside, outside_one_store):
+        assert str(tmp_path) not in error.value.message, error.value.message
+    assert any(str(b) in r.getMessage() for r in caplog.records)  # the operator still learns which
 
 
 # --- v1 refs: today's path first, then by content ------------------------------------------------

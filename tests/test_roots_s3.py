@@ -67,6 +67,11 @@ def bucket_store(url: str):
     return from_url(url, client_options={"allow_http": True})
 
 
+def bucket_of(url: str) -> str:
+    """The bucket name of a root URL: what a refusal must not name (docs/SECURITY.md)."""
+    return url.split("://", 1)[1].split("/", 1)[0]
+
+
 def root(url: str, *, client: StoreClientConfig = FAST, endpoint: str | None = None) -> ObjectRoot:
     return ObjectRoot(url, client, endpoint=endpoint)
 
@@ -200,6 +205,8 @@ def test_endpoint_down_is_503_within_the_deadline_and_the_next_root_still_serves
     assert (info.value.http_status, info.value.code, info.value.ref) == (503, "store_unavailable", "r")
     assert isinstance(info.value, ConnectionError)
     assert "mmref-test-secret" not in str(info.value) and "mmref-test-key" not in str(info.value)
+    assert bucket_of(url) not in info.value.message and proxy.url not in info.value.message  # logged only
+    assert "1 of the 1 root tried (1 object store) could not be asked" in info.value.message
     # a later root holding the bytes serves them: an unreachable root is skipped, not fatal
     mirror = AssetStore(tmp_path / "mirror")
     mirror.put_image(data)
@@ -207,6 +214,40 @@ def test_endpoint_down_is_503_within_the_deadline_and_the_next_root_still_serves
     # the bytes are in no reachable root: still 503 (they may exist), not 404
     with pytest.raises(StoreUnavailable):
         AssetRoots([via_proxy, LocalRoot(tmp_path / "empty")]).read_image(ref)
+
+
+def test_a_root_found_down_is_held_down_then_asked_again(s3):
+    """A read that finds the endpoint down holds the root down: the reads after it (those queued
+    behind it in a server's worker pool) fail at once instead of each paying the deadline; once
+    the hold-down has passed the root is asked again and serves. ``hold_down_s=0``: each read asks."""
+    import dataclasses
+
+    moto, _, url = s3
+    data = unique_image("held down")
+    proxy = DelayProxy(moto.port)
+    client = dataclasses.replace(FAST, hold_down_s=1.5)
+    via_proxy = root(f"{url}/held", client=client, endpoint=proxy.url)
+    ref = content_of(data, put_content(via_proxy, data).ext)
+    proxy.close()
+    with pytest.raises(StoreUnavailable):
+        AssetRoots([via_proxy]).read_image(ref)
+    start = time.monotonic()
+    for _ in range(5):
+        with pytest.raises(StoreUnavailable):
+            AssetRoots([via_proxy]).read_image(ref)
+    assert time.monotonic() - start < 0.5  # five reads, no request among them
+    proxy.reopen()
+    with pytest.raises(StoreUnavailable):  # still held down, endpoint back or not
+        AssetRoots([via_proxy]).read_image(ref)
+    time.sleep(1.5)
+    assert AssetRoots([via_proxy]).read_image(ref)[0] == data  # asked again: served
+    proxy.close()
+    never = root(f"{url}/held", client=dataclasses.replace(FAST, hold_down_s=0.0), endpoint=proxy.url)
+    with pytest.raises(StoreUnavailable):
+        AssetRoots([never]).read_image(ref)
+    proxy.reopen()
+    assert AssetRoots([never]).read_image(ref)[0] == data  # asked again at once
+    proxy.close()
 
 
 def test_a_slow_endpoint_is_503_within_the_configured_timeout(s3):
@@ -232,6 +273,7 @@ def test_a_deleted_object_is_404(s3):
     with pytest.raises(AssetNotFound) as info:
         AssetRoots([root(f"{url}/del")]).read_image(ref)
     assert info.value.http_status == 404
+    assert bucket_of(url) not in info.value.message and "1 root tried (1 object store)" in info.value.message
 
 
 def test_an_object_replaced_by_other_bytes_is_409_and_never_cached(s3, tmp_path):
@@ -243,7 +285,7 @@ def test_an_object_replaced_by_other_bytes_is_409_and_never_cached(s3, tmp_path)
     cache = ReadCache(tmp_path / "cache", 1 << 20)
     with pytest.raises(HashMismatch) as info:
         AssetRoots([root(f"{url}/rep")], cache=cache).read_image(ref)
-    assert info.value.http_status == 409
+    assert info.value.http_status == 409 and bucket_of(url) not in info.value.message
     assert cache.usage() == 0
 
 
@@ -251,8 +293,9 @@ def test_an_object_over_the_limit_is_refused_from_its_size(s3):
     _, _, url = s3
     data = unique_image("large")
     ref = content_of(data, put_content(root(f"{url}/big"), data).ext)
-    with pytest.raises(AssetTooLarge):
+    with pytest.raises(AssetTooLarge) as info:
         AssetRoots([root(f"{url}/big")]).read_image(ref, max_bytes=len(data) - 1)
+    assert bucket_of(url) not in info.value.message and ref.key in info.value.message
 
 
 def test_no_ref_reaches_outside_the_root_prefix(s3):

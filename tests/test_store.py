@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import random
@@ -20,6 +21,7 @@ from protocol.errors import (
     HashMismatch,
     ImageUnreadable,
     InvalidRef,
+    StoreUnavailable,
 )
 from protocol.refs import file_uri_to_path
 from protocol.store import AssetStore, StoredImage, atomic_write
@@ -376,3 +378,33 @@ def test_fifos_long_names_and_messages_never_block_crash_or_leak(store, jpeg):
     assert message.count(str(store.root)) == 1  # once, inside the given path ".../assets/../elsewhere.jpg"
     with pytest.raises(AssetTooLarge):
         store.read_confined(store.put_image(jpeg).path, max_bytes=10)
+
+
+@pytest.mark.parametrize(
+    "code,error",
+    [
+        (errno.ELOOP, AssetOutsideRoot),  # a symlink swapped in after confine(): O_NOFOLLOW
+        (errno.ENOENT, AssetNotFound),  # swept or removed meanwhile
+        (errno.ENXIO, AssetNotFound),  # a socket swapped in
+        (errno.EACCES, StoreUnavailable),  # a 0600 file of another user: not outside the root
+        (errno.EPERM, StoreUnavailable),
+        (errno.EMFILE, StoreUnavailable),  # too many open files: retryable
+        (errno.ENFILE, StoreUnavailable),
+        (errno.EIO, StoreUnavailable),
+    ],
+    ids=errno.errorcode.get,
+)
+def test_an_open_that_fails_after_confine_is_typed_by_its_errno(store, jpeg, monkeypatch, code, error):
+    """Only ELOOP is ``outside_root`` (403); every other failure of the open used to be too."""
+    stored = store.put_image(jpeg)
+    real_open = os.open
+
+    def fake_open(path, flags, *args, **kwargs):
+        if str(path) == str(stored.path):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    with pytest.raises(error) as info:
+        store.read_hashed(stored.uri, stored.mm_hash, ref="r")
+    assert type(info.value) is error and info.value.ref == "r"

@@ -8,6 +8,9 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
 
 from helpers import photo_bytes
 from protocol.features import feature_path, read_feature_item, run_asset_root, write_feature_item
@@ -108,6 +111,42 @@ def test_a_ttl_0_sweep_never_breaks_concurrent_writers(tmp_path):
     assert crashed in removed and not crashed.exists()
     assert in_progress.exists()
     assert not any(p.name.startswith(".tmp-") for p in removed if p != crashed)
+
+
+def _old_file(path: Path, name: str) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / name).write_bytes(b"not the store's")
+    os.utime(path / name, (0, 0))
+    return path / name
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "run_a/assets/mm_features/v1/vllm-mmitem",
+        "run_a/assets/mm_features/v1",
+        "run_a/assets/mm_features",
+        "run_a/assets",
+        "run_a",
+    ],
+)
+def test_a_symlink_anywhere_down_to_the_feature_folder_is_never_followed(tmp_path, planted):
+    """A writer of the store plants a symlink at one step of ``run_X/assets/mm_features/v1/
+    vllm-mmitem`` pointing at another folder: nothing there is swept (it used to delete old
+    ``*.msgpack`` and ``.tmp-*`` files outside the store). The real run beside it still is."""
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    _, swept = feature(out, "aa" * 32, run_id="real")
+    os.utime(swept, (0, 0))
+    tail = Path("run_a/assets/mm_features/v1/vllm-mmitem").relative_to(planted)
+    targets = [_old_file(victim / tail, "x.msgpack"), _old_file(victim / tail, ".tmp-y")]
+    (out / planted).parent.mkdir(parents=True, exist_ok=True)
+    (out / planted).symlink_to(victim, target_is_directory=True)
+    report = sweep_features(out, ttl_s=0)
+    assert report.removed_paths == [swept] and all(t.exists() for t in targets)
+    # the same plant in an asset root given directly
+    if planted.startswith("run_a/assets/"):
+        assert sweep_features(out / "run_a" / "assets", ttl_s=0).scanned == 0
+        assert all(t.exists() for t in targets)
 
 
 def test_cli(tmp_path):
