@@ -185,10 +185,13 @@ class ItemLayout:
     def grid_of(
         self, item: Any, error: type[MMRefError], what: str, ref: str | None = None
     ) -> tuple[int, ...]:
-        """The item's grid: ``grid_len`` ints in ``1..2**20``, read without sizing anything.
+        """The item's grid: ``grid_len`` ints in ``1..2**20``, read without sizing anything, and
+        one the served processor can produce (``adapter.check_grid``: within its limits, each side
+        a multiple of its merge size; the engine's vision tower cannot reshape another).
 
         Raises:
             ``error``: no grid field, or not such ints.
+            GridMismatch: a grid the processor cannot produce.
         """
         grid_field = self.adapter.grid_field
         try:
@@ -198,7 +201,7 @@ class ItemLayout:
                 raise ValueError(f"{grid_field} {list(grid)} is not {self.adapter.grid_len} ints in 1..2^20")
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             raise error(f"{what}: {e}", ref=ref) from e
-        return grid
+        return self.adapter.check_grid(grid, ref=ref)
 
     def check(self, item: Any, error: type[MMRefError], what: str, ref: str | None = None) -> CheckedItem:
         """Check ``item`` (a decoded ``MultiModalKwargsItem``) against the served layout.
@@ -208,6 +211,7 @@ class ItemLayout:
 
         Raises:
             ``error``: naming the first field that differs (no values, no reprs).
+            GridMismatch: a grid the processor cannot produce (:meth:`grid_of`).
         """
         grid_field = self.adapter.grid_field
         if set(item) != set(self.reference):

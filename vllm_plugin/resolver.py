@@ -200,7 +200,7 @@ class MMRefResolver:
         )
         what = f"feature payload ({self.adapter.family})"
         item = decode_item(item_file.payload, CorruptFeature, what, ref)
-        self.adapter.check_grid(self.layout.grid_of(item, CorruptFeature, what, ref), ref=ref)
+        self.layout.grid_of(item, CorruptFeature, what, ref)  # bounded before anything is sized
         checked = self.layout.check(item, CorruptFeature, what, ref)
         want_dtype = "torch.uint8" if self.device_normalize else "torch.float32"
         pixels = item["pixel_values"].data

@@ -115,6 +115,14 @@ class ImageAdapter(ABC):
         produce, from its own size limits (what :meth:`check_grid` enforces)."""
 
     @abstractmethod
+    def grid_multiples(self) -> tuple[int, ...]:
+        """What each grid entry must be a multiple of, one per entry, read from the processor's own
+        config (its merge size: the vision tower merges ``merge x merge`` patches into one token, so
+        the processor pads or resizes every side to a multiple of it). :meth:`check_grid` refuses
+        any other grid: vLLM's vision tower cannot reshape one (an error inside the engine) and
+        :meth:`num_placeholders` would round its count down."""
+
+    @abstractmethod
     def process(self, image: Image.Image, *, device_normalize: bool = False) -> ProcessedImage:
         """Run the HF image processor on one RGB image.
 
@@ -181,14 +189,16 @@ class ImageAdapter(ABC):
         """Bound a claimed grid before anything is sized by it (a stand-in image, an item layout).
 
         Every grid the processor can produce passes (its per-axis maxima and patch total from
-        :meth:`grid_limits`); a forged ``[1, 2048, 2048]`` does not, so no tensor is ever
-        allocated for it.
+        :meth:`grid_limits`, each entry a multiple of :meth:`grid_multiples`); a forged
+        ``[1, 2048, 2048]`` does not, so no tensor is ever allocated for it, nor does a
+        ``[1, 3, 3]`` no merge-2 processor emits (the engine's vision tower cannot reshape it).
 
         Returns:
             The grid as a tuple of ints.
 
         Raises:
-            GridMismatch: wrong length, an entry < 1, an axis or the patch total over the limits.
+            GridMismatch: wrong length, an entry < 1, an axis or the patch total over the limits,
+                an entry that is not a multiple of the family's merge size.
         """
         axes, most = self.grid_limits()
         values = tuple(grid)
@@ -199,6 +209,13 @@ class ImageAdapter(ABC):
             raise GridMismatch(
                 f"{self.grid_field} {list(values)} ({patches} patches) exceeds what the {self.family} "
                 f"processor can produce (per axis at most {list(axes)}, {most} patches in all)",
+                ref=ref,
+            )
+        steps = self.grid_multiples()
+        if any(g % s for g, s in zip(values, steps, strict=True)):
+            raise GridMismatch(
+                f"{self.grid_field} {list(values)} is not a grid the {self.family} processor can "
+                f"produce: each entry must be a multiple of {list(steps)} (the merge size)",
                 ref=ref,
             )
         return values

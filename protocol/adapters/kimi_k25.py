@@ -125,6 +125,14 @@ class KimiK25Adapter(ImageAdapter):
         merge = int(self.cfg["merge_kernel_size"])
         return (h // merge) * (w // merge)
 
+    def grid_multiples(self) -> tuple[int, int, int]:
+        """``(1, merge, merge)``, ``merge`` = ``media_proc_cfg["merge_kernel_size"]``: the
+        processor's ``navit_resize_image`` pads each side to a multiple of ``merge_kernel_size *
+        patch_size`` pixels (``pad_width``/``pad_height``), so ``h`` and ``w`` are multiples of
+        ``merge``; ``t`` is 1 for an image (``preprocess``: one frame), pinned by :meth:`grid_limits`."""
+        merge = int(self.cfg["merge_kernel_size"])
+        return (1, merge, merge)
+
     def grid_limits(self) -> tuple[tuple[int, int, int], int]:
         """One frame; sides of at most ``patch_limit_on_one_side`` patches plus the padding to a
         merge unit; ``in_patch_limit`` patches, with slack for ``navit_resize_image`` measuring

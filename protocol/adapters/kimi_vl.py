@@ -240,6 +240,13 @@ class KimiVLAdapter(ImageAdapter):
         kh, kw = self.image_processor.merge_kernel_size
         return (h // kh) * (w // kw)
 
+    def grid_multiples(self) -> tuple[int, int]:
+        """``(kh, kw)`` = the processor's ``merge_kernel_size``: with ``pad_input`` (required, see
+        the class doc) :func:`kimi_vl_target_size` pads each side to a multiple of
+        ``merge_kernel_size * patch_size`` pixels, so ``h`` is a multiple of ``kh``, ``w`` of ``kw``."""
+        kh, kw = (int(k) for k in self.image_processor.merge_kernel_size)
+        return (kh, kw)
+
     def grid_limits(self) -> tuple[tuple[int, int], int]:
         """Sides below :data:`POS_EMB_LIMIT` patches; at most ``in_token_limit`` patches before
         padding, which adds fewer than one merge unit per side (:func:`kimi_vl_target_size`)."""

@@ -76,6 +76,16 @@ class QwenVLAdapter(ImageAdapter):
         t, h, w = grid
         return t * h * w // self.image_processor.merge_size**2
 
+    def grid_multiples(self) -> tuple[int, int, int]:
+        """``(1, merge_size, merge_size)``: ``smart_resize`` makes both sides multiples of
+        ``patch_size * merge_size`` and ``patchify`` reshapes each side by ``merge_size``
+        (transformers ``image_processing_qwen2_vl.py``), so ``h`` and ``w`` are multiples of
+        ``merge_size``. ``t`` is 1 for an image (``_preprocess`` emits ``[1, grid_h, grid_w]``: the
+        one frame is repeated ``temporal_patch_size`` times inside each patch, not along ``t``);
+        :meth:`grid_limits` pins it to 1."""
+        m = int(self.image_processor.merge_size)
+        return (1, m, m)
+
     def grid_limits(self) -> tuple[tuple[int, int, int], int]:
         """One frame (an image is one temporal patch); sides and pixels as transformers'
         ``smart_resize`` can produce them: at most max pixels (``size["longest_edge"]``), except
