@@ -97,6 +97,12 @@ def test_requests_that_kill_or_mislead_stock_are_refused(server, rendered, photo
         "mm_metadata whose grid differs from the item's": (
             with_item(rendered, "m0" * 32, mm_metadata={"image": [_tampered(item, grid=[1, 4, 4], metadata_only=True)]}),
             400, "invalid_request"),
+        "an inline item of grid [1, 3, 3] (9 rows: no merge-2 processor emits it, the tower cannot reshape it)": (
+            with_item(rendered, "g0" * 32, kwargs_data={"image": [_tampered(item, rows=9, grid=[1, 3, 3])]}, mm_metadata=None),
+            422, "grid_mismatch"),
+        "mm_metadata alone (an encoder-cache transfer) of grid [1, 3, 3]": (
+            with_item(rendered, "g1" * 32, kwargs_data={"image": [None]}, mm_metadata={"image": [_tampered(item, grid=[1, 3, 3], metadata_only=True)]}),
+            422, "grid_mismatch"),
         "placeholder tokens and no image (misspelled mm_ref)": ({"token_ids": ids, "mm_ref": [ref.ref], "sampling_params": GREEDY}, 422, "placeholder_mismatch"),
         "a null slot nobody sent": (with_item(rendered, "u0" * 32, kwargs_data={"image": [None]}, mm_metadata=None), 404, "not_cached"),
         "content_parts file:// on a server that loads no local files": (
@@ -282,4 +288,43 @@ def test_a_null_slot_naming_an_item_vllm_processed_is_checked_against_its_length
         assert tokens(null_slot(16)) == tokens(first)
         for wrong in (4, 15, 17, 64):
             assert refusal(null_slot(wrong)) == (422, "placeholder_mismatch"), wrong
+        assert c.get("/health").status_code == 200
+
+
+def test_a_null_slot_naming_a_ref_whose_request_still_runs_is_checked(server, asset_root, qwen2_vl_adapter):
+    """While the first request of a new image generates (its item handed to the engine, not yet
+    recorded as sent), a ``null`` slot naming its engine hash with a wrong range is refused (422;
+    once stock's 500: the range went unchecked), and the right range is served."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import photo_bytes
+    from protocol.adapters import offload_image
+
+    ref = offload_image(photo_bytes("chelsea", size=(84, 84)), asset_root, qwen2_vl_adapter)
+    ids = [1, 2, 259, *[PAD] * ref.num_placeholders, 260, 3]
+    with server.client(timeout=300) as c, ThreadPoolExecutor(1) as pool:
+        resolved = c.post("/inference/v1/resolve", json={"token_ids": ids, "mm_refs": [ref.ref]}).json()
+        long = {"temperature": 1.0, "max_tokens": 1500, "ignore_eos": True}
+        first = pool.submit(
+            server.client(timeout=300).post,
+            "/inference/v1/generate",
+            json={"token_ids": ids, "mm_refs": [ref.ref], "sampling_params": long},
+        )
+
+        def null_slot(length: int):
+            features = {**resolved["features"], "kwargs_data": {"image": [None]}}
+            features["mm_placeholders"] = {"image": [{"offset": 3, "length": length}]}
+            body = {"token_ids": [1, 2, 259, *[PAD] * length, 260, 3], "features": features}
+            return c.post("/inference/v1/generate", json={**body, "sampling_params": GREEDY})
+
+        while not any(  # the first request runs: its item is in the engine
+            ln.startswith("vllm:num_requests_running{") and float(ln.split()[-1]) > 0
+            for ln in c.get("/metrics").text.splitlines()
+        ):
+            assert not first.done(), first.result().text[:300]
+        for wrong in (ref.num_placeholders - 1, ref.num_placeholders + 1):
+            assert refusal(null_slot(wrong)) == (422, "placeholder_mismatch"), wrong
+        assert not first.done()  # all of it during the first request
+        assert null_slot(ref.num_placeholders).status_code == 200
+        assert first.result().status_code == 200
         assert c.get("/health").status_code == 200

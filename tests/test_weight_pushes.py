@@ -42,13 +42,15 @@ PUSHES = 50
 LONG = 1500
 """Tokens of a request that is still generating when the test acts (prompt + LONG < 2048)."""
 HEADER = "x-mmref-weight-version"
+ROOT = "/api"
+"""vLLM's ``--root-path``: its routes answer under it too (a proxy's prefix), and so does admission."""
 TEXT = "Name every object, its colour and where it is in the picture, in order. " * 3
 
 
 @pytest.fixture(scope="module")
 def push_server(qwen2_vl_dir, output_root, photo_refs, tmp_path_factory):
     log = tmp_path_factory.mktemp("push_server") / "server.log"
-    args = ("--enable-prefix-caching", "--no-enable-chunked-prefill")
+    args = ("--enable-prefix-caching", "--no-enable-chunked-prefill", "--root-path", ROOT)
     with dev_served(qwen2_vl_dir, output_root, log, *args) as srv:
         yield srv
 
@@ -258,6 +260,72 @@ def test_update_refusals_change_nothing(push_server, weight_sets, prompts):
         assert by_ref(c, prompt).headers[HEADER] == "refusals-A"
 
 
+def test_a_release_or_hold_while_an_update_drains_is_refused(push_server, weight_sets, prompts):
+    """While an update waits for a long request, a ``release`` (a trainer retrying after a client
+    timeout) and a ``hold`` are refused (409): nothing resets caches under the running request or
+    opens the gate; the request ends on the old weights, the update lands (once the release went
+    through and left the engine paused)."""
+    a_dir, _ = weight_sets["A"]
+    with push_server.client(timeout=300) as c, ThreadPoolExecutor(2) as pool:
+        push_weights(c, a_dir, "drain-A")
+        long = pool.submit(by_ref, push_server.client(timeout=300), prompts[0][0], LONG, ignore_eos=True)
+        wait_running(c)
+        update = pool.submit(push_weights, push_server.client(timeout=300), a_dir, "drain-B", 120)
+        time.sleep(0.5)  # the update is draining: the long request still runs
+        assert not long.done() and not update.done()
+        for path in ("/mmref/v1/weights/release", "/mmref/v1/weights/hold"):
+            assert refusal(c.post(path, json={})) == (409, "update_conflict"), path
+        assert long.result().status_code == 200 and long.result().headers[HEADER] == "drain-A"
+        assert update.result(timeout=120)["weight_version"] == "drain-B"
+        assert by_ref(c, prompts[0][0]).headers[HEADER] == "drain-B"
+
+
+def test_a_client_stalled_in_its_body_holds_up_no_update(push_server):
+    """Half a body sent, then nothing: the request is not admitted until its body is in, so a hold
+    drains at once (it would otherwise wait for the client, and every request after it at the
+    gate), on vLLM's routes, the plugin's and under the root path."""
+    import socket
+
+    host, port = httpx.URL(push_server.url).host, httpx.URL(push_server.url).port
+    stalled = []
+    try:
+        for path in ("/v1/chat/completions", "/inference/v1/generate", f"{ROOT}/v1/completions"):
+            sock = socket.create_connection((host, port))
+            head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(head.encode() + b'Content-Length: 1000\r\n\r\n{"token_ids": [1')
+            stalled.append(sock)
+        time.sleep(0.5)  # the server has the headers and the first bytes
+        with push_server.client(timeout=60) as c:
+            held_answer = c.post("/mmref/v1/weights/hold", json={"timeout_s": 5.0})
+            assert held_answer.status_code == 200, held_answer.text[:300]
+            assert held_answer.json()["drained_requests"] == 0
+            c.post("/mmref/v1/weights/release", json={}).raise_for_status()
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_a_version_is_named_as_set_or_refused(push_server, weight_sets, prompts):
+    """A version with a character outside ASCII labels every answer as set (UTF-8, on the plugin's
+    route and vLLM's); one no header can carry (CR LF) and a body that is not UTF-8 are refused
+    (400) before anything changes (once: a 500 on every later answer, and on the update)."""
+    a_dir, _ = weight_sets["A"]
+    update = "/mmref/v1/weights/update"
+    with push_server.client(timeout=300) as c:
+        push_weights(c, a_dir, "step-α")
+        text = {"model": str(push_server.model), "prompt": [3, 17, 42], "max_tokens": 2}
+        for answer in (by_ref(c, prompts[0][0]), c.post("/v1/completions", json=text)):
+            assert answer.status_code == 200 and answer.headers[HEADER] == "step-α", answer.text[:300]
+        bad = {"weights_path": str(a_dir), "version": "step-8\r\nx-other: 1"}
+        assert refusal(c.post(update, json=bad)) == (400, "invalid_request")
+        raw = b'{"weights_path": "' + str(a_dir).encode() + b'", "version": "\xff"}'
+        assert refusal(c.post(update, content=raw, headers={"content-type": "application/json"})) == (
+            400,
+            "invalid_request",
+        )
+        assert weight_version(c) == "step-α"
+
+
 def test_seeded_text_that_cannot_split_is_served_on_every_route(push_server):
     """Without chunked prefill nothing splits a text prompt here: a seeded request sampled at random
     is served on every route (the same seed twice, the same tokens), while one with an image is
@@ -280,9 +348,10 @@ def test_seeded_text_that_cannot_split_is_served_on_every_route(push_server):
             "messages": [{"role": "user", "content": content}],
             **sampling,
         }
-        refused = c.post("/v1/chat/completions", json=chat)
-        assert refusal(refused) == (400, "seed_unsupported"), refused.text[:300]
-        assert "encoder budget" in refused.json()["error"]["message"]
+        for path in ("/v1/chat/completions", f"{ROOT}/v1/chat/completions"):  # both reach vLLM's route
+            refused = c.post(path, json=chat)
+            assert refusal(refused) == (400, "seed_unsupported"), (path, refused.text[:300])
+            assert "encoder budget" in refused.json()["error"]["message"]
 
 
 def test_vllms_keep_pause_kills_a_request_whose_image_the_prefix_cache_covered(push_server, prompts):

@@ -38,7 +38,7 @@ from typing import Any
 from protocol.errors import DrainTimeout, MMRefError
 from vllm_plugin import chat_refs
 from vllm_plugin.seeds import SplitRule
-from vllm_plugin.weights import WEIGHT_VERSION_HEADER
+from vllm_plugin.weights import WEIGHT_VERSION_HEADER, version_header
 
 __all__ = ["ENGINE_PREFIXES", "PLUGIN_PATHS", "Admission", "AdmissionMiddleware", "rule_check"]
 
@@ -71,11 +71,19 @@ class Admission:
     Args:
         versions: the engine's weight version (for the header on vLLM's own routes).
         split_rule: seeded requests that can be split (``seeds.py``); None: no seed rule.
+        max_body_bytes: the plugin routes' body limit: the middleware reads at most this much of
+            their bodies before admitting them (the route refuses a larger one).
     """
 
-    def __init__(self, versions: Callable[[], Awaitable[str]], split_rule: SplitRule | None) -> None:
+    def __init__(
+        self,
+        versions: Callable[[], Awaitable[str]],
+        split_rule: SplitRule | None,
+        max_body_bytes: int | None = None,
+    ) -> None:
         self.versions = versions
         self.split_rule = split_rule
+        self.max_body_bytes = max_body_bytes
         self._open = asyncio.Event()
         self._open.set()
         self._idle = asyncio.Event()
@@ -134,13 +142,16 @@ class AdmissionMiddleware:
         if admission is None:
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
+        plugin = _route_path(scope) in PLUGIN_PATHS
+        # the body first: a client still sending (or stalled) is not admitted, so it never holds
+        # up a weight update's drain nor, through it, the requests queued at the gate
+        messages = await _read_body(receive, admission.max_body_bytes if plugin else None)
         async with admission.admit():
-            if path in PLUGIN_PATHS:
-                await self.app(scope, receive, send)
+            if plugin:
+                await self.app(scope, _replay(messages, receive), send)
                 return
             try:
-                scope, receive = await _inspect(admission, scope, receive)
+                scope, receive = await _inspect(admission, scope, messages, receive)
             except MMRefError as e:
                 await _refuse(scope, send, e)
                 return
@@ -152,10 +163,22 @@ class AdmissionMiddleware:
                 await typed(e)
 
 
+def _route_path(scope: _Scope) -> str:
+    """The path the app routes on: ``path`` less the ``root_path`` prefix (vLLM's ``--root-path``),
+    as Starlette's own routing computes it (``starlette/_utils.py``, ``get_route_path``)."""
+    path: str = scope.get("path", "")
+    root = scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root) :] if path[len(root)] == "/" else path
+
+
 def _admission(scope: _Scope) -> Admission | None:
     if scope.get("type") != "http" or scope.get("method") != "POST":
         return None
-    if not scope.get("path", "").startswith(ENGINE_PREFIXES):
+    if not _route_path(scope).startswith(ENGINE_PREFIXES):
         return None
     app = scope.get("app")
     admission = getattr(getattr(app, "state", None), "mmref_admission", None)
@@ -171,29 +194,51 @@ def _labelled(send: _Send, versions: Callable[[], Awaitable[str]]) -> _Send:
                 version = await versions()
             except Exception:
                 version = None
-            if version is not None:
+            value = None if version is None else version_header(version)
+            if value is not None:
                 headers = list(message.get("headers", ()))
-                headers.append((WEIGHT_VERSION_HEADER.encode(), version.encode("utf-8", "replace")))
+                headers.append((WEIGHT_VERSION_HEADER.encode(), value.encode("latin-1")))
                 message = {**message, "headers": headers}
         await send(message)
 
     return labelled
 
 
-async def _inspect(admission: Admission, scope: _Scope, receive: _Receive) -> tuple[_Scope, _Receive]:
-    """Read the body once: refuse a seeded request that can be split (CPU servers), a reserved
-    uuid; key and pin image refs (``chat_refs``). Returns the scope (its ``content-length``
-    rewritten with the body) and the ``receive`` that replays the body to vLLM's route.
+async def _read_body(receive: _Receive, limit: int | None) -> list[_Message]:
+    """The request's messages up to the end of its body (or a disconnect), or past ``limit``
+    bytes of it (the rest is left to the route)."""
+    messages: list[_Message] = []
+    size = 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        size += len(message.get("body", b""))
+        if message.get("type") != "http.request" or not message.get("more_body", False):
+            return messages
+        if limit is not None and size > limit:
+            return messages
+
+
+def _replay(messages: list[_Message], receive: _Receive) -> _Receive:
+    """A ``receive`` that gives ``messages`` first, then the live ones."""
+
+    async def replay() -> _Message:
+        return messages.pop(0) if messages else await receive()
+
+    return replay
+
+
+async def _inspect(
+    admission: Admission, scope: _Scope, messages: list[_Message], receive: _Receive
+) -> tuple[_Scope, _Receive]:
+    """On the body's ``messages``: refuse a seeded request that can be split (CPU servers), a
+    reserved uuid; key and pin image refs (``chat_refs``). Returns the scope (its
+    ``content-length`` rewritten with the body) and the ``receive`` that replays the body to
+    vLLM's route.
 
     Raises:
         MMRefError: the refusal.
     """
-    messages: list[_Message] = []
-    while True:
-        message = await receive()
-        messages.append(message)
-        if message.get("type") != "http.request" or not message.get("more_body", False):
-            break
     chunks = [m.get("body", b"") for m in messages if m.get("type") == "http.request"]
     seeded = admission.split_rule is not None and _mentions(chunks, (b'"seed"',))
     if seeded or _mentions(chunks, chat_refs.needles()):  # only then is the body joined and parsed
@@ -206,11 +251,7 @@ async def _inspect(admission: Admission, scope: _Scope, receive: _Receive) -> tu
                 raw = encode(body)
                 messages = [{"type": "http.request", "body": raw, "more_body": False}]
                 scope = {**scope, "headers": _with_length(scope.get("headers", ()), len(raw))}
-
-    async def replay() -> _Message:
-        return messages.pop(0) if messages else await receive()
-
-    return scope, replay
+    return scope, _replay(messages, receive)
 
 
 def _with_length(headers: Any, length: int) -> list[tuple[bytes, bytes]]:

@@ -30,7 +30,7 @@ from vllm_plugin import metrics
 from vllm_plugin.protocol import error_body, parse_request
 from vllm_plugin.serving import MMRefServing
 from vllm_plugin.vllm_surface import load
-from vllm_plugin.weights import WEIGHT_VERSION_HEADER
+from vllm_plugin.weights import WEIGHT_VERSION_HEADER, version_header
 
 __all__ = [
     "WeightsRequest",
@@ -187,7 +187,7 @@ async def _generate(body: Any, raw_request: Request) -> Response:
         return error_response(e)
     if isinstance(result, _ErrorResponse):
         return JSONResponse(content=result.model_dump(), status_code=result.error.code)
-    headers = {WEIGHT_VERSION_HEADER: version}
+    headers = _version_headers(version)
     if isinstance(result, load("GenerateResponseBase")):
         return JSONResponse(content=result.model_dump(), headers=headers)
     return StreamingResponse(content=result, media_type="text/event-stream", headers=headers)
@@ -207,7 +207,13 @@ async def resolve(raw_request: Request) -> Response:
         content, version = await serving.resolved_features(body)
     except MMRefError as e:
         return error_response(e)
-    return JSONResponse(content=content, headers={WEIGHT_VERSION_HEADER: version})
+    return JSONResponse(content=content, headers=_version_headers(version))
+
+
+def _version_headers(version: str) -> dict[str, str]:
+    """The answer's weight-version header (none for a version no header can carry)."""
+    value = version_header(version)
+    return {} if value is None else {WEIGHT_VERSION_HEADER: value}
 
 
 weights_router = APIRouter()
@@ -230,7 +236,7 @@ async def _weights_request(raw_request: Request, allowed: set[str]) -> WeightsRe
     raw = await raw_request.body()
     try:
         request = msgspec.json.decode(raw or b"{}", type=WeightsRequest)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise InvalidRequest(f"weights request body: {e}") from e
     given = {f for f in WeightsRequest.__struct_fields__ if getattr(request, f) is not None}
     if given - allowed:

@@ -179,6 +179,10 @@ class EngineItems:
         self._confirming: asyncio.Task[None] | None = None
         self._sent: Any = load("LRUCache")(SEEN_HASHES)
         """``vllm.utils.cache.LRUCache[str, RecordedItem]``."""
+        self._lengths: Any = load("LRUCache")(SEEN_HASHES)
+        """Placeholder counts of resolved refs' engine hashes, noted when a request is prepared:
+        content-named (``weights.engine_hash``), so a hash's count never changes; says nothing of
+        whether the engine holds it."""
 
     # --- hand-off ----------------------------------------------------------------------
 
@@ -297,6 +301,16 @@ class EngineItems:
         """An item went to the engine with data (the engine caches it under ``mm_hash``)."""
         if self.mode is CacheMode.LRU:
             self._sent.put(mm_hash, item)
+
+    def note(self, mm_hash: str, item: RecordedItem) -> None:
+        """A resolved ref's engine hash and its placeholder count (for :meth:`length_of`)."""
+        if mm_hash.startswith(NAMESPACE):  # content-named: never a client's hash
+            self._lengths.put(mm_hash, item)
+
+    def length_of(self, mm_hash: str) -> RecordedItem | None:
+        """The placeholder count noted for a resolved ref's engine hash (its request may still
+        run: :meth:`sent` records it only once the engine has accepted the request)."""
+        return self._lengths.get(mm_hash)
 
     def lookup(self, mm_hash: str) -> tuple[bool, RecordedItem | None]:
         """Whether the engine may hold ``mm_hash``, and the recorded item if this route sent it.

@@ -100,7 +100,7 @@ class MMRefEndpointPlugin:
         serving = build_serving(engine_client, state, args)
         on = load("envs.VLLM_MEDIA_CONNECTOR") == CONNECTOR_NAME
         chat_refs.activate(chat_refs.ChatRefs(serving.resolver) if on else None)
-        admission = Admission(serving.weight_version, serving.split_rule)
+        admission = Admission(serving.weight_version, serving.split_rule, serving.max_body_bytes)
         # cached by vLLM's engine client: no request's hand-off then waits on the engine before
         # its send (``engine_items.py``: the send follows the hand-off in the same step)
         await engine_client.get_supported_tasks()

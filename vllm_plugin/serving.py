@@ -168,8 +168,12 @@ class MMRefServing(FeatureChecks):
             encoded = await asyncio.gather(
                 *(loop.run_in_executor(pool, encode_item, s.item) for s in prepared.slots)
             )
+            kwargs = dumped.get("kwargs_data") or {}  # null: vLLM's form of "every item cached"
+            dumped["kwargs_data"] = kwargs
             for slot, data in zip(prepared.slots, encoded, strict=True):
-                dumped["kwargs_data"][slot.modality][slot.index] = data
+                items = kwargs.get(slot.modality) or [None] * len(dumped["mm_hashes"][slot.modality])
+                items[slot.index] = data
+                kwargs[slot.modality] = items
         content = {
             "features": dumped,
             "fingerprint": self.adapter.fingerprint,
@@ -201,6 +205,8 @@ class MMRefServing(FeatureChecks):
             features = await self._check_features(features, token_ids, sent, slots, version)
         if not request.content_parts and not (features and any(features.mm_hashes.values())):
             self._refuse_unclaimed(token_ids)
+        for mm_hash, item in sent:  # resolved refs' counts, for null slots while this request runs
+            self.engine_items.note(mm_hash, item)
         salt = version_salt(request.cache_salt, version)
         served = request.model_copy(update={"features": features, "mm_refs": None, "cache_salt": salt})
         return Prepared(served, sent, tuple(slots), version)

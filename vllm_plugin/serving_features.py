@@ -153,8 +153,9 @@ class FeatureChecks:
                 f"{where}: the engine holds no item under hash {mm_hash[:80]!r} "
                 f"({self.engine_items.mode.value} cache); send the item or its ref"
             )
-        if recorded is None:  # an item vLLM's own processor sent: its record in P0
-            recorded = await self.engine_items.recorded_by_vllm(mm_hash)
+        if recorded is None:  # a ref's item whose request runs, or one vLLM's own processor sent
+            items = self.engine_items
+            recorded = items.length_of(mm_hash) or await items.recorded_by_vllm(mm_hash)
         if recorded is not None:
             self._check_length(where, placeholder, recorded.num_placeholders)
         return None

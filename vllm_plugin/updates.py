@@ -36,10 +36,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from protocol.errors import DrainTimeout, InvalidRequest, UpdateConflict
 from vllm_plugin.admission import Admission
+from vllm_plugin.weights import version_header
 
 __all__ = ["WeightUpdates"]
 
@@ -61,23 +62,27 @@ class WeightUpdates:
         self.engine = engine_client
         self.admission = admission
         self.versions = versions
-        self._held_since: float | None = None
+        self._state: Literal["idle", "holding", "held", "updating"] = "idle"
+        """``holding``: a hold (or an update's) drains; ``held``: a hold holds, until ``release``;
+        ``updating``: an update reloads (it releases the server itself)."""
+        self._held_since = 0.0
 
     @property
     def held(self) -> bool:
-        return self._held_since is not None
+        """Whether a hold or an update has the server (from its drain to its release)."""
+        return self._state != "idle"
 
     async def hold(self, *, timeout_s: float | None = None) -> dict[str, Any]:
         """Close the gate, drain this process's requests, pause the engine once it is idle.
 
         Raises:
-            UpdateConflict: the server is already held.
+            UpdateConflict: the server is already held, or a hold or an update is under way.
             DrainTimeout: requests still ran after ``timeout_s`` (gate open again, engine running).
         """
         if self.held:
             raise UpdateConflict("the server is already held for a weight update: release it first")
-        self._held_since = start = time.monotonic()
-        admitted = self.admission.admitted
+        self._state, self._held_since = "holding", time.monotonic()
+        start, admitted = self._held_since, self.admission.admitted
         try:
             await self.admission.drain(timeout_s)
             left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - start))
@@ -91,8 +96,9 @@ class WeightUpdates:
                 ) from None
         except BaseException:
             self.admission.open()
-            self._held_since = None
+            self._state = "idle"
             raise
+        self._state = "held"
         drained_s = time.monotonic() - start
         logger.info("mmref: weights held (%d requests drained in %.3f s)", admitted, drained_s)
         return {"held": True, "drained_requests": admitted, "drain_seconds": round(drained_s, 6)}
@@ -101,10 +107,17 @@ class WeightUpdates:
         """Reset the encoder and prefix caches, set ``version`` (if given), resume, open the gate.
 
         Raises:
-            UpdateConflict: the server is not held.
+            UpdateConflict: the server is not held: no hold, a hold still draining, or an update
+                (it releases the server itself).
+            InvalidRequest: ``version`` has a control character (no header could name it).
         """
-        if self._held_since is None:
-            raise UpdateConflict("the server is not held for a weight update")
+        if self._state != "held":
+            raise UpdateConflict(_NOT_HELD[self._state])
+        if version is not None:
+            _check_version(version)
+        return await self._release(version)
+
+    async def _release(self, version: str | None) -> dict[str, Any]:
         try:
             await self.engine.reset_encoder_cache()
             prefix_reset = bool(await self.engine.reset_prefix_cache())
@@ -116,7 +129,7 @@ class WeightUpdates:
             await self.engine.resume_generation()
             self.admission.open()
             held_s = time.monotonic() - self._held_since
-            self._held_since = None
+            self._state = "idle"
         current = await self.versions()
         logger.info("mmref: weights released under version %r after %.3f s held", current, held_s)
         return {
@@ -132,22 +145,42 @@ class WeightUpdates:
 
         Raises:
             InvalidRequest: ``weights_path`` is not a folder, or ``version`` is empty.
+            InvalidRequest: ``version`` has a control character (no header could name it).
             UpdateConflict, DrainTimeout: see :meth:`hold`.
             Exception: vLLM's ``reload_weights`` failed (the server is released under its old
                 version; vLLM may have loaded some of the new weights: push again).
         """
         if not version:
             raise InvalidRequest("version must be a non-empty string, new for every set of weights")
+        _check_version(version)
         if not Path(weights_path).is_dir():
             raise InvalidRequest(f"weights_path {weights_path!r} is not a folder on this server")
         held = await self.hold(timeout_s=timeout_s)
+        self._state = "updating"  # no release but this update's own from here
         try:
             start = time.monotonic()
             await self.engine.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
             reload_s = time.monotonic() - start
         except BaseException:
             logger.exception("mmref: reload_weights failed; released under the old version")
-            await self.release(version=None)
+            await self._release(None)
             raise
-        released = await self.release(version=version)
+        released = await self._release(version)
         return {**held, **released, "reload_seconds": round(reload_s, 6)}
+
+
+_NOT_HELD = {
+    "idle": "the server is not held for a weight update",
+    "holding": "a hold or an update is still draining the server: release it once it is held",
+    "updating": "an update holds the server: it releases the server itself",
+}
+
+
+def _check_version(version: str) -> None:
+    """Refuse a version no response header can carry (``weights.version_header``).
+
+    Raises:
+        InvalidRequest: a control character (CR, LF, NUL...) in ``version``.
+    """
+    if version_header(version) is None:
+        raise InvalidRequest(f"version {version[:80]!r} has a control character: no header can name it")

@@ -45,6 +45,7 @@ __all__ = [
     "engine_hash",
     "parse_handle",
     "served_by",
+    "version_header",
     "version_salt",
 ]
 
@@ -68,6 +69,15 @@ _HANDLE_RE = re.compile(
 
 WEIGHT_VERSION_HEADER = "x-mmref-weight-version"
 """Response header naming the weight version an answer was generated under."""
+
+
+def version_header(version: str) -> str | None:
+    """The :data:`WEIGHT_VERSION_HEADER` value for ``version``: its UTF-8 bytes, as the latin-1
+    string Starlette encodes header values with (a client decoding UTF-8 reads ``version`` back);
+    None for a version no header can carry (a control character: CR, LF, NUL...)."""
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in version):
+        return None
+    return version.encode("utf-8", "surrogatepass").decode("latin-1")
 
 
 @dataclass(frozen=True)
