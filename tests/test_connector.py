@@ -451,6 +451,10 @@ def test_every_refusal_of_the_token_route_is_the_same_typed_4xx_on_the_chat_rout
                 CHAT, json=chat_body(server.model, [{"role": "user", "content": content([ref])}], stream=True)
             )
             assert refusal(streamed) == expected, name
+            one_ref = [{"role": "user", "content": content([ref])}]
+            # vLLM's tokenizer route renders chat images too: typed, never a 500
+            tokenize = c.post("/tokenize", json={"model": str(server.model), "messages": one_ref})
+            assert refusal(tokenize) == expected, (name, tokenize.text[:300])
             parts = c.post(
                 "/inference/v1/generate",
                 json={
@@ -479,6 +483,9 @@ def test_every_refusal_of_the_token_route_is_the_same_typed_4xx_on_the_chat_rout
             }
         ]
         assert refusal(c.post(CHAT, json=chat_body(server.model, reserved))) == (400, "invalid_request")
+        utf16 = json.dumps(chat_body(server.model, reserved)).encode("utf-16")  # vLLM reads UTF-16 JSON too
+        wide = c.post(CHAT, content=utf16, headers={"content-type": "application/json"})
+        assert refusal(wide) == (400, "invalid_request"), wide.text[:300]
         assert c.get("/health").status_code == 200
         tokens_and_logprobs(c.post(CHAT, json=chat_body(server.model, one)))  # still serving
 

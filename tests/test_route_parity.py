@@ -198,6 +198,37 @@ def test_the_seed_rule_on_every_route(stock, server):
         assert b.get("/health").status_code == 200
 
 
+def test_the_seed_rule_reads_a_body_as_vllm_does(stock, server):
+    """Forms of a seeded request sampled at random that vLLM's request models read as one (a seed
+    or temperature as a string, a float or a bool; ``sampling_params`` beside the top-level
+    fields, which vLLM's chat route ignores; the body in UTF-16) are refused like the plain one;
+    stock serves each, seeded (this prompt is short enough to prefill in one step). Unseeded, the
+    UTF-16 body gets stock's answer."""
+    chat = seeded_bodies(server.model)["/v1/chat/completions"]
+    forms = {
+        "seed as a string": {**chat, "seed": "7", "temperature": 1.0},
+        "seed as a float": {**chat, "seed": 7.0, "temperature": 1.0},
+        "seed as a bool": {**chat, "seed": True, "temperature": 1.0},
+        "temperature as a string": {**chat, "seed": 7, "temperature": "1.0"},
+        "an empty sampling_params": {**chat, "seed": 7, "temperature": 1.0, "sampling_params": {}},
+    }
+    utf16 = {"content-type": "application/json"}
+    with stock.client() as a, server.client() as b:
+        for name, body in forms.items():
+            assert a.post("/v1/chat/completions", json=body).status_code == 200, name
+            refused = b.post("/v1/chat/completions", json=body)
+            assert refusal(refused) == (400, "seed_unsupported"), (name, refused.text[:300])
+        seeded = json.dumps({**chat, "seed": 7, "temperature": 1.0}).encode("utf-16")
+        refused = b.post("/v1/chat/completions", content=seeded, headers=utf16)
+        assert refusal(refused) == (400, "seed_unsupported"), refused.text[:300]
+        greedy = json.dumps({**chat, "temperature": 0}).encode("utf-16")
+        ours = b.post("/v1/chat/completions", content=greedy, headers=utf16)
+        theirs = a.post("/v1/chat/completions", content=greedy, headers=utf16)
+        assert ours.status_code == theirs.status_code == 200, ours.text[:300]
+        assert ours.json()["choices"][0]["message"] == theirs.json()["choices"][0]["message"]
+        assert b.get("/health").status_code == 200
+
+
 def test_stock_refusals_keep_stocks_body(stock, server):
     one = rendered(stock, ["astronaut"])
     ids = one["token_ids"]

@@ -41,9 +41,19 @@ def test_unseeded_greedy_and_invalid_requests_pass_on_any_server():
     check(r, seed=None)
     check(r, temperature=0.0)  # greedy: vLLM gives it no generator, split or not
     check(r, temperature=5e-6)  # below vLLM's _SAMPLING_EPS: still greedy
-    check(r, seed="7")  # not an int: vLLM refuses it itself
-    check(r, seed=True)
+    for refused_by_vllm in ({"seed": 7.5}, {"seed": "x"}, {"seed": 2**63}, {"temperature": "hot"}):
+        check(r, **refused_by_vllm)  # vLLM's request model refuses the value itself
     check(rule(default_temperature=0.0), temperature=None)  # the model's default is greedy
+
+
+@pytest.mark.parametrize(
+    "values", [{"seed": "7"}, {"seed": 7.0}, {"seed": True}, {"temperature": "1.0"}, {"temperature": True}]
+)
+def test_values_vllms_models_coerce_are_read_as_they_do(values):
+    """pydantic's lax mode, as vLLM's ``ChatCompletionRequest`` reads ``seed`` and ``temperature``:
+    each of these is a seeded request sampled at random there."""
+    with pytest.raises(SeedUnsupported):
+        check(rule(), **values)
 
 
 def test_chunked_prefill_splits_a_request_when_other_requests_can_fill_the_step():
@@ -123,6 +133,17 @@ def test_openai_bodies_on_vllms_own_routes():
     rule_check(tight, {"prompt": [1] * 90, "seed": 7, "max_tokens": 10})
     with pytest.raises(SeedUnsupported):
         rule_check(tight, {"prompt": "x" * 90, "seed": 7, "max_tokens": 10})  # length unknown
+    # the fields at the top level count whatever a sampling_params object says (vLLM's chat,
+    # completions and responses routes ignore it); a batch's images; a prompt beside its embeds
+    with pytest.raises(SeedUnsupported, match="chunked"):
+        rule_check(rule(), {"prompt": "hi", "seed": 7, "max_tokens": 4, "sampling_params": {}})
+    with pytest.raises(SeedUnsupported, match="chunked"):
+        rule_check(rule(), {"prompt": "hi", "max_tokens": 4, "sampling_params": {"seed": 7}})
+    with pytest.raises(SeedUnsupported, match="encoder budget"):
+        rule_check(loose, {"messages": [[{"role": "user", "content": [image]}]], "seed": 7})
+    rule_check(tight, {"prompt": [1] * 90, "seed": 7, "max_tokens": 10})
+    with pytest.raises(SeedUnsupported):
+        rule_check(tight, {"prompt": [1] * 90, "prompt_embeds": "...", "seed": 7, "max_tokens": 10})
     for not_a_request in ([1], "x", None, {"seed": 7, "max_tokens": "many"}):
         try:
             rule_check(loose, not_a_request)

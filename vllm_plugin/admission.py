@@ -53,8 +53,11 @@ ENGINE_PREFIXES = (
     "/score",
     "/rerank",
     "/invocations",
+    "/tokenize",
+    "/cohere/",
 )
-"""Path prefixes of vLLM's routes that may hand a request to the engine."""
+"""Path prefixes of vLLM's routes that may hand a request to the engine, or read a chat body's
+images through the media connector (``/tokenize``: a ref there gets its typed refusal too)."""
 
 PLUGIN_PATHS = frozenset({"/inference/v1/generate", "/inference/v1/resolve"})
 """The plugin's own routes: they bind and label versions and apply the seed rule themselves."""
@@ -240,14 +243,17 @@ async def _inspect(
         MMRefError: the refusal.
     """
     chunks = [m.get("body", b"") for m in messages if m.get("type") == "http.request"]
+    # UTF-16/32 JSON (vLLM's json.loads reads it) hides every needle below: parsed, and passed on
+    # as UTF-8; UTF-8 JSON never holds a raw NUL
+    wide = any(b"\x00" in chunk for chunk in chunks)
     seeded = admission.split_rule is not None and _mentions(chunks, (b'"seed"',))
-    if seeded or _mentions(chunks, chat_refs.needles()):  # only then is the body joined and parsed
+    if wide or seeded or _mentions(chunks, chat_refs.needles()):  # only then is it joined and parsed
         decoded = chat_refs.decode_json(b"".join(chunks))
         if decoded is not None:  # else not JSON: vLLM's route refuses it with its own error
             body, encode = decoded
             if admission.split_rule is not None:
                 rule_check(admission.split_rule, body)
-            if await chat_refs.bind_body(body, chat_refs.active(), admission.versions):
+            if await chat_refs.bind_body(body, chat_refs.active(), admission.versions) or wide:
                 raw = encode(body)
                 messages = [{"type": "http.request", "body": raw, "more_body": False}]
                 scope = {**scope, "headers": _with_length(scope.get("headers", ()), len(raw))}
@@ -274,35 +280,46 @@ def _mentions(chunks: list[bytes], needles: tuple[bytes, ...]) -> bool:
 def rule_check(rule: SplitRule, body: Any) -> None:
     """The seed rule on an OpenAI-style body (``/v1/completions``, ``/v1/chat/completions``,
     ``/v1/responses``...): ``seed``, ``temperature``, ``max_tokens`` /
-    ``max_completion_tokens`` / ``max_output_tokens`` at the top level (or in ``sampling_params``);
-    the prompt's length is known only for a ``prompt`` of token ids, images only as content parts.
+    ``max_completion_tokens`` / ``max_output_tokens`` at the top level, and the same in a
+    ``sampling_params`` object (a route that reads it); the prompt's length is known only for a
+    ``prompt`` of token ids without ``prompt_embeds``, images only as content parts (of a message,
+    or of a batch's conversation).
 
     Raises:
         SeedUnsupported: see :meth:`SplitRule.check`.
     """
     if not isinstance(body, dict):
         return
-    params = body.get("sampling_params") if isinstance(body.get("sampling_params"), dict) else body
     prompt = body.get("prompt")
-    prompt_tokens = (
-        len(prompt) if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
-    )
-    max_tokens = next(
-        (params[k] for k in ("max_tokens", "max_completion_tokens", "max_output_tokens") if k in params), None
-    )
-    rule.check(
-        seed=params.get("seed"),
-        temperature=params.get("temperature"),
-        prompt_tokens=prompt_tokens,
-        max_tokens=max_tokens,
-        image_tokens=int(_has_media(body)),
-    )
+    ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+    prompt_tokens = len(prompt) if ids and "prompt_embeds" not in body else None
+    image_tokens = int(_has_media(body))
+    nested = body.get("sampling_params")
+    for params in (body, nested) if isinstance(nested, dict) else (body,):
+        max_tokens = next(
+            (params[k] for k in ("max_tokens", "max_completion_tokens", "max_output_tokens") if k in params),
+            None,
+        )
+        rule.check(
+            seed=params.get("seed"),
+            temperature=params.get("temperature"),
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            image_tokens=image_tokens,
+        )
 
 
 def _has_media(body: dict[str, Any]) -> bool:
-    """Whether a chat-style body carries a content part other than text."""
+    """Whether a chat-style body carries a content part other than text (``messages`` may be a
+    batch: a list of conversations)."""
     for key in ("messages", "input"):
-        for message in body.get(key) or () if isinstance(body.get(key), list) else ():
+        items = body.get(key)
+        stack = list(items) if isinstance(items, list) else []
+        while stack:
+            message = stack.pop()
+            if isinstance(message, list):
+                stack.extend(message)
+                continue
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, list) and any(
                 isinstance(p, dict) and p.get("type") not in ("text", "input_text") for p in content

@@ -35,7 +35,9 @@ through ``admission.py`` (where the prompt is not yet rendered, ``L`` is ``max_m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field, TypeAdapter, ValidationError
 
 from protocol.errors import SeedUnsupported
 
@@ -123,8 +125,9 @@ class SplitRule:
         """Refuse a request that would get a seeded generator and can be prefilled in parts.
 
         Args:
-            seed, temperature, max_tokens: the request's values (None: not given; anything else
-                that is not a number is left to vLLM to refuse).
+            seed, temperature, max_tokens: the request's values (None: not given), read as vLLM's
+                request models read them (pydantic, lax: ``"7"``, ``7.0`` and ``true`` are seeds,
+                ``"1.0"`` a temperature); what they refuse is left to vLLM to refuse.
             prompt_tokens: the prompt's length in tokens, None where not known yet (taken as
                 ``max_model_len``).
             image_tokens: placeholder tokens of its images (any positive number where unknown).
@@ -132,11 +135,12 @@ class SplitRule:
         Raises:
             SeedUnsupported: naming the reasons and the settings that lift them.
         """
-        if seed is None or isinstance(seed, bool) or not isinstance(seed, int):
-            return
+        seed, temperature = _lax(_SEED, seed), _lax(_TEMPERATURE, temperature)
+        if seed is None or seed is _REFUSED or temperature is _REFUSED:
+            return  # unseeded, or a value vLLM refuses
         temp = self.default_temperature if temperature is None else temperature
-        if isinstance(temp, bool) or not isinstance(temp, (int, float)) or temp < SAMPLING_EPS:
-            return  # greedy (or invalid: vLLM refuses it)
+        if temp < SAMPLING_EPS:
+            return  # greedy
         total = self.max_model_len if prompt_tokens is None else prompt_tokens
         if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0:
             total += max_tokens
@@ -177,3 +181,20 @@ class SplitRule:
             max_tokens=sampling.max_tokens if provided else None,
             image_tokens=image_tokens,
         )
+
+
+_SEED: TypeAdapter[int | None] = TypeAdapter(Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None)
+"""vLLM's request models' ``seed: int | None`` within int64 (``ChatCompletionRequest``,
+``CompletionRequest``...)."""
+_TEMPERATURE: TypeAdapter[float | None] = TypeAdapter(float | None)
+"""Their ``temperature: float | None``."""
+_REFUSED = object()
+
+
+def _lax(adapter: TypeAdapter[Any], value: Any) -> Any:
+    """``value`` as a vLLM request model reads it (pydantic's lax mode: ``"7"`` -> 7, ``True`` ->
+    1), or :data:`_REFUSED` where the model refuses it."""
+    try:
+        return adapter.validate_python(value)
+    except ValidationError:
+        return _REFUSED
