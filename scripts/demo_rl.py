@@ -80,12 +80,14 @@ def train_step(
     t0 = time.monotonic()
     plan = plan_step(samples, spec, dp_size=1, mini_batch_size=len(samples), seq_len=2048)
     (ranks,) = plan.mini_batches  # one mini-batch: one optimizer step
-    (normalizer,) = plan.num_loss_tokens_per_mini_batch
+    resolved: dict = {}  # each distinct image decoded once per step, encoded once per micro-batch
+    batches = [materialize_micro_batch(p, spec, config, resolved=resolved) for p in ranks[0].micro_batches]
+    # the loss tokens left after materializing (a missing image zeroes its sample's loss under the
+    # default policy); with several ranks, all-reduce this sum
+    normalizer = max(1, sum(m.packed.num_loss_tokens for m in batches))
     optimizer.zero_grad()
     trainer, server, masks, loss = [], [], [], 0.0
-    resolved: dict = {}  # each distinct image decoded once per step, encoded once per micro-batch
-    for packed in ranks[0].micro_batches:
-        m = materialize_micro_batch(packed, spec, config, resolved=resolved)
+    for m in batches:
         inputs = packed_inputs(m.packed, m.features, model, spec, image_index=m.image_index)
         out = packed_logprobs(model, inputs, suppressed_token_ids=suppressed)
         wire = m.packed.micro_batch

@@ -57,12 +57,18 @@ def push_weights(
         The route's answer: ``weight_version``, ``drained_requests``, ``drain_seconds``,
         ``reload_seconds``, ``held_seconds``, ``prefix_cache_reset``.
 
+    The call waits as long as the update takes (no client timeout: the server bounds its drain by
+    ``timeout_s``; a client that gave up earlier would not know whether the update happened).
+
     Raises:
         httpx.HTTPStatusError: the update failed (503 ``drain_timeout``: nothing changed, retry;
-            404: the server runs without ``VLLM_SERVER_DEV_MODE=1``).
+            409 ``update_conflict``: another update or hold runs; 404: the server runs without
+            ``VLLM_SERVER_DEV_MODE=1``).
+        httpx.TransportError: the connection failed (whether the update happened: read
+            ``weight_version``).
     """
     body = {"weights_path": str(weights_dir), "version": version, "timeout_s": timeout_s}
-    r = client.post("/mmref/v1/weights/update", json=body)
+    r = client.post("/mmref/v1/weights/update", json=body, timeout=None)
     r.raise_for_status()
     return r.json()
 
@@ -71,8 +77,21 @@ def push_weights(
 def held(client: httpx.Client, version: str, timeout_s: float | None = None) -> Iterator[None]:
     """Hold the server for a weight update made by other means (vLLM's weight-transfer routes):
     ``/mmref/v1/weights/hold`` on entry, ``/mmref/v1/weights/release`` with ``version`` on exit
-    (also on an error inside, without a version: the old one stays)."""
-    client.post("/mmref/v1/weights/hold", json={"timeout_s": timeout_s}).raise_for_status()
+    (also on an error inside, without a version: the old one stays). The hold waits as long as its
+    drain takes (no client timeout; ``timeout_s`` bounds it on the server); if its answer is lost
+    to a transport error, a release is sent anyway (a 409 there: it never held), so the server is
+    never left held.
+
+    Raises:
+        httpx.HTTPStatusError: the hold or release was refused (503 ``drain_timeout``, 409).
+        httpx.TransportError: the hold's connection failed (the server released).
+    """
+    try:
+        client.post("/mmref/v1/weights/hold", json={"timeout_s": timeout_s}, timeout=None).raise_for_status()
+    except httpx.TransportError:
+        with contextlib.suppress(httpx.HTTPError):
+            client.post("/mmref/v1/weights/release", json={})
+        raise
     ok = False
     try:
         yield

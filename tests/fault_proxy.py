@@ -6,7 +6,8 @@ spent): ``"forward"`` (send it upstream as is and answer what upstream answered)
 (wait S seconds, then forward), ``"push:V"`` (push ``weights_dir`` as version V with the plugin's
 one call, ``POST /mmref/v1/weights/update``, then forward), ``"hold:V:S"`` (hold upstream for a
 weight update, ``POST /mmref/v1/weights/hold``; forward the request, which waits at upstream's gate;
-release as V after S seconds), ``"drain_timeout"`` (answer the plugin's 503 ``drain_timeout`` body).
+release as V after S seconds), ``"drain_timeout"`` (answer the plugin's 503 ``drain_timeout`` body),
+``"cut"`` (forward it, then close the connection unanswered: the answer is lost).
 Every request's path and headers are recorded.
 """
 
@@ -90,6 +91,9 @@ class _Handler(BaseHTTPRequestHandler):
             r = httpx.post(proxy.upstream + self.path, content=body, headers=headers, timeout=600)
         except httpx.HTTPError:
             return  # the client went away (a timeout test)
+        if action == "cut":
+            self.close_connection = True
+            return
         self._answer(r.status_code, {k: r.headers[k] for k in _KEEP if k in r.headers}, r.content)
 
     def _answer(self, status: int, headers: dict[str, str], content: bytes) -> None:

@@ -47,6 +47,18 @@ class Unpicklable(Exception):
         raise TypeError("cannot pickle this error")
 
 
+class Unprintable(Unpicklable):
+    """Unpicklable, with a ``ref`` that is no string and a ``str()`` that raises: the stand-in
+    built for it must not fail (the failing rank would leave the other in the second collective)."""
+
+    def __init__(self, message: str, handle) -> None:
+        super().__init__(message, handle)
+        self.ref = handle
+
+    def __str__(self) -> str:
+        raise RuntimeError("no str")
+
+
 def _step_samples(image, tok: int) -> list[TrainingSample]:
     """A step for two ranks: samples with the image, text of many lengths, two LoRAs, a stray
     placeholder in text (whoever plans it, every rank must get the same micro-batches)."""
@@ -96,10 +108,15 @@ def _run_plan(rank: int, world: int, adapter, image, out_dir: Path) -> None:
 def _record(out: Path, phase: str, rank: int, error: BaseException | None) -> None:
     info = None
     if error is not None:
+        try:
+            message = str(error)
+        except Exception:
+            message = None
+        ref = getattr(error, "ref", None)
         info = {
             "type": f"{type(error).__module__}.{type(error).__qualname__}",
-            "message": str(error),
-            "ref": getattr(error, "ref", None),
+            "message": message,
+            "ref": ref if ref is None or isinstance(ref, str) else type(ref).__name__,
             "notes": getattr(error, "__notes__", []),
             "cause": type(error.__cause__).__name__ if error.__cause__ is not None else None,
         }
@@ -166,6 +183,12 @@ def _worker(
             check_all_ranks(Unpicklable("socket gone", handle=object()) if rank == 1 else None)
         except Exception as e:
             _record(out_dir, "unpicklable", rank, e)
+
+        # 5. one whose str() raises and whose ref is no string: RankFailed all the same, no hang
+        try:
+            check_all_ranks(Unprintable("x", handle=object()) if rank == 1 else None)
+        except Exception as e:
+            _record(out_dir, "unprintable", rank, e)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -233,6 +256,11 @@ def test_one_rank_error_fails_both_ranks_without_hanging(refs, qwen2_vl_dir, tmp
         r0["type"] == rank_failed and "test_distributed.Unpicklable on rank 1: socket gone" in r0["message"]
     )
     assert r1["type"].endswith("Unpicklable")
+
+    r0, r1 = read("unprintable")
+    assert r0["type"] == rank_failed and r0["ref"] is None
+    assert "Unprintable on rank 1: <an error whose str() raised>" in r0["message"]
+    assert r1["type"].endswith("Unprintable") and r1["message"] is None and r1["ref"] == "object"
 
 
 def test_without_a_process_group_errors_pass_through():

@@ -93,11 +93,20 @@ def test_malformed_items_are_refused_with_the_callers_error(layout, photo_item):
 
 def test_a_claimed_grid_allocates_nothing(layout, photo_item):
     """A few rows claiming a 512x512-patch grid (1.2 GB of float32 pixels if sized) are refused
-    without the process growing: the check slices the item's own tensors."""
+    without the process growing: the grid is bounded by the processor's limits first
+    (``check_grid``), and a grid within them that the rows do not fill is found by slicing the
+    item's own tensors."""
+    from protocol.errors import GridMismatch
+
     rss = psutil.Process().memory_info().rss
     forged = replaced(photo_item, "image_grid_thw", torch.tensor([1, 512, 512]))
-    with pytest.raises(InvalidRequest, match="its grid needs 262144"):
+    with pytest.raises(GridMismatch, match="exceeds what the qwen2_vl processor can produce"):
         layout.check(forged, InvalidRequest, "item")
+    rows = photo_item["pixel_values"].data.shape[0]
+    within = replaced(photo_item, "image_grid_thw", torch.tensor([1, 22, 20]))  # 440 patches: allowed
+    assert rows != 440
+    with pytest.raises(InvalidRequest, match="its grid needs 440"):
+        layout.check(within, InvalidRequest, "item")
     assert psutil.Process().memory_info().rss - rss < 64 << 20
 
 

@@ -100,9 +100,6 @@ def test_requests_that_kill_or_mislead_stock_are_refused(server, rendered, photo
         "an inline item of grid [1, 3, 3] (9 rows: no merge-2 processor emits it, the tower cannot reshape it)": (
             with_item(rendered, "g0" * 32, kwargs_data={"image": [_tampered(item, rows=9, grid=[1, 3, 3])]}, mm_metadata=None),
             422, "grid_mismatch"),
-        "mm_metadata alone (an encoder-cache transfer) of grid [1, 3, 3]": (
-            with_item(rendered, "g1" * 32, kwargs_data={"image": [None]}, mm_metadata={"image": [_tampered(item, grid=[1, 3, 3], metadata_only=True)]}),
-            422, "grid_mismatch"),
         "placeholder tokens and no image (misspelled mm_ref)": ({"token_ids": ids, "mm_ref": [ref.ref], "sampling_params": GREEDY}, 422, "placeholder_mismatch"),
         "a null slot nobody sent": (with_item(rendered, "u0" * 32, kwargs_data={"image": [None]}, mm_metadata=None), 404, "not_cached"),
         "content_parts file:// on a server that loads no local files": (

@@ -280,6 +280,23 @@ def test_a_release_or_hold_while_an_update_drains_is_refused(push_server, weight
         assert by_ref(c, prompts[0][0]).headers[HEADER] == "drain-B"
 
 
+def test_held_never_leaves_the_server_held_when_the_holds_answer_is_lost(push_server):
+    """``rl_server.held``: the hold reaches the server but its answer is lost (the connection cut):
+    the helper releases before it raises, so the server is not left held with its gate closed
+    (a new hold is accepted, a request is served)."""
+    from fault_proxy import FaultProxy
+
+    with FaultProxy(push_server.url, ["cut"]) as proxy, httpx.Client(base_url=proxy.url) as client:
+        with pytest.raises(httpx.TransportError), held(client, "never-held"):
+            pass
+        assert [path for path, _ in proxy.seen] == ["/mmref/v1/weights/hold", "/mmref/v1/weights/release"]
+    with push_server.client(timeout=60) as c:
+        c.post("/mmref/v1/weights/hold", json={"timeout_s": 30}).raise_for_status()
+        c.post("/mmref/v1/weights/release", json={}).raise_for_status()
+        text = {"model": str(push_server.model), "prompt": [3, 17, 42], "max_tokens": 2}
+        assert c.post("/v1/completions", json=text).status_code == 200
+
+
 def test_a_client_stalled_in_its_body_holds_up_no_update(push_server):
     """Half a body sent, then nothing: the request is not admitted until its body is in, so a hold
     drains at once (it would otherwise wait for the client, and every request after it at the

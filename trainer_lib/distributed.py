@@ -61,13 +61,21 @@ def _flag_device(group: Any) -> torch.device:
 
 
 def _portable(error: BaseException, rank: int) -> bytes:
+    """``error`` pickled, else a :class:`RankFailed` of it: never raises (a rank that raised here,
+    between the two collectives, would leave the others waiting in the second)."""
     try:
         data = pickle.dumps(error)
         pickle.loads(data)  # some exceptions pickle but fail to rebuild (required init args)
         return data
     except Exception:
-        name = f"{type(error).__module__}.{type(error).__qualname__}"
-        return pickle.dumps(RankFailed(name, str(error), getattr(error, "ref", None), rank))
+        pass
+    name = f"{type(error).__module__}.{type(error).__qualname__}"
+    try:
+        message = str(error)
+    except Exception:
+        message = "<an error whose str() raised>"
+    ref = getattr(error, "ref", None)
+    return pickle.dumps(RankFailed(name, message, ref if isinstance(ref, str) else None, rank))
 
 
 def check_all_ranks(error: BaseException | None, *, group: Any = None) -> None:

@@ -541,3 +541,16 @@ def test_list_fast_path_agrees_with_the_numpy_path(samples):
             np.asarray(s.input_ids), refs, TOK, mm_token_type_ids=None if types is None else np.asarray(types)
         )
         assert fast == slow
+
+
+def test_a_pad_with_a_loss_token_is_refused():
+    """Pads are zero-loss and out of every count: a sample marked ``is_padding`` that carries a loss
+    token (once trained on and counted in ``num_loss_tokens``) is refused."""
+    real = make_sample([5, 6, 7])
+    pad = msgspec.structs.replace(real, is_padding=True)  # a pad that kept the real sample's loss
+    assert any(pad.loss_mask)
+    with pytest.raises(ValueError, match="is a pad"):
+        pack_samples([real, pad], SPEC, seq_len=64)
+    quiet = msgspec.structs.replace(pad, loss_mask=[False] * len(pad.loss_mask))
+    packed = pack_samples([real, quiet], SPEC, seq_len=64)
+    assert packed.num_samples == 1 and packed.num_loss_tokens == sum(real.loss_mask)

@@ -539,3 +539,26 @@ def test_the_slot_bound_is_reached_where_first_fit_and_one_trade_miss_it():
     assert min_micro_batches(lengths, dp_size=2, cap=100) == 1
     part = partition_mini_batch(lengths, dp_size=2, cap=100)
     assert part.num_micro_batches == 1 and sorted(part.tokens) == [[98], [100]]
+
+
+def test_two_samples_above_the_cap_never_share_a_bin_across_keys():
+    """Two keys, three ranks, samples of 300, 120, 110 above a cap of 100: key ``a``'s two long
+    samples once shared one bin (230 tokens at cap 100: the long slot's bins closed at the
+    slot's longest sample). Each now runs alone, or the plan holds them apart otherwise; with
+    ``stretch_cap`` a bin may hold up to the slot's longest sample."""
+    lengths, keys = [300, 120, 110, 5], ["b", "a", "a", "b"]
+    for stretch in (False, True):
+        plan = partition_mini_batch(lengths, dp_size=3, cap=100, keys=keys, stretch_cap=stretch)
+        limit = max(lengths) if stretch else 100
+        bins = [b for rank in plan.ranks for b in rank if b]
+        assert sorted(i for b in bins for i in b) == [0, 1, 2, 3]
+        for b in bins:
+            assert len(b) == 1 or sum(lengths[i] for i in b) <= limit, (stretch, plan.ranks)
+            assert len({keys[i] for i in b}) == 1
+
+
+def test_grouped_first_fit_tries_every_bin_with_room():
+    """With groups the items are visited group by group, not by size: a bin with room for a later,
+    smaller item is still tried (it was skipped once, costing a bin)."""
+    for groups in (None, ["A", "B", "C"], ["A", "B", None]):
+        assert plan_bins([10, 1, 5], 12, groups=groups) == [[0, 1], [2]], groups

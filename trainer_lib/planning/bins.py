@@ -122,7 +122,7 @@ def _first_fit_scan(
     rooms: list[int] = []
     holds: list[int] = []  # per bin: PIXELS or STRAY once it holds one, else NEUTRAL
     home: dict[Hashable, list[int]] = {}  # group -> bins holding it
-    smallest = lengths[order[-1]] if order else 0
+    smallest = min((lengths[i] for i in order), default=0)  # with groups, ``order`` is not by size
     first = 0  # bins before this one have no room for any item left
     for i in order:
         size, kind = lengths[i], kinds[i]

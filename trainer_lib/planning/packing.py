@@ -90,7 +90,8 @@ def analyze_entry(entry: PackEntry, spec: PackingSpec, position: int | None) -> 
     spec's adapter, every ref's ``num_placeholders`` is checked against its grid.
 
     Raises:
-        ValueError: an empty sample, a loss on its first token, or a synthetic pad without the
+        ValueError: an empty sample, a loss on its first token, a pad (``is_padding``) with a loss
+            token (pads are zero-loss and out of every count), or a synthetic pad without the
             spec's adapter or with refs.
         PlaceholderMismatch: image tokens that do not match the refs (see :func:`locate_image_runs`).
     """
@@ -103,6 +104,11 @@ def analyze_entry(entry: PackEntry, spec: PackingSpec, position: int | None) -> 
         raise ValueError(
             f"sample {position}: loss_mask[0] is True, but a sample's first token has no logprob "
             f"(nothing precedes it); the prompt's tokens take no loss"
+        )
+    if s.is_padding and any(s.loss_mask):
+        raise ValueError(
+            f"sample {position} is a pad (is_padding=True) with {sum(s.loss_mask)} loss token(s): pads "
+            f"take no loss and are left out of every count (make_pad_sample builds them)"
         )
     refs = list(s.mm_refs.items) if s.mm_refs is not None else []
     type_ids = s.mm_refs.mm_token_type_ids if s.mm_refs is not None else None
@@ -247,8 +253,8 @@ def pack_samples(
         A :class:`PackedBatch`; each sample lands in exactly one micro-batch.
 
     Raises:
-        ValueError: a bad cap (see :func:`bin_capacity`), an empty sample, or a loss on a
-            sample's first token (it has no logprob).
+        ValueError: a bad cap (see :func:`bin_capacity`), an empty sample, a loss on a
+            sample's first token (it has no logprob), or a pad with a loss token.
         PlaceholderMismatch: a sample whose image tokens do not match its refs.
     """
     cap = bin_capacity(seq_len, micro_batch_max_tokens)

@@ -253,7 +253,10 @@ def _long_slots(mb: SlotRules) -> tuple[list[_Bins], list[int]]:
         for c in range(0, len(over), dp):
             group = over[c : c + dp]
             room = (lengths[group[0]] if mb.stretch else cap) - (mb.reserve if pixels else 0)
-            dealt = lpt_bins(group, lengths, keys, dp, max(room, lengths[group[0]]), pool, room)
+            # a bin closes past the cap: two long samples never share one (stretched: past the
+            # slot's longest sample, which they may share, as the slot's other bins do)
+            limit = max(room, lengths[group[0]]) if mb.stretch else room
+            dealt = lpt_bins(group, lengths, keys, dp, limit, pool, room)
             if dealt is None:
                 return slots, [i for i in range(n) if i not in used]
             bins, pool = dealt
