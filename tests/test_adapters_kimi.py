@@ -608,3 +608,43 @@ def test_offload_and_resolve_roundtrip(family, k25_trainer, vl_trainer, tmp_path
 
 def _fields(body: RawRefBody) -> dict[str, Any]:
     return {f: getattr(body, f) for f in body.__struct_fields__}
+
+
+def test_k25_processing_on_many_threads_does_not_abort_the_process(k25_dir):
+    """vLLM's fused K2.5 processor runs a parallel numba kernel that aborts the whole process when
+    two threads enter it at once (numba's workqueue layer: "Concurrent access has been
+    detected"); the plugin's resolver and the trainer's materialize process on pools, so the
+    adapter serializes ``preprocess`` on the instance (vLLM's own calls included). Four threads in
+    a child process (the abort would take pytest down with it): once rc -6."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from helpers import REPO
+
+    code = textwrap.dedent(
+        f"""
+        import sys, threading
+        sys.path.insert(0, {str(REPO / "tests")!r})
+        from helpers import photo_bytes
+        from protocol.adapters import load_adapter
+        from protocol.images import load_image
+        adapter = load_adapter({str(k25_dir)!r})
+        names = ("astronaut", "coffee", "chelsea", "rocket")
+        images = [load_image(photo_bytes(n, size=(448, 448))) for n in names]
+        adapter.process(images[0])
+        errors = []
+        def work(i):
+            try:
+                for _ in range(8):
+                    adapter.process(images[i])
+            except BaseException as e:
+                errors.append(repr(e))
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        print("errors", errors)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "errors []" in out.stdout, (out.returncode, out.stderr[-2000:])

@@ -65,3 +65,28 @@ def test_forged_grids_are_refused_before_allocation(adapter, scale):
 def test_malformed_grids_are_refused(adapter, bad):
     with pytest.raises(GridMismatch):
         adapter.check_grid(bad)
+
+
+@pytest.mark.parametrize("in_token_limit", [4096, 16384])
+def test_kimi_vl_grids_at_released_token_limits_pass(in_token_limit):
+    """The released Kimi-VL checkpoints' ``in_token_limit`` (4096; 16384 for the 2506 Thinking
+    model), at aspect ratios where the resize, computed from whole patches, overshoots the limit
+    (an 8070 x 193 photo: 5136 patches at 4096, once refused as over 5119)."""
+    import copy
+
+    from protocol.adapters.kimi_vl import KimiVLAdapter
+
+    base = load_adapter(ensure_tiny_model("kimi_vl"))
+    processor = copy.copy(base.image_processor)
+    processor.in_token_limit = in_token_limit
+    adapter = KimiVLAdapter(processor, family="kimi_vl")
+    sizes = [(8070, 193), (5428, 181), (5146, 657), (7000, 700), (4000, 3000), (7150, 300), (300, 7150)]
+    over = 0
+    for width, height in sizes:
+        try:
+            grid = adapter.grid_for_size(width, height)
+        except ValueError:  # "Exceed pos emb": the processor itself refuses it
+            continue
+        assert adapter.check_grid(grid) == tuple(grid), (width, height, grid)
+        over += grid[0] * grid[1] > in_token_limit
+    assert over  # some of them past the limit: what the old bound refused

@@ -29,7 +29,9 @@ covers the whole expanded run, ``(h//2)*(w//2)`` tokens, not 1 (measured; see do
 
 from __future__ import annotations
 
+import functools
 import sys
+import threading
 from collections.abc import Sequence
 from importlib import metadata
 from typing import Any, ClassVar, NamedTuple
@@ -49,6 +51,32 @@ _IMAGE_FIELDS = (
     "image_mean",
     "image_std",
 )
+
+
+_PREPROCESS_LOCK = threading.Lock()
+"""Held by every call of a wrapped processor's ``preprocess`` in this process (:func:`_serialized`)."""
+
+
+def _serialized(processor: Any) -> None:
+    """Make ``processor.preprocess`` hold :data:`_PREPROCESS_LOCK`, on this instance (vLLM's own
+    ``KimiK25Processor`` calls ``preprocess`` on the same instance, so its calls wait too).
+
+    vLLM's fused processor runs a parallel numba kernel under numba's ``workqueue`` threading
+    layer (``vllm/utils/jit_monitor.py``), which aborts the whole process when two threads enter
+    it at once ("Concurrent access has been detected"); vLLM keeps to one thread
+    (``vllm/renderers/base.py``: its single-worker ``_mm_executor``), while the plugin's resolver
+    and the trainer's ``materialize`` process images on pools of their own."""
+    if getattr(processor, "_mmref_serialized", False):
+        return
+    inner = processor.preprocess
+
+    @functools.wraps(inner)
+    def preprocess(*args: Any, **kwargs: Any) -> Any:
+        with _PREPROCESS_LOCK:
+            return inner(*args, **kwargs)
+
+    processor.preprocess = preprocess
+    processor._mmref_serialized = True
 
 
 class _Size(NamedTuple):
@@ -87,6 +115,7 @@ class KimiK25Adapter(ImageAdapter):
                 "KimiK25FusedVisionProcessor (load_image_processor)"
             )
         super().__init__(image_processor, family=family, device=device)
+        _serialized(image_processor)  # one thread at a time in its numba kernel, or the process aborts
 
     @property
     def cfg(self) -> dict[str, Any]:

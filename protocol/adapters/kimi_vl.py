@@ -248,12 +248,20 @@ class KimiVLAdapter(ImageAdapter):
         return (kh, kw)
 
     def grid_limits(self) -> tuple[tuple[int, int], int]:
-        """Sides below :data:`POS_EMB_LIMIT` patches; at most ``in_token_limit`` patches before
-        padding, which adds fewer than one merge unit per side (:func:`kimi_vl_target_size`)."""
+        """Sides below :data:`POS_EMB_LIMIT` patches, and at most
+        ``L + (1 + kh) * side + (1 + kw) * side + kh * kw`` patches in all (``L`` =
+        ``in_token_limit``, ``side`` = 511, ``(kh, kw)`` the merge kernel).
+
+        Why (:func:`kimi_vl_target_size`): an image of ``a x b`` whole patches over ``L`` is scaled
+        by ``s = sqrt(L / (a b))``, so its sides become ``u < (a + 1) s`` and ``v < (b + 1) s``
+        patches and ``u v < L + b s^2 + a s^2 + s^2 < L + u + v + 1`` (``s < 1``); padding then adds
+        fewer than ``kw`` and ``kh`` patches to them, so ``W H < u v + kh u + kw v + kh kw``, with
+        ``u, v <= side``. (The resize is computed from whole patches: the scaled image can hold more
+        than ``L`` of them, e.g. 5136 at ``L`` = 4096 for an 8070 x 193 photo.)"""
         p = self.image_processor
         side = POS_EMB_LIMIT - 1
-        kh, kw = p.merge_kernel_size if p.pad_input else (1, 1)
-        most = p.in_token_limit + (kh - 1) * side + (kw - 1) * side + (kh - 1) * (kw - 1)
+        kh, kw = (int(k) for k in p.merge_kernel_size) if p.pad_input else (1, 1)
+        most = p.in_token_limit + (1 + kh) * side + (1 + kw) * side + kh * kw
         return (side, side), most
 
     def process(self, image: Image.Image, *, device_normalize: bool = False) -> ProcessedImage:
