@@ -325,3 +325,19 @@ def test_a_null_slot_naming_a_ref_whose_request_still_runs_is_checked(server, as
         assert null_slot(ref.num_placeholders).status_code == 200
         assert first.result().status_code == 200
         assert c.get("/health").status_code == 200
+
+
+def test_a_streamed_request_the_engine_refused_leaves_its_items_unknown(server, rendered):
+    """A streamed request whose prompt vLLM refuses once streaming (longer than --max-model-len):
+    its inline item never reached the engine, so a later ``null`` slot naming its hash is
+    ``not_cached`` (404), as for any hash the engine never got (once taken as sent: vLLM then
+    met a null item it did not hold, a 500)."""
+    ids = rendered["token_ids"]
+    too_long = with_item(rendered, "st" * 32)
+    too_long["token_ids"] = ids + [3] * 2100  # the item's range unchanged: only the prompt's length
+    with server.client() as c:
+        streamed = c.post("/inference/v1/generate", json={**too_long, "stream": True})
+        assert streamed.status_code == 200 and "error" in streamed.text, streamed.text[:300]
+        null = with_item(rendered, "st" * 32, kwargs_data={"image": [None]}, mm_metadata=None)
+        assert refusal(c.post("/inference/v1/generate", json=null)) == (404, "not_cached")
+        assert c.get("/health").status_code == 200

@@ -125,6 +125,12 @@ def test_bodies_stock_serves_get_stocks_answer(stock, server):
     over_text = copy.deepcopy(one)  # the range covers vision_start and a text token: vLLM merges by range
     over_text["features"]["mm_placeholders"]["image"] = [{"offset": offset - 2, "length": length}]
     text = {"token_ids": [3, 17, 42, 99, 7], "sampling_params": GREEDY}
+    wrapped = copy.deepcopy(one)  # a MIME-wrapped base64 item (76 characters a line): vLLM skips the breaks
+    item = wrapped["features"]["kwargs_data"]["image"][0]
+    wrapped["features"]["kwargs_data"]["image"] = [
+        "\n".join(item[i : i + 76] for i in range(0, len(item), 76))
+    ]
+    wrapped["features"]["mm_hashes"] = {"image": ["w" * 64]}
     content_parts = {
         "token_ids": [
             *one["token_ids"][: offset - 1],
@@ -141,6 +147,7 @@ def test_bodies_stock_serves_get_stocks_answer(stock, server):
         "text only": text,
         "text, logprobs 2": {**text, "sampling_params": {"temperature": 0, "max_tokens": 5, "logprobs": 2}},
         "inline item (vLLM's render output)": one,
+        "inline item, base64 with line breaks": wrapped,
         "two inline items": two,
         "null slot after that hash was sent inline": null_slot,
         "literal placeholder token in user text beside an image": literal_pad,
@@ -246,6 +253,8 @@ def test_stock_refusals_keep_stocks_body(stock, server):
         "token_ids missing": {"json": {"sampling_params": GREEDY}},
         "negative token id": {"json": {**base, "token_ids": [-1]}},
         "max_tokens 0": {"json": {**base, "sampling_params": {"max_tokens": 0}}},
+        "an integer of 5000 digits": {"content": b'{"token_ids": [' + b"9" * 5000 + b"]}", "headers": json_type},
+        "a space before the content type's parameters": {"content": json.dumps(base).encode(), "headers": {"content-type": "application/json ; charset=utf-8"}},
         "NaN temperature": {"content": b'{"token_ids":[1],"sampling_params":{"temperature":NaN}}', "headers": json_type},
         "token id beyond the vocabulary": {"json": {**base, "token_ids": [10**9]}},
         "prompt longer than max_model_len": {"json": {**base, "token_ids": [1] * 5000}},

@@ -104,14 +104,14 @@ async def read_body(request: Request, limit: int) -> Any:
             _log_too_large(len(raw), limit)
             raise AssetTooLarge(f"request body exceeds {limit} bytes (MMREF_MAX_BODY_BYTES)")
     content_type = request.headers.get("content-type", "")
-    media_type = content_type.split(";")[0].strip().lower()
-    if media_type in _MSGPACK_TYPES:
+    if content_type.split(";")[0].strip().lower() in _MSGPACK_TYPES:
         try:
             return msgspec.msgpack.decode(raw) if raw else None
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
             raise InvalidRequest(f"body is not valid msgpack: {e}") from e
     body = _decode_json(raw) if raw and _json_like(content_type) else None
-    if media_type != "application/json":  # vLLM's validate_json_request, after FastAPI's parse
+    # vLLM's validate_json_request (serve/utils/api_utils.py), after FastAPI's parse: no strip
+    if content_type.lower().split(";", 1)[0] != "application/json":
         raise RequestValidationError(errors=[_UNSUPPORTED_MEDIA])
     return body
 
@@ -147,7 +147,8 @@ def _decode_json(raw: bytearray) -> Any:
     except json.JSONDecodeError as e:
         error = {"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {}}
         raise RequestValidationError([{**error, "ctx": {"error": e.msg}}], body=e.doc) from e
-    except (UnicodeDecodeError, RecursionError) as e:  # FastAPI's answer to any other parse failure,
+    except (ValueError, RecursionError) as e:  # FastAPI's answer to any other parse failure
+        # (UnicodeDecodeError; an integer over Python's 4300-digit limit: a plain ValueError),
         # raised as FastAPI raises it (Starlette's class: FastAPI's default handler, ``{"detail"}``)
         raise HTTPException(status_code=400, detail="There was an error parsing the body") from e
 

@@ -66,7 +66,9 @@ def decode_item(payload: bytes | str, error: type[MMRefError], what: str, ref: s
 
     decoder = _thread_codec()[1]  # outside the try: a broken vLLM install is the server's error
     try:
-        raw = pybase64.b64decode(payload, validate=True) if isinstance(payload, str) else payload
+        # as vLLM's mm_serde.decode_mm_kwargs_item: characters outside the alphabet (line breaks of
+        # a MIME-wrapped encoding) are skipped, not refused
+        raw = pybase64.b64decode(payload) if isinstance(payload, str) else payload
         item = decoder.decode(raw)
         if not item or not all(hasattr(v, "data") and hasattr(v.data, "shape") for v in item.values()):
             raise ValueError("no tensor fields")

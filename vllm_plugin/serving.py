@@ -32,6 +32,7 @@ Differences from upstream ``vllm/entrypoints/scale_out/token_in_token_out/servin
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -135,11 +136,11 @@ class MMRefServing(FeatureChecks):
         error_response, response = load("ErrorResponse"), load("GenerateResponseBase")
         for attempt in (1, 2):
             prepared = await self.prepare(parse_request(body))  # parsed again: vLLM mutates requests
-            with pending_items(prepared.slots):
+            # the items it carried are recorded once the engine has answered (streamed or not)
+            with pending_items(prepared.slots, functools.partial(self.record, prepared.sent)):
                 result = await self.serving_tokens.serve_tokens(prepared.request, raw_request)
             if isinstance(result, error_response):
                 break
-            self.record(prepared.sent)
             if not isinstance(result, response) or served_by(result, prepared.version):
                 break
             if attempt == 1:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -60,13 +60,18 @@ class ResolvedSlot:
     """vLLM's ``MultiModalKwargsItem``."""
 
 
-_PENDING: ContextVar[tuple[ResolvedSlot, ...]] = ContextVar("mmref_pending_items", default=())
+_Pending = tuple[tuple[ResolvedSlot, ...], Callable[[], None] | None]
+_PENDING: ContextVar[_Pending] = ContextVar("mmref_pending_items", default=((), None))
 
 
 @contextlib.contextmanager
-def pending_items(slots: tuple[ResolvedSlot, ...]) -> Iterator[None]:
-    """The resolved refs of the request ``serve_tokens`` is about to serve (in this task)."""
-    token = _PENDING.set(slots)
+def pending_items(
+    slots: tuple[ResolvedSlot, ...], on_output: Callable[[], None] | None = None
+) -> Iterator[None]:
+    """The resolved refs of the request ``serve_tokens`` is about to serve (in this task), and
+    what to call once the engine has answered it (its first output: the engine accepted it and
+    holds its items, streamed or not; never for a request refused before)."""
+    token = _PENDING.set((slots, on_output))
     try:
         yield
     finally:
@@ -98,11 +103,13 @@ class HandOffClient:
             RuntimeError: the engine input does not have the resolved refs' hashes at their
                 positions with empty slots (a vLLM that builds it differently: a server fault).
         """
-        slots = _PENDING.get()
+        slots, on_output = _PENDING.get()
         if not slots:
-            return self._client.generate(engine_input, *args, **kwargs)
+            generation = self._client.generate(engine_input, *args, **kwargs)
+            return generation if on_output is None else _on_first(generation, on_output)
         _fill(engine_input, slots)
-        return self._generate(engine_input, {(s.modality, s.index) for s in slots}, args, kwargs)
+        generation = self._generate(engine_input, {(s.modality, s.index) for s in slots}, args, kwargs)
+        return generation if on_output is None else _on_first(generation, on_output)
 
     async def _generate(
         self, engine_input: Any, ours: set[tuple[str, int]], args: tuple, kwargs: dict
@@ -155,6 +162,19 @@ class HandOffClient:
         except Exception:
             return True
         return False
+
+
+async def _on_first(
+    generation: AsyncGenerator[Any, None], call: Callable[[], None]
+) -> AsyncGenerator[Any, None]:
+    """``generation``'s outputs, ``call()`` once the first has arrived."""
+    first = True
+    async with contextlib.aclosing(generation):
+        async for output in generation:
+            if first:
+                first = False
+                call()
+            yield output
 
 
 def _fill(engine_input: Any, slots: tuple[ResolvedSlot, ...]) -> None:

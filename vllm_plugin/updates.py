@@ -32,6 +32,7 @@ longest request in flight (``timeout_s`` bounds it: ``DrainTimeout``, nothing ch
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -88,12 +89,15 @@ class WeightUpdates:
             left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - start))
             try:
                 await asyncio.wait_for(self.engine.pause_generation(mode="wait", clear_cache=False), left)
-            except TimeoutError:
-                await self.engine.resume_generation()
-                raise DrainTimeout(
-                    f"the engine still ran other API processes' requests after {timeout_s} s; "
-                    "nothing was changed"
-                ) from None
+            except BaseException as e:  # the pause may have reached the engine: undo it
+                with contextlib.suppress(Exception):
+                    await self.engine.resume_generation()
+                if isinstance(e, TimeoutError):
+                    raise DrainTimeout(
+                        f"the engine still ran other API processes' requests after {timeout_s} s; "
+                        "nothing was changed"
+                    ) from None
+                raise
         except BaseException:
             self.admission.open()
             self._state = "idle"
@@ -110,6 +114,8 @@ class WeightUpdates:
             UpdateConflict: the server is not held: no hold, a hold still draining, or an update
                 (it releases the server itself).
             InvalidRequest: ``version`` has a control character (no header could name it).
+            Exception: vLLM's cache reset or version call failed: the server stays held (send
+                ``release`` again); or resuming failed: the gate is open all the same.
         """
         if self._state != "held":
             raise UpdateConflict(_NOT_HELD[self._state])
@@ -118,6 +124,10 @@ class WeightUpdates:
         return await self._release(version)
 
     async def _release(self, version: str | None) -> dict[str, Any]:
+        """Reset, version, resume, open. A failed reset or version leaves the server held (gate
+        closed, engine paused: resuming would serve the old weights' caches or version under the
+        new weights), so that ``release`` can be sent again; the gate opens whatever resuming does.
+        """
         try:
             await self.engine.reset_encoder_cache()
             prefix_reset = bool(await self.engine.reset_prefix_cache())
@@ -125,8 +135,13 @@ class WeightUpdates:
                 logger.warning("mmref: vLLM did not reset its prefix cache during a weight update")
             if version is not None:
                 await self.engine.update_weight_version(version)
-        finally:
+        except BaseException:
+            self._state = "held"
+            logger.exception("mmref: a weight release failed before resuming: still held, release again")
+            raise
+        try:
             await self.engine.resume_generation()
+        finally:
             self.admission.open()
             held_s = time.monotonic() - self._held_since
             self._state = "idle"

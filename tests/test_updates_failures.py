@@ -1,0 +1,94 @@
+"""``vllm_plugin.updates.WeightUpdates`` when one of vLLM's calls fails. A real engine cannot be made
+to fail on demand, so the engine here is a recording stand-in (failure injection); the procedure on
+real servers: tests/test_weight_pushes.py, tests/test_weight_updates.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from vllm_plugin.admission import Admission
+from vllm_plugin.updates import WeightUpdates
+
+
+class Engine:
+    """The calls ``WeightUpdates`` makes; each name in ``fail`` raises once."""
+
+    def __init__(self, *fail: str) -> None:
+        self.fail, self.calls, self.version, self.paused = set(fail), [], "v0", False
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if name in self.fail:
+            self.fail.discard(name)
+            raise RuntimeError(f"{name} failed")
+
+    async def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
+        self._call("pause")
+        self.paused = True
+
+    async def resume_generation(self) -> None:
+        self._call("resume")
+        self.paused = False
+
+    async def reset_encoder_cache(self) -> None:
+        self._call("reset_encoder_cache")
+
+    async def reset_prefix_cache(self) -> bool:
+        self._call("reset_prefix_cache")
+        return True
+
+    async def update_weight_version(self, version: str) -> None:
+        self._call("update_weight_version")
+        self.version = version
+
+
+def _updates(engine: Engine) -> tuple[WeightUpdates, Admission]:
+    async def versions() -> str:
+        return engine.version
+
+    admission = Admission(versions, None)
+    return WeightUpdates(engine, admission, versions), admission
+
+
+@pytest.mark.parametrize("failing", ["reset_encoder_cache", "reset_prefix_cache", "update_weight_version"])
+def test_a_failed_reset_or_version_leaves_the_server_held_for_another_release(failing):
+    async def run() -> None:
+        engine = Engine(failing)
+        updates, admission = _updates(engine)
+        await updates.hold()
+        with pytest.raises(RuntimeError, match=failing):
+            await updates.release(version="v1")
+        assert updates.held and not admission.is_open and engine.paused  # no old cache served
+        answer = await updates.release(version="v1")
+        assert answer["weight_version"] == "v1" and not updates.held and admission.is_open
+        assert not engine.paused
+
+    asyncio.run(run())
+
+
+def test_a_failed_resume_still_opens_the_gate():
+    async def run() -> None:
+        engine = Engine("resume")
+        updates, admission = _updates(engine)
+        await updates.hold()
+        with pytest.raises(RuntimeError, match="resume"):
+            await updates.release(version="v1")
+        assert admission.is_open and not updates.held and engine.version == "v1"
+        await updates.hold()  # a later hold works (and pauses again)
+        await updates.release(version=None)
+        assert not engine.paused
+
+    asyncio.run(run())
+
+
+def test_a_failed_pause_is_undone_and_the_gate_opens():
+    async def run() -> None:
+        engine = Engine("pause")
+        updates, admission = _updates(engine)
+        with pytest.raises(RuntimeError, match="pause"):
+            await updates.hold()
+        assert engine.calls == ["pause", "resume"] and admission.is_open and not updates.held
+
+    asyncio.run(run())
