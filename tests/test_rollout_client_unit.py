@@ -318,7 +318,7 @@ def test_a_failed_sample_ends_its_group(mode, qwen2_vl_dir):
         _run(mode, handler, lambda c: c.sample_group(text, 4), qwen2_vl_dir, max_concurrency=4)
     assert time.monotonic() - start < 0.9  # not after the others' 1 s answers
     time.sleep(1.5)
-    assert len(seen) == 4  # no retry of the others started
+    assert len(seen) <= 4  # each sample's first attempt at most (a sync one may not have started): no retry
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
