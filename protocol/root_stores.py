@@ -55,11 +55,12 @@ class StoreClientConfig:
     """Plain-HTTP endpoints (a local S3 such as moto or MinIO; ``http://`` roots always allow it):
     ``MMREF_STORE_ALLOW_HTTP``."""
     hold_down_s: float = 5.0
-    """After a request finds the root unreachable (refused, timed out, a 5xx), its reads and
-    writes fail at once (:class:`StoreUnavailable`) for this long (seconds), then it is asked
-    again: the requests queued behind a down or slow root end now instead of each paying
-    :meth:`deadline_s` in the worker pool they share with every other request. 0: never held
-    down. ``MMREF_STORE_HOLD_DOWN_S``."""
+    """After a request finds the root unreachable (refused, timed out, a 5xx) and the root
+    answered no other request since it began, its reads and writes fail at once
+    (:class:`StoreUnavailable`) for this long (seconds), then it is asked again: the requests
+    queued behind a down or slow root end now instead of each paying :meth:`deadline_s` in the
+    worker pool they share with every other request. 0: never held down.
+    ``MMREF_STORE_HOLD_DOWN_S``."""
 
     def __post_init__(self) -> None:
         if not (self.timeout_s > 0 and self.connect_timeout_s > 0 and self.retry_timeout_s > 0):
@@ -210,13 +211,18 @@ class ObjectRoot(AssetRoot):
             raise ValueError(f"asset root {url!r} cannot be opened: {_first_line(e)}") from e
         self._down_until = 0.0
         """``time.monotonic()`` until which the root is held down (``client.hold_down_s``)."""
+        self._last_ok = float("-inf")
+        """``time.monotonic()`` of the last request the root answered."""
 
-    def _unavailable(self, what: str, e: Exception, ref: str | None = None) -> StoreUnavailable:
-        """The error of a request that could not ask the root; holds the root down unless only
-        this object was denied (the root answered)."""
+    def _unavailable(
+        self, what: str, e: Exception, started: float, ref: str | None = None
+    ) -> StoreUnavailable:
+        """The error of a request (begun at ``started``) that could not ask the root; holds the
+        root down unless the root answered another request since (one slow or failing object is
+        not a root down) or only this object was denied."""
         from obstore.exceptions import PermissionDeniedError
 
-        if not isinstance(e, PermissionDeniedError):
+        if not isinstance(e, PermissionDeniedError) and self._last_ok < started:
             self._down_until = time.monotonic() + self.client.hold_down_s
         return StoreUnavailable(f"{self.url} unavailable for {what}: {_first_line(e)}", ref=ref)
 
@@ -233,6 +239,7 @@ class ObjectRoot(AssetRoot):
         import obstore
 
         self._check_up(key, ref)
+        started = time.monotonic()
         try:
             result = obstore.get(self._store, key)
             size = int(result.meta["size"])
@@ -240,11 +247,14 @@ class ObjectRoot(AssetRoot):
                 raise AssetTooLarge(f"object {key} is {size} bytes, limit {max_bytes}", ref=ref)
             data = bytes(result.bytes())
         except FileNotFoundError as e:
+            self._last_ok = time.monotonic()  # the root answered
             raise AssetNotFound(f"no object {key} in an object-store root", ref=ref) from e
         except AssetTooLarge:
+            self._last_ok = time.monotonic()
             raise
         except Exception as e:  # obstore BaseError (timeouts, refused, 5xx, denied), OSError
-            raise self._unavailable(key, e, ref) from e
+            raise self._unavailable(key, e, started, ref) from e
+        self._last_ok = time.monotonic()
         if len(data) > max_bytes:  # the body disagreed with its declared size
             raise AssetTooLarge(f"object {key} is over {max_bytes} bytes", ref=ref)
         return data
@@ -253,12 +263,16 @@ class ObjectRoot(AssetRoot):
         import obstore
 
         self._check_up(key)
+        started = time.monotonic()
         try:
-            return int(obstore.head(self._store, key)["size"])
+            size = int(obstore.head(self._store, key)["size"])
         except FileNotFoundError:
+            self._last_ok = time.monotonic()
             return None
         except Exception as e:
-            raise self._unavailable(key, e) from e
+            raise self._unavailable(key, e, started) from e
+        self._last_ok = time.monotonic()
+        return size
 
     def put(self, key: str, data: bytes) -> bool:
         """HEAD first (a duplicate image uploads nothing), then a conditional PUT
@@ -268,6 +282,7 @@ class ObjectRoot(AssetRoot):
         from obstore.exceptions import AlreadyExistsError
 
         existing = self._size(key)
+        started = time.monotonic()
         if existing is None:
             try:
                 obstore.put(self._store, key, data, mode="create", use_multipart=False)
@@ -275,7 +290,7 @@ class ObjectRoot(AssetRoot):
             except AlreadyExistsError:
                 existing = self._size(key)
             except Exception as e:
-                raise self._unavailable(f"put {key}", e) from e
+                raise self._unavailable(f"put {key}", e, started) from e
         if existing is not None and existing != len(data):
             raise HashMismatch(
                 f"{self.url}/{key} holds {existing} bytes, this image is {len(data)}: another object "

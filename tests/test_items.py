@@ -93,21 +93,31 @@ def test_malformed_items_are_refused_with_the_callers_error(layout, photo_item):
 
 def test_a_claimed_grid_allocates_nothing(layout, photo_item):
     """A few rows claiming a 512x512-patch grid (1.2 GB of float32 pixels if sized) are refused
-    without the process growing: the grid is bounded by the processor's limits first
-    (``check_grid``), and a grid within them that the rows do not fill is found by slicing the
-    item's own tensors."""
-    from protocol.errors import GridMismatch
-
+    without the process growing: the check slices the item's own tensors."""
     rss = psutil.Process().memory_info().rss
     forged = replaced(photo_item, "image_grid_thw", torch.tensor([1, 512, 512]))
-    with pytest.raises(GridMismatch, match="exceeds what the qwen2_vl processor can produce"):
+    with pytest.raises(InvalidRequest, match="its grid needs 262144"):
         layout.check(forged, InvalidRequest, "item")
-    rows = photo_item["pixel_values"].data.shape[0]
-    within = replaced(photo_item, "image_grid_thw", torch.tensor([1, 22, 20]))  # 440 patches: allowed
-    assert rows != 440
-    with pytest.raises(InvalidRequest, match="its grid needs 440"):
-        layout.check(within, InvalidRequest, "item")
     assert psutil.Process().memory_info().rss - rss < 64 << 20
+
+
+def test_an_inline_item_is_held_to_its_rows_and_merge_size_not_to_the_default_limits(layout, photo_item):
+    """vLLM's render route takes ``mm_processor_kwargs`` (a larger pixel budget): an inline item
+    carries its own rows, so its grid may pass the processor's default limits (here 936 patches,
+    over 480) as long as the rows fill it and its sides are multiples of the merge size."""
+    from protocol.errors import GridMismatch
+
+    row = photo_item["pixel_values"].data[:1]
+    big = replaced(
+        replaced(photo_item, "image_grid_thw", torch.tensor([1, 26, 36])), "pixel_values", row.repeat(936, 1)
+    )
+    checked = layout.check(big, InvalidRequest, "item")
+    assert checked.grid == (1, 26, 36) and checked.num_placeholders == 234
+    odd = replaced(
+        replaced(big, "image_grid_thw", torch.tensor([1, 27, 36])), "pixel_values", row.repeat(972, 1)
+    )
+    with pytest.raises(GridMismatch, match="multiple of"):
+        layout.check(odd, InvalidRequest, "item")
 
 
 def test_decode_round_trip_and_refusals(photo_item):

@@ -7,6 +7,7 @@ in vLLM's own render output, and top-level ``mm_refs``, must give vLLM's own ans
 from __future__ import annotations
 
 import base64
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
@@ -51,6 +52,27 @@ def test_kimi_k25_refs_match_vllms_own_path(tmp_path):
                 "sampling_params": GREEDY,
             }
             answers = [c.post("/inference/v1/generate", json=body) for body in (upstream, with_ref, by_refs)]
+            # several distinct images at once, by ref and by data URL: the resolver's work and
+            # vLLM's own processing never enter K2.5's numba kernel together (it aborts the process)
+            others = [photo_bytes(n, size=(500, 300)) for n in ("astronaut", "chelsea", "rocket")]
+            refs = [offload_image(data, assets, adapter) for data in others]
+            assert {r.num_placeholders for r in refs} == {ref.num_placeholders}  # the same prompt fits
+
+            def chat(data: bytes) -> dict:
+                url = "data:image/jpeg;base64," + base64.b64encode(data).decode()
+                part = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "hi"}]
+                return {"model": str(model), "messages": [{"role": "user", "content": part}], "max_tokens": 2}
+
+            bodies = [
+                ("/inference/v1/generate", {**by_refs, "mm_refs": [msgspec.to_builtins(r)]}) for r in refs
+            ]
+            bodies += [
+                ("/v1/chat/completions", chat(photo_bytes(n, size=(420, 260)))) for n in ("coffee", "rocket")
+            ]
+            with ThreadPoolExecutor(len(bodies)) as pool:
+                together = list(pool.map(lambda pb: server.client().post(pb[0], json=pb[1]), bodies))
+            assert [r.status_code for r in together] == [200] * len(bodies), [r.text[:200] for r in together]
+            assert c.get("/health").status_code == 200
     finally:
         server.stop()
     choices = []

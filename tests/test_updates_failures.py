@@ -92,3 +92,34 @@ def test_a_failed_pause_is_undone_and_the_gate_opens():
         assert engine.calls == ["pause", "resume"] and admission.is_open and not updates.held
 
     asyncio.run(run())
+
+
+def test_an_update_releases_once_more_after_a_failed_reset():
+    """``update`` has no hold of the caller's to release: a reset that fails once is tried again,
+    and the update lands; failing twice, the server stays held (release again)."""
+
+    async def run() -> None:
+        import tempfile
+
+        engine = Engine("reset_prefix_cache")
+        engine.collective_rpc = _noop
+        updates, admission = _updates(engine)
+        with tempfile.TemporaryDirectory() as weights:
+            answer = await updates.update(weights_path=weights, version="v1")
+            assert answer["weight_version"] == "v1" and admission.is_open and not updates.held
+            engine.fail = {"reset_encoder_cache"}
+            engine.calls.clear()
+            engine.reset_encoder_cache = _always_fails
+            with pytest.raises(RuntimeError):
+                await updates.update(weights_path=weights, version="v2")
+            assert updates.held and not admission.is_open and engine.version == "v1"
+
+    asyncio.run(run())
+
+
+async def _noop(*args, **kwargs) -> None:
+    return None
+
+
+async def _always_fails() -> None:
+    raise RuntimeError("reset_encoder_cache failed")

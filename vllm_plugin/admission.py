@@ -59,6 +59,10 @@ ENGINE_PREFIXES = (
 """Path prefixes of vLLM's routes that may hand a request to the engine, or read a chat body's
 images through the media connector (``/tokenize``: a ref there gets its typed refusal too)."""
 
+UNGATED = ("/tokenize",)
+"""Admitted routes that never reach the engine: their refs are checked, but they do not wait at a
+weight update's gate."""
+
 PLUGIN_PATHS = frozenset({"/inference/v1/generate", "/inference/v1/resolve"})
 """The plugin's own routes: they bind and label versions and apply the seed rule themselves."""
 
@@ -145,11 +149,16 @@ class AdmissionMiddleware:
         if admission is None:
             await self.app(scope, receive, send)
             return
-        plugin = _route_path(scope) in PLUGIN_PATHS
+        route = _route_path(scope)
+        plugin = route in PLUGIN_PATHS
+        limit = admission.max_body_bytes if plugin else None
         # the body first: a client still sending (or stalled) is not admitted, so it never holds
-        # up a weight update's drain nor, through it, the requests queued at the gate
-        messages = await _read_body(receive, admission.max_body_bytes if plugin else None)
-        async with admission.admit():
+        # up a weight update's drain nor, through it, the requests queued at the gate (a body
+        # declared over the plugin's limit is left to the route, which refuses it from the header)
+        over = limit is not None and _declared_length(scope) > limit
+        messages = [] if over else await _read_body(receive, limit)
+        gate = contextlib.nullcontext() if route.startswith(UNGATED) else admission.admit()
+        async with gate:
             if plugin:
                 await self.app(scope, _replay(messages, receive), send)
                 return
@@ -220,6 +229,14 @@ async def _read_body(receive: _Receive, limit: int | None) -> list[_Message]:
             return messages
         if limit is not None and size > limit:
             return messages
+
+
+def _declared_length(scope: _Scope) -> int:
+    """The request's ``content-length`` (-1 when absent or not a number)."""
+    for key, value in scope.get("headers", ()):
+        if key.lower() == b"content-length":
+            return int(value) if value.isdigit() else -1
+    return -1
 
 
 def _replay(messages: list[_Message], receive: _Receive) -> _Receive:

@@ -281,8 +281,22 @@ async def update_weights(raw_request: Request) -> Response:
 
 @weights_router.post("/mmref/v1/weights/hold")
 async def hold_weights(raw_request: Request) -> Response:
-    """Drain and pause: the weights may then change through any of vLLM's weight routes."""
-    return await _weights_call(raw_request, {"timeout_s"}, lambda u, b: u.hold(timeout_s=b.timeout_s))
+    """Drain and pause: the weights may then change through any of vLLM's weight routes. A client
+    that hangs up while the drain runs cancels the hold (the gate reopens): no one would release
+    a hold whose answer never arrived."""
+    try:
+        body = await _weights_request(raw_request, {"timeout_s"})
+    except MMRefError as e:
+        return error_response(e)
+    return await _hold(body, raw_request)
+
+
+@load("with_cancellation")  # the body is read: it listens for the client's disconnect
+async def _hold(body: WeightsRequest, raw_request: Request) -> Response:
+    try:
+        return JSONResponse(content=await _updates(raw_request).hold(timeout_s=body.timeout_s))
+    except MMRefError as e:
+        return error_response(e)
 
 
 @weights_router.post("/mmref/v1/weights/release")

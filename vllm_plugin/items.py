@@ -187,9 +187,10 @@ class ItemLayout:
     def grid_of(
         self, item: Any, error: type[MMRefError], what: str, ref: str | None = None
     ) -> tuple[int, ...]:
-        """The item's grid: ``grid_len`` ints in ``1..2**20``, read without sizing anything, and
-        one the served processor can produce (``adapter.check_grid``: within its limits, each side
-        a multiple of its merge size; the engine's vision tower cannot reshape another).
+        """The item's grid: ``grid_len`` ints in ``1..2**20``, read without sizing anything, each
+        side a multiple of the processor's merge size (``adapter.check_grid(bounded=False)``: the
+        engine's vision tower cannot reshape another; the processor's size limits are not applied,
+        the item carries its own rows and may come from a render with larger limits).
 
         Raises:
             ``error``: no grid field, or not such ints.
@@ -203,7 +204,7 @@ class ItemLayout:
                 raise ValueError(f"{grid_field} {list(grid)} is not {self.adapter.grid_len} ints in 1..2^20")
         except (KeyError, ValueError, TypeError, RuntimeError) as e:
             raise error(f"{what}: {e}", ref=ref) from e
-        return self.adapter.check_grid(grid, ref=ref)
+        return self.adapter.check_grid(grid, ref=ref, bounded=False)
 
     def check(self, item: Any, error: type[MMRefError], what: str, ref: str | None = None) -> CheckedItem:
         """Check ``item`` (a decoded ``MultiModalKwargsItem``) against the served layout.

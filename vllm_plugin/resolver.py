@@ -29,7 +29,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,7 @@ class MMRefResolver:
             processes started).
         layout: the served model's item layout (built from its field config).
         device_normalize: the engine's resolved ``mm_device_do_normalize``.
+        pool: where the work runs (default: a pool of ``config.max_workers`` threads of its own).
 
     Raises:
         ValueError: a root that does not open (:meth:`~protocol.settings.RootSettings.image_source`).
@@ -88,6 +89,7 @@ class MMRefResolver:
         *,
         layout: ItemLayout,
         device_normalize: bool,
+        pool: Executor | None = None,
     ) -> None:
         self.adapter = adapter
         self.config = config
@@ -99,8 +101,14 @@ class MMRefResolver:
             config.cache_budget_bytes, lambda item: item.nbytes
         )
         metrics.register_cache(self.cache)
-        self.pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="mmref-resolve")
-        """Worker threads for file reads, processing and item decoding (never the event loop)."""
+        self.pool: Executor = (
+            pool
+            if pool is not None
+            else ThreadPoolExecutor(config.max_workers, thread_name_prefix="mmref-resolve")
+        )
+        """Worker threads for file reads, processing and item decoding (never the event loop): the
+        plugin's own, or the one given (vLLM's multimodal worker for an adapter with
+        ``serial_processing``)."""
 
     async def resolve(self, ref: str) -> ResolvedItem:
         """Resolve one ref string (cached by the whole ref string).
@@ -200,7 +208,7 @@ class MMRefResolver:
         )
         what = f"feature payload ({self.adapter.family})"
         item = decode_item(item_file.payload, CorruptFeature, what, ref)
-        self.layout.grid_of(item, CorruptFeature, what, ref)  # bounded before anything is sized
+        self.adapter.check_grid(self.layout.grid_of(item, CorruptFeature, what, ref), ref=ref)  # bounded
         checked = self.layout.check(item, CorruptFeature, what, ref)
         want_dtype = "torch.uint8" if self.device_normalize else "torch.float32"
         pixels = item["pixel_values"].data

@@ -56,6 +56,9 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
         config,
         layout=layout,
         device_normalize=bool(model_config.multimodal_config.mm_device_do_normalize),
+        # a processor that must run on one thread (Kimi K2.5's numba kernel) runs on vLLM's own
+        # single multimodal worker, as vLLM's processing of chat images does
+        pool=mm_worker(renderer) if adapter.serial_processing else None,
     )
     items = engine_items(renderer, engine_client)
     body_limit = config.max_body_bytes or default_body_limit(

@@ -123,6 +123,16 @@ class WeightUpdates:
             _check_version(version)
         return await self._release(version)
 
+    async def _release_twice(self, version: str | None) -> dict[str, Any]:
+        """:meth:`_release`, once more if it fails before resuming (a transient RPC error): the
+        update's caller has no hold of its own to release; failing twice, the server stays held."""
+        try:
+            return await self._release(version)
+        except Exception:
+            if self._state != "held":
+                raise
+            return await self._release(version)
+
     async def _release(self, version: str | None) -> dict[str, Any]:
         """Reset, version, resume, open. A failed reset or version leaves the server held (gate
         closed, engine paused: resuming would serve the old weights' caches or version under the
@@ -178,9 +188,9 @@ class WeightUpdates:
             reload_s = time.monotonic() - start
         except BaseException:
             logger.exception("mmref: reload_weights failed; released under the old version")
-            await self._release(None)
+            await self._release_twice(None)
             raise
-        released = await self._release(version)
+        released = await self._release_twice(version)
         return {**held, **released, "reload_seconds": round(reload_s, 6)}
 
 

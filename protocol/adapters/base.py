@@ -61,6 +61,8 @@ class ImageAdapter(ABC):
     vllm_modality: ClassVar[str] = "image"
     """The modality key vLLM files this family's items under (Kimi K2.5: ``"vision_chunk"``);
     refs themselves always say ``"image"``."""
+    serial_processing: ClassVar[bool] = False
+    """Whether the processor must run on one thread at a time in a process (Kimi K2.5)."""
 
     def __init__(self, image_processor: Any, *, family: str, device: str = "cpu") -> None:
         if family not in self.model_types:
@@ -185,13 +187,20 @@ class ImageAdapter(ABC):
             )
         return self.check_grid(grid, ref=ref)
 
-    def check_grid(self, grid: Sequence[int], *, ref: str | None = None) -> tuple[int, ...]:
+    def check_grid(
+        self, grid: Sequence[int], *, ref: str | None = None, bounded: bool = True
+    ) -> tuple[int, ...]:
         """Bound a claimed grid before anything is sized by it (a stand-in image, an item layout).
 
         Every grid the processor can produce passes (its per-axis maxima and patch total from
         :meth:`grid_limits`, each entry a multiple of :meth:`grid_multiples`); a forged
         ``[1, 2048, 2048]`` does not, so no tensor is ever allocated for it, nor does a
         ``[1, 3, 3]`` no merge-2 processor emits (the engine's vision tower cannot reshape it).
+
+        Args:
+            bounded: also hold it to :meth:`grid_limits` (False: an item that carries its own
+                pixel rows, nothing sized from the claim; a client may render with larger
+                processor limits, as vLLM's own render route lets it).
 
         Returns:
             The grid as a tuple of ints.
@@ -205,7 +214,7 @@ class ImageAdapter(ABC):
         if len(values) != self.grid_len or not all(type(g) is int and g >= 1 for g in values):
             raise GridMismatch(f"{self.grid_field} must be {self.grid_len} positive ints", ref=ref)
         patches = math.prod(values)
-        if any(g > m for g, m in zip(values, axes, strict=True)) or patches > most:
+        if bounded and (any(g > m for g, m in zip(values, axes, strict=True)) or patches > most):
             raise GridMismatch(
                 f"{self.grid_field} {list(values)} ({patches} patches) exceeds what the {self.family} "
                 f"processor can produce (per axis at most {list(axes)}, {most} patches in all)",

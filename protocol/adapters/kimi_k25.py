@@ -29,7 +29,6 @@ covers the whole expanded run, ``(h//2)*(w//2)`` tokens, not 1 (measured; see do
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 from collections.abc import Sequence
@@ -54,29 +53,7 @@ _IMAGE_FIELDS = (
 
 
 _PREPROCESS_LOCK = threading.Lock()
-"""Held by every call of a wrapped processor's ``preprocess`` in this process (:func:`_serialized`)."""
-
-
-def _serialized(processor: Any) -> None:
-    """Make ``processor.preprocess`` hold :data:`_PREPROCESS_LOCK`, on this instance (vLLM's own
-    ``KimiK25Processor`` calls ``preprocess`` on the same instance, so its calls wait too).
-
-    vLLM's fused processor runs a parallel numba kernel under numba's ``workqueue`` threading
-    layer (``vllm/utils/jit_monitor.py``), which aborts the whole process when two threads enter
-    it at once ("Concurrent access has been detected"); vLLM keeps to one thread
-    (``vllm/renderers/base.py``: its single-worker ``_mm_executor``), while the plugin's resolver
-    and the trainer's ``materialize`` process images on pools of their own."""
-    if getattr(processor, "_mmref_serialized", False):
-        return
-    inner = processor.preprocess
-
-    @functools.wraps(inner)
-    def preprocess(*args: Any, **kwargs: Any) -> Any:
-        with _PREPROCESS_LOCK:
-            return inner(*args, **kwargs)
-
-    processor.preprocess = preprocess
-    processor._mmref_serialized = True
+"""Held by every :meth:`KimiK25Adapter.process` in this process (see ``serial_processing``)."""
 
 
 class _Size(NamedTuple):
@@ -102,6 +79,12 @@ class KimiK25Adapter(ImageAdapter):
     grid_len: ClassVar[int] = 3
     rope: ClassVar[str] = "1d"
     vllm_modality: ClassVar[str] = "vision_chunk"
+    serial_processing: ClassVar[bool] = True
+    """vLLM's fused processor runs a parallel numba kernel under numba's ``workqueue`` threading
+    layer (``vllm/utils/jit_monitor.py``), which aborts the whole process when two threads enter
+    it at once ("Concurrent access has been detected"). vLLM keeps to one thread (its renderer's
+    single-worker ``_mm_executor``, ``vllm/renderers/base.py``); :meth:`process` holds one lock
+    per process, and the plugin runs this family's work on vLLM's own worker."""
     """The modality key vLLM 0.32 uses for Kimi K2.5 items (``mm_hashes``, ``mm_placeholders``,
     ``kwargs_data``); a ref's own ``modality`` stays ``"image"``."""
 
@@ -115,7 +98,6 @@ class KimiK25Adapter(ImageAdapter):
                 "KimiK25FusedVisionProcessor (load_image_processor)"
             )
         super().__init__(image_processor, family=family, device=device)
-        _serialized(image_processor)  # one thread at a time in its numba kernel, or the process aborts
 
     @property
     def cfg(self) -> dict[str, Any]:
@@ -177,12 +159,13 @@ class KimiK25Adapter(ImageAdapter):
             device_normalize: what vLLM passes with ``mm_device_do_normalize`` on
                 (``do_rescale=False, do_normalize=False``): uint8 pixels.
         """
-        out = self.image_processor.preprocess(
-            [{"type": "image", "image": image}],
-            return_tensors="pt",
-            do_rescale=not device_normalize,
-            do_normalize=not device_normalize,
-        )
+        with _PREPROCESS_LOCK:  # one thread at a time in its numba kernel (``serial_processing``)
+            out = self.image_processor.preprocess(
+                [{"type": "image", "image": image}],
+                return_tensors="pt",
+                do_rescale=not device_normalize,
+                do_normalize=not device_normalize,
+            )
         return self._processed(out["pixel_values"], out["grid_thws"])
 
     def pixel_shape(self, grid: Sequence[int]) -> tuple[int, ...]:
