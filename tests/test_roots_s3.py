@@ -242,6 +242,15 @@ def test_a_root_found_down_is_held_down_then_asked_again(s3):
     time.sleep(1.5)
     assert AssetRoots([via_proxy]).read_image(ref)[0] == data  # asked again: served
     proxy.close()
+    # a root that answered another request while this one failed is up: one failing object
+    # (a slow large body, a 5xx for one key) holds nothing down
+    answering = root(f"{url}/held", client=client, endpoint=proxy.url)
+    answering._last_ok = time.monotonic() + 60  # an answer after the failing read began
+    with pytest.raises(StoreUnavailable):
+        AssetRoots([answering]).read_image(ref)
+    proxy.reopen()
+    assert AssetRoots([answering]).read_image(ref)[0] == data  # not held down
+    proxy.close()
     never = root(f"{url}/held", client=dataclasses.replace(FAST, hold_down_s=0.0), endpoint=proxy.url)
     with pytest.raises(StoreUnavailable):
         AssetRoots([never]).read_image(ref)

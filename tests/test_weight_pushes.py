@@ -297,6 +297,23 @@ def test_held_never_leaves_the_server_held_when_the_holds_answer_is_lost(push_se
         assert c.post("/v1/completions", json=text).status_code == 200
 
 
+def test_a_hold_whose_client_hangs_up_is_cancelled(push_server, prompts):
+    """A hold's client that gives up while the drain waits for a long request hangs up: the hold
+    is cancelled and the gate reopens at once (no one would release a hold whose answer never
+    arrived; once, the server ended held, every request waiting at its gate)."""
+    text = {"model": str(push_server.model), "prompt": [3, 17, 42], "max_tokens": 2}
+    with push_server.client(timeout=300) as c, ThreadPoolExecutor(1) as pool:
+        long = pool.submit(by_ref, push_server.client(timeout=300), prompts[0][0], LONG, ignore_eos=True)
+        wait_running(c)
+        with pytest.raises(httpx.ReadTimeout), push_server.client(timeout=1.0) as impatient:
+            impatient.post("/mmref/v1/weights/hold", json={})
+        time.sleep(0.5)
+        assert c.post("/v1/completions", json=text, timeout=20).status_code == 200  # the gate is open
+        assert not long.done() and long.result().status_code == 200
+        c.post("/mmref/v1/weights/hold", json={"timeout_s": 30}).raise_for_status()  # not held
+        c.post("/mmref/v1/weights/release", json={}).raise_for_status()
+
+
 def test_a_client_stalled_in_its_body_holds_up_no_update(push_server):
     """Half a body sent, then nothing: the request is not admitted until its body is in, so a hold
     drains at once (it would otherwise wait for the client, and every request after it at the
