@@ -40,7 +40,7 @@ from vllm_plugin import chat_refs
 from vllm_plugin.seeds import SplitRule
 from vllm_plugin.weights import WEIGHT_VERSION_HEADER, version_header
 
-__all__ = ["ENGINE_PREFIXES", "PLUGIN_PATHS", "Admission", "AdmissionMiddleware", "rule_check"]
+__all__ = ["ENGINE_PREFIXES", "PLUGIN_PATHS", "UNGATED", "Admission", "AdmissionMiddleware", "rule_check"]
 
 logger = logging.getLogger("vllm.mmref")
 
