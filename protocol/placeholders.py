@@ -25,6 +25,7 @@ from protocol.errors import InvalidRequest, PlaceholderMismatch
 from protocol.structs import RawMMRef
 
 __all__ = [
+    "check_no_typed_images",
     "check_placeholder_counts",
     "check_range",
     "expand_image_placeholders",
@@ -81,6 +82,20 @@ def grid_placeholder_count(
         raise PlaceholderMismatch(
             f"{where}grid {list(grid)} gives no placeholder count ({e})", ref=ref
         ) from e
+
+
+def check_no_typed_images(mm_token_type_ids: Sequence[int] | None, *, sample: int | None = None) -> None:
+    """A sample without images may hold the placeholder id as text (a stray placeholder), but
+    ``mm_token_type_ids`` may not mark any token as an image.
+
+    Raises:
+        PlaceholderMismatch: ``mm_token_type_ids`` marks an image token.
+    """
+    if mm_token_type_ids is not None and any(mm_token_type_ids):
+        raise PlaceholderMismatch(
+            f"sample {sample}: mm_token_type_ids marks {sum(mm_token_type_ids)} image token(s) but the "
+            f"sample has no images"
+        )
 
 
 def check_placeholder_counts(

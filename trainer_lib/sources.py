@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from protocol.adapters import ImageAdapter
-from protocol.errors import GridMismatch, InvalidRef, PlaceholderMismatch
-from protocol.placeholders import check_placeholder_counts, locate_image_runs
+from protocol.errors import GridMismatch, InvalidRef
+from protocol.placeholders import check_no_typed_images, check_placeholder_counts, locate_image_runs
 from protocol.refs import ContentRef, FileRef, RawRefBody, parse_ref
 from protocol.roots import AssetRoots, LocalRoot
 from protocol.store import AssetStore, ImageSource
@@ -87,22 +87,9 @@ def _check_sample(
         return
     type_ids = sample.mm_refs.mm_token_type_ids if sample.mm_refs else None
     if not refs:
-        _refuse_typed_images(index, type_ids)
+        check_no_typed_images(type_ids, sample=index)
         return
     locate_image_runs(sample.input_ids, refs, placeholder_token_id, mm_token_type_ids=type_ids, sample=index)
-
-
-def _refuse_typed_images(index: int, type_ids: Sequence[int] | None) -> None:
-    """A sample without images may not type any token as an image (packing's own message).
-
-    Raises:
-        PlaceholderMismatch: ``type_ids`` marks an image token.
-    """
-    if type_ids is not None and any(type_ids):
-        raise PlaceholderMismatch(
-            f"sample {index}: mm_token_type_ids marks {sum(type_ids)} image token(s) but the "
-            f"sample has no images"
-        )
 
 
 def raw_body(ref: str) -> RawRefBody | ContentRef:

@@ -35,8 +35,12 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from protocol.errors import PlaceholderMismatch
-from protocol.placeholders import check_placeholder_counts, grid_placeholder_count, locate_image_runs
+from protocol.placeholders import (
+    check_no_typed_images,
+    check_placeholder_counts,
+    grid_placeholder_count,
+    locate_image_runs,
+)
 from protocol.structs import MicroBatch, MMRefs, RawMMRef, TrainingSample
 from trainer_lib.micro_batch import ImageSpan, PackedBatch, PackedMicroBatch, SampleSlot
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, bin_capacity, plan_bins
@@ -122,11 +126,7 @@ def analyze_entry(entry: PackEntry, spec: PackingSpec, position: int | None) -> 
         runs = locate_image_runs(s.input_ids, [], placeholder_token_id, counts=[count], sample=position)
         return SampleAnalysis(n, PIXELS, [(runs[0][0], runs[0][1], grid, None)])
     if not refs:
-        if type_ids is not None and any(type_ids):
-            raise PlaceholderMismatch(
-                f"sample {position}: mm_token_type_ids marks {sum(type_ids)} image token(s) but the "
-                f"sample has no images"
-            )
+        check_no_typed_images(type_ids, sample=position)
         stray = placeholder_token_id in s.input_ids
         return SampleAnalysis(n, STRAY if stray else NEUTRAL, [])
     if num_placeholders is not None:
