@@ -104,11 +104,11 @@ class HandOffClient:
                 positions with empty slots (a vLLM that builds it differently: a server fault).
         """
         slots, on_output = _PENDING.get()
-        if not slots:
+        if slots:
+            _fill(engine_input, slots)
+            generation = self._generate(engine_input, {(s.modality, s.index) for s in slots}, args, kwargs)
+        else:
             generation = self._client.generate(engine_input, *args, **kwargs)
-            return generation if on_output is None else _on_first(generation, on_output)
-        _fill(engine_input, slots)
-        generation = self._generate(engine_input, {(s.modality, s.index) for s in slots}, args, kwargs)
         return generation if on_output is None else _on_first(generation, on_output)
 
     async def _generate(

@@ -169,8 +169,8 @@ class WeightUpdates:
         """Hold, ``reload_weights`` from ``weights_path``, release under ``version``.
 
         Raises:
-            InvalidRequest: ``weights_path`` is not a folder, or ``version`` is empty.
-            InvalidRequest: ``version`` has a control character (no header could name it).
+            InvalidRequest: ``weights_path`` is not a folder, or ``version`` is empty or has a
+                control character (no header could name it).
             UpdateConflict, DrainTimeout: see :meth:`hold`.
             Exception: vLLM's ``reload_weights`` failed (the server is released under its old
                 version; vLLM may have loaded some of the new weights: push again).

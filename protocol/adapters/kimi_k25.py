@@ -79,14 +79,14 @@ class KimiK25Adapter(ImageAdapter):
     grid_len: ClassVar[int] = 3
     rope: ClassVar[str] = "1d"
     vllm_modality: ClassVar[str] = "vision_chunk"
+    """The modality key vLLM 0.32 uses for Kimi K2.5 items (``mm_hashes``, ``mm_placeholders``,
+    ``kwargs_data``); a ref's own ``modality`` stays ``"image"``."""
     serial_processing: ClassVar[bool] = True
     """vLLM's fused processor runs a parallel numba kernel under numba's ``workqueue`` threading
     layer (``vllm/utils/jit_monitor.py``), which aborts the whole process when two threads enter
     it at once ("Concurrent access has been detected"). vLLM keeps to one thread (its renderer's
     single-worker ``_mm_executor``, ``vllm/renderers/base.py``); :meth:`process` holds one lock
     per process, and the plugin runs this family's work on vLLM's own worker."""
-    """The modality key vLLM 0.32 uses for Kimi K2.5 items (``mm_hashes``, ``mm_placeholders``,
-    ``kwargs_data``); a ref's own ``modality`` stays ``"image"``."""
 
     def __init__(self, image_processor: Any, *, family: str, device: str = "cpu") -> None:
         if not isinstance(getattr(image_processor, "media_proc_cfg", None), dict) or not hasattr(
