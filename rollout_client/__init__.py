@@ -7,6 +7,8 @@ image processor config, for grids) are loaded on first use.
 
 - :class:`RolloutClient` / :class:`AsyncRolloutClient`: ``generate``, ``sample_group``, ``generate_tokens``.
 - :class:`Conversation`: multi-turn prompts in tokens, images kept as refs.
+- :func:`push_weights`: the trainer's weights to the server after an optimizer step
+  (:mod:`rollout_client.weights`).
 - :class:`Sampling`, :class:`RetryPolicy`; errors in :mod:`rollout_client.errors` and :mod:`protocol.errors`.
 - :mod:`rollout_client.suppression`: the sampler's placeholder suppression (the trainer takes the
   same ids: ``trainer_lib.packed_logprobs(..., suppressed_token_ids=client.suppressed_token_ids())``;
@@ -27,6 +29,7 @@ from rollout_client.result import Rollout
 from rollout_client.retry import RetryPolicy
 from rollout_client.sampling import Sampling
 from rollout_client.template import ChatTemplate
+from rollout_client.weights import push_weights
 
 __all__ = [
     "AsyncRolloutClient",
@@ -44,4 +47,5 @@ __all__ = [
     "Sampling",
     "ServerRefusal",
     "WeightVersionMismatch",
+    "push_weights",
 ]

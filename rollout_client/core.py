@@ -57,8 +57,9 @@ Many = TypeVar("Many")
 """What a group call returns: ``list[Rollout]`` or an awaitable of it."""
 
 Flow = Generator[Any, Any, T]
-Prompt = Conversation | Sequence[Message]
-"""What a call samples from: a conversation (its next turn) or a list of chat messages."""
+Prompt = Conversation | PreparedPrompt | Sequence[Message]
+"""What a call samples from: a conversation (its next turn), a prompt already prepared
+(:meth:`ClientCore.prepare`: tokens and refs, sent as they are) or a list of chat messages."""
 
 
 class Post(NamedTuple):
@@ -186,7 +187,10 @@ class ClientCore(Generic[One, Many]):
         return Conversation(self.builder, messages, session_id=session_id)
 
     def prepare(self, prompt: Prompt) -> PreparedPrompt:
-        """The prompt's tokens and refs (images offloaded; a conversation is not changed)."""
+        """The prompt's tokens and refs (images offloaded; a conversation is not changed; a
+        prepared prompt is returned as it is)."""
+        if isinstance(prompt, PreparedPrompt):
+            return prompt
         if isinstance(prompt, Conversation):
             return prompt.prepare()
         return self.builder.first_turn(prompt)

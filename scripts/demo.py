@@ -20,14 +20,14 @@
    control, under the previous step's weights (what a server that missed the push would have
    served: far above the bound, or the check could not tell the two apart); prints a report.
 
-Usage: ``.venv/bin/python scripts/demo.py [--family FAMILY] [--steps N] [--keep DIR]``.
+Usage: ``.venv/bin/python scripts/demo.py [--family FAMILY] [--steps N] [--keep DIR]``;
+``--framework trl`` runs the loop inside TRL's ``GRPOTrainer`` instead (``scripts/demo_trl.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import io
 import json
 import sys
 import tempfile
@@ -35,15 +35,12 @@ import time
 from pathlib import Path
 
 import msgspec
-import numpy as np
-import skimage.data
 import torch
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from demo_rl import data_url, grpo_advantages, previous_weights_mismatch, train_step
+from demo_rl import data_url, grpo_advantages, jpeg, mismatch_bound, previous_weights_mismatch, train_step
 from make_tiny_models import ensure_tiny_model
 from protocol.adapters import load_adapter, offload_image
 from protocol.placeholders import expand_image_placeholders
@@ -59,18 +56,6 @@ PHOTOS = ("astronaut", "coffee", "chelsea", "rocket")
 GROUP = 8
 MAX_TOKENS = 12
 LEARNING_RATE = 1e-3
-
-
-def jpeg(name: str, size: tuple[int, int] | None = None) -> bytes:
-    image = getattr(skimage.data, name)()
-    if image.ndim == 2:
-        image = np.stack([image] * 3, axis=-1)
-    pil = Image.fromarray(image[..., :3])
-    if size is not None:
-        pil = pil.resize(size, Image.Resampling.BICUBIC)
-    buf = io.BytesIO()
-    pil.save(buf, format="JPEG", quality=90)
-    return buf.getvalue()
 
 
 def reward(tokenizer, sample: TrainingSample) -> float:
@@ -100,24 +85,6 @@ def greedy_refs_vs_urls(ctx: dict, client, prompt: list[int], images, text: str)
     if via_refs != via_urls:
         raise SystemExit("greedy outputs differ")
     return len(rollouts.body(PreparedPrompt(prompt, tuple(images)), greedy)), len(json.dumps(by_url))
-
-
-def mismatch_bound(model, samples, spec, config, serve_dtype: str, suppressed) -> tuple[float, object]:
-    """1e-4 against a float32 server; against bfloat16, ``BF16_NOISE_FACTOR`` x the trainer's own
-    bf16-vs-fp32 mean |d| on the same samples (docs/PACKING.md §9). Returns ``(bound, noise)``."""
-    import copy
-
-    from trainer_lib import BF16_NOISE_FACTOR, logprob_mismatch, recompute_logprobs
-
-    if serve_dtype == "float32":
-        return 1e-4, None
-    kw = dict(seq_len=2048, suppressed_token_ids=suppressed)
-    fp32 = recompute_logprobs(samples, model, spec, config, **kw)
-    bf16 = recompute_logprobs(samples, copy.deepcopy(model).to(torch.bfloat16), spec, config, **kw)
-    noise = logprob_mismatch(
-        torch.cat([lp for lp, _ in bf16]), torch.cat([lp for lp, _ in fp32]), torch.cat([m for _, m in fp32])
-    )
-    return BF16_NOISE_FACTOR * noise.mean_abs, noise
 
 
 def pixel_check(samples, adapter, output_root, resolved) -> tuple[float, object, float]:
@@ -277,6 +244,10 @@ def serve_and_train(ctx: dict) -> tuple[list[dict], list[tuple[int, int]], dict]
 
 
 def main() -> None:
+    if "--framework" in sys.argv:  # the RL loop inside a framework (scripts/demo_trl.py)
+        from demo_trl import main as framework_main
+
+        return framework_main(sys.argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="qwen2_vl", choices=mrope_model_types(), help="tiny model family")
     parser.add_argument("--steps", type=int, default=3, help="RL steps")

@@ -18,17 +18,23 @@ suppressed by the sampler, so no completion has to be redrawn).
 from __future__ import annotations
 
 import base64
+import copy
+import io
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import numpy as np
+import skimage.data
 import torch
+from PIL import Image
 
 from protocol.refs import file_uri_to_path, parse_ref
 from protocol.structs import RawMMRef, TrainingSample
 from trainer_lib import (
+    BF16_NOISE_FACTOR,
     MaterializeConfig,
     PackingSpec,
     logprob_mismatch,
@@ -40,7 +46,15 @@ from trainer_lib import (
 )
 from trainer_lib.mismatch import MismatchStats
 
-__all__ = ["StepResult", "data_url", "grpo_advantages", "previous_weights_mismatch", "train_step"]
+__all__ = [
+    "StepResult",
+    "data_url",
+    "grpo_advantages",
+    "jpeg",
+    "mismatch_bound",
+    "previous_weights_mismatch",
+    "train_step",
+]
 
 CLIP = 0.2
 """PPO's clip range."""
@@ -128,3 +142,29 @@ def previous_weights_mismatch(
     mask = torch.cat([m for _, m in per_sample])
     server = torch.cat([torch.tensor(s.inference_logprobs) for s in samples])
     return logprob_mismatch(trainer, server, mask).mean_abs
+
+
+def jpeg(name: str, size: tuple[int, int] | None = None) -> bytes:
+    image = getattr(skimage.data, name)()
+    if image.ndim == 2:
+        image = np.stack([image] * 3, axis=-1)
+    pil = Image.fromarray(image[..., :3])
+    if size is not None:
+        pil = pil.resize(size, Image.Resampling.BICUBIC)
+    buf = io.BytesIO()
+    pil.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def mismatch_bound(model, samples, spec, config, serve_dtype: str, suppressed) -> tuple[float, object]:
+    """1e-4 against a float32 server; against bfloat16, ``BF16_NOISE_FACTOR`` x the trainer's own
+    bf16-vs-fp32 mean |d| on the same samples (docs/PACKING.md §9). Returns ``(bound, noise)``."""
+    if serve_dtype == "float32":
+        return 1e-4, None
+    kw = dict(seq_len=2048, suppressed_token_ids=suppressed)
+    fp32 = recompute_logprobs(samples, model, spec, config, **kw)
+    bf16 = recompute_logprobs(samples, copy.deepcopy(model).to(torch.bfloat16), spec, config, **kw)
+    noise = logprob_mismatch(
+        torch.cat([lp for lp, _ in bf16]), torch.cat([lp for lp, _ in fp32]), torch.cat([m for _, m in fp32])
+    )
+    return BF16_NOISE_FACTOR * noise.mean_abs, noise

