@@ -101,6 +101,9 @@ class GenerationReport:
     """Rows whose image went missing after the rollout (zeroed by ``placeholder_zero_loss``)."""
     served_versions: set[str] = field(default_factory=set)
     """The versions the server's answers named (one, ``version``, unless something went wrong)."""
+    trainer_pixel_bytes: int = 0
+    """Bytes of image features the loss forwards were given (each distinct image once per
+    micro-batch: the trainer's image input, beside TRL's ``pixel_values`` of every row)."""
     mismatch: MismatchStats | None = None
     """Server vs trainer logprobs on this generation's completions, measured on the first loss
     forward (the trainer then holds the weights the server sampled with)."""
@@ -263,9 +266,10 @@ class MMRefGRPOTrainer(GRPOTrainer):
 
     def _mmref_forward(
         self, model: Any, rows: Sequence[Row], input_ids: torch.Tensor, width: int, entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
         """The rows through :func:`trainer_lib.sample_logprobs`; ``[B, width]`` logprobs, entropies
-        (or None) and the rows zeroed by a missing image.
+        (or None) and the :class:`trainer_lib.SampleForward` (rows zeroed by a missing image,
+        pixel bytes).
 
         Raises:
             RuntimeError: TRL's rows are not the rollouts' (count or completion tokens differ).
@@ -286,17 +290,19 @@ class MMRefGRPOTrainer(GRPOTrainer):
         c = [len(r.sample.input_ids) - r.prompt_length for r in rows]
         logps = completion_rows([s.logprobs for s in forward.samples], p, c, width)
         ent = completion_rows([s.entropy for s in forward.samples], p, c, width) if entropy else None
-        return logps, ent, forward.zeroed
+        return logps, ent, forward
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         rows = inputs["mmref_rows"]
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        logps, entropies, zeroed = self._mmref_forward(
+        logps, entropies, forward = self._mmref_forward(
             model, rows, input_ids, inputs["completion_ids"].size(1), True
         )
-        if zeroed:
-            inputs = {**inputs, "tool_mask": _zero_rows(inputs["tool_mask"], zeroed)}
-            self.mmref_reports[-1].zeroed_rows += len(zeroed)
+        report = self.mmref_reports[-1]
+        report.trainer_pixel_bytes += forward.pixel_bytes
+        if forward.zeroed:
+            inputs = {**inputs, "tool_mask": _zero_rows(inputs["tool_mask"], forward.zeroed)}
+            report.zeroed_rows += len(forward.zeroed)
         self._mmref_note_mismatch(logps.detach(), inputs)
         self._mmref_pending = (logps, entropies)
         try:

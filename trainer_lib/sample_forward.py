@@ -55,6 +55,9 @@ class SampleForward:
     zeroed: list[int]
     """Indices of the samples whose loss was zeroed here (an image missing or unreadable)."""
     micro_batches: int
+    pixel_bytes: int = 0
+    """Bytes of the image features the forward was given (``pixel_values``, each distinct image
+    of a micro-batch once), summed over the micro-batches."""
 
 
 def sample_logprobs(
@@ -92,11 +95,13 @@ def sample_logprobs(
     check_temperature(temperature)
     step = pack_samples(samples, spec, seq_len=seq_len, micro_batch_max_tokens=micro_batch_max_tokens)
     out: list[SampleLogprobs | None] = [None] * len(samples)
-    stats = MaterializeStats()
+    stats, pixel_bytes = MaterializeStats(), 0
     resolved = {} if resolved is None else resolved
     for packed in step.micro_batches:
         m = materialize_micro_batch(packed, spec, config, resolved=resolved)
         _add_stats(stats, m.stats)
+        pixels = m.features.get("pixel_values")
+        pixel_bytes += 0 if pixels is None else pixels.numel() * pixels.element_size()
         inputs = packed_inputs(m.packed, m.features, model, spec, image_index=m.image_index)
         result = packed_logprobs(
             model,
@@ -120,7 +125,7 @@ def sample_logprobs(
         for i, (s, r) in enumerate(zip(samples, rows, strict=True))
         if any(s.loss_mask) and not r.loss_mask.any()
     ]
-    return SampleForward(rows, stats, zeroed, len(step.micro_batches))
+    return SampleForward(rows, stats, zeroed, len(step.micro_batches), pixel_bytes)
 
 
 def _add_stats(total: MaterializeStats, part: MaterializeStats) -> None:
