@@ -11,6 +11,8 @@ import pytest
 
 from helpers import REPO
 
+PACKAGES = ("protocol", "trainer_lib", "vllm_plugin", "rollout_client", "integrations")
+
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
@@ -18,7 +20,7 @@ def wheel(tmp_path_factory):
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
-    for package in ("protocol", "trainer_lib", "vllm_plugin", "rollout_client"):
+    for package in PACKAGES:
         shutil.copytree(REPO / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
     build = subprocess.run(
@@ -44,7 +46,7 @@ def test_wheel_metadata_and_contents(wheel):
     assert "[vllm.endpoint_plugins]" in entry_points
     assert "mmref = vllm_plugin.plugin:MMRefEndpointPlugin" in entry_points
     packages = {n.split("/")[0] for n in whl.namelist() if n.endswith(".py")}
-    assert packages == {"protocol", "trainer_lib", "vllm_plugin", "rollout_client"}
+    assert packages == set(PACKAGES)
     assert (
         "protocol/adapters/registry.py" in whl.namelist() and "trainer_lib/planning/plan.py" in whl.namelist()
     )
