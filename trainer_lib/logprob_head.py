@@ -52,7 +52,7 @@ def _logits(
 ) -> torch.Tensor:
     """float32 ``[n, V]``: ``(hidden @ weight.T + bias).float() / temperature``, suppressed columns
     at :data:`SUPPRESSED_LOGIT`."""
-    z = F.linear(hidden, weight, bias).float() / temperature
+    z = F.linear(hidden, weight, bias).float().div_(temperature)  # a fresh tensor: in place
     if suppressed is not None:
         z.index_fill_(-1, suppressed, SUPPRESSED_LOGIT)
     return z
@@ -116,13 +116,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
             )
             if suppressed is not None:
                 dz.index_fill_(-1, suppressed, 0.0)
-            dz = (dz / ctx.temperature).to(weight.dtype)
+            dz = dz.div_(ctx.temperature).to(weight.dtype)
             if grad_h is not None:
                 grad_h[lo:hi] = dz @ weight
             if grad_w is not None:
                 grad_w += dz.T @ hidden[lo:hi]
             if grad_b is not None:
                 grad_b += dz.sum(0)
+            del dz  # before the next chunk's logits exist
         return grad_h, _cast(grad_w, weight), _cast(grad_b, bias), None, None, None, None
 
 
