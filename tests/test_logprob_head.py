@@ -158,3 +158,35 @@ def test_packed_forward_head_matches_the_plain_head(families, family, monkeypatc
     # as tests/test_forward_qwen35.py: all parameters together; a lone parameter of Qwen3.5's
     # delta-rule decay (A_log, dt_bias) moves by ~4e-5 with the summation order of float32 sums
     assert relative(flat, flat_ref) <= GRAD_RTOL and worst <= 10 * GRAD_RTOL
+
+
+# --- GPU (skipped without CUDA; scripts/gpu_check.sh runs it) ------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bf16_head_at_qwen2_vl_2b_shapes():
+    """bf16 on CUDA at Qwen2-VL-2B's head (hidden 1536, vocab 151,936), 8192 tokens: the chunked
+    head against the plain one on the same bf16 weights (logprobs and gradients within bf16
+    rounding of the logits), and at most 1/8 of its peak memory."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(1536, 151936, bias=False, dtype=torch.bfloat16, device="cuda")
+    hidden = torch.randn(8192, 1536, dtype=torch.bfloat16, device="cuda")
+    targets = torch.randint(0, 151936, (8192,), device="cuda")
+    kw = dict(temperature=0.7, suppressed=torch.tensor([151655], device="cuda"))
+    peaks = []
+    results = []
+    for fn in (reference_head, token_logprobs):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        results.append(_grads(fn, head, hidden, targets, LOSSES["both"], **kw))
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    want, got = results
+    d_lp = float((got[0] - want[0]).abs().max())
+    rel = [relative(g.float(), w.float()) for g, w in zip(got[2:], want[2:], strict=True)]
+    name = torch.cuda.get_device_name()
+    print(f"\nbf16 head on {name}: max |d logprob| {d_lp:.2e}, gradients {rel}, peak bytes {peaks}")
+    assert d_lp <= 5e-2 and max(rel) <= 2e-2
+    assert 8 * peaks[1] <= peaks[0]
