@@ -60,8 +60,8 @@ def _logits(
 
 def _entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """float32 ``[n]``: ``lse - sum(softmax(z) * z)``, the entropy of ``softmax(z)``."""
-    p = torch.exp(z - lse[:, None])
-    return lse - (p * z).sum(-1)
+    p = (z - lse[:, None]).exp_()
+    return lse - p.mul_(z).sum(-1)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
