@@ -31,7 +31,13 @@ from trainer_lib.packed_call import (
 )
 from trainer_lib.prepare import check_packable
 
-__all__ = ["SUPPRESSED_LOGIT", "ForwardResult", "check_temperature", "packed_forward_tensors", "packed_logprobs"]
+__all__ = [
+    "SUPPRESSED_LOGIT",
+    "ForwardResult",
+    "check_temperature",
+    "packed_forward_tensors",
+    "packed_logprobs",
+]
 
 
 @dataclass(frozen=True)
