@@ -19,7 +19,8 @@ Per chunk of ``n`` tokens (``h [n, H]``, head weight ``W [V, H]``, bias ``b``):
 - backward, given ``g`` (logprobs) and ``e`` (entropy): ``dz = g * (onehot(target) - p) -
   e * p * (z - lse + entropy)`` (``d entropy / dz_k = -p_k (log p_k + entropy)``), zero at the
   suppressed columns (their logits are constants), ``dz / T`` cast to the head's dtype, then
-  ``dh = dz @ W``, ``dW += dz.T @ h`` (accumulated in float32 across chunks), ``db += dz.sum(0)``.
+  ``dh = dz @ W``, ``dW += dz.T @ h`` (summed in place in the weight's dtype, as autograd sums the
+  chunks of a head run in chunks: no weight-sized temporary), ``db += dz.sum(0)``.
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, bias, targets, suppressed, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        grad_w = torch.zeros_like(weight) if need_w else None  # summed in place: no [V, H] temporary
+        grad_b = torch.zeros_like(bias) if need_b else None
         for lo in range(0, hidden.shape[0], ctx.chunk_size):
             hi = min(lo + ctx.chunk_size, hidden.shape[0])
             dz = _grad_logits(
@@ -118,18 +119,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 dz.index_fill_(-1, suppressed, 0.0)
             dz = dz.div_(ctx.temperature).to(weight.dtype)
             if grad_h is not None:
-                grad_h[lo:hi] = dz @ weight
+                torch.mm(dz, weight, out=grad_h[lo:hi])
             if grad_w is not None:
-                grad_w += dz.T @ hidden[lo:hi]
+                grad_w.addmm_(dz.T, hidden[lo:hi])
             if grad_b is not None:
                 grad_b += dz.sum(0)
             del dz  # before the next chunk's logits exist
-        return grad_h, _cast(grad_w, weight), _cast(grad_b, bias), None, None, None, None
-
-
-def _cast(grad: torch.Tensor | None, like: torch.Tensor | None) -> torch.Tensor | None:
-    """A float32 accumulator back in its parameter's dtype."""
-    return None if grad is None or like is None else grad.to(like.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None
 
 
 def _grad_logits(
