@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The GPU halves of issues 8, 13, 15 and 29, in one command on the lent GPU machine (docs/PACKING.md,
-# "GPU measurements"), most wanted first, each step bounded (`timeout`, seconds in the step's line)
-# so that one slow step cannot cost the others their report: packed varlen vs one sample at a time
-# (bf16; Qwen2-VL/2.5-VL/3-VL must be bit-identical), the same for tiny Qwen3.5 / Qwen3.5-MoE with
-# flash-linear-attention's varlen kernels (and their leak control); bench/rank_balance.py (one dp-8
-# step of the token- and compute-balanced plans timed micro-batch by micro-batch);
-# bench/train_step.py (dedup vs per slot, tiny families); bench/packed_forward.py (Qwen2-VL-2B
-# shapes, fwd+bwd tokens/s, peak memory at caps 16k/8k, with and without activation checkpointing);
-# bench/cost_model.py (seconds per micro-batch against the FLOP cost model); bench/train_step.py at
-# the real-size image limits; then the vLLM 0.33 serve smoke
+# The GPU halves of issues 8, 13, 15, 29 and 43, in one command on the lent GPU machine
+# (docs/PACKING.md, "GPU measurements"), most wanted first, each step bounded (`timeout`, seconds in
+# the step's line) so that one slow step cannot cost the others their report: packed varlen vs one
+# sample at a time (bf16; Qwen2-VL/2.5-VL/3-VL must be bit-identical), the same for tiny Qwen3.5 /
+# Qwen3.5-MoE with flash-linear-attention's varlen kernels (and their leak control), the chunked LM
+# head in bf16 at Qwen2-VL-2B's head shapes; bench/packed_forward.py (Qwen2-VL-2B shapes: packed at
+# caps 32k and 16k and one sample per forward with the chunked LM head and activation checkpointing,
+# then without checkpointing and with the pre-issue-43 head; fwd+bwd tokens/s, speed-up, MFU, peak
+# memory; the LM head alone at 32k tokens; each row printed as it finishes); bench/rank_balance.py
+# (one dp-8 step of the token- and compute-balanced plans timed micro-batch by micro-batch);
+# bench/train_step.py (dedup vs per slot, tiny families); bench/cost_model.py (seconds per
+# micro-batch against the FLOP cost model); bench/train_step.py at the real-size image limits; then the vLLM 0.33 serve smoke
 # (scripts/gpu_smoke_vllm033.sh: the CUDA wheel, the plugin, a ref request equal to its data URL; it
 # prints SKIP with the reason where its wheel folder, the 0.33 wheel or a dependency is missing).
 # Logs go to $OUT (or /tmp), one file per step (a device run brings back 8 files at most).
@@ -41,14 +43,14 @@ step() {  # step SECONDS LOG CMD...: run CMD under `timeout`, output to $LOGS/LO
 tiny=0
 for a in "$@"; do [ "$a" = --tiny ] && tiny=1; done
 if [ "$tiny" -eq 1 ]; then ts_args=(--device cpu --repeat 1 --families qwen2_vl); else ts_args=(--device cuda); fi
-step 120 gpu_tests.log "$PY" -m pytest -m gpu -p no:cacheprovider -q -s -rA tests/test_forward.py tests/test_forward_qwen35.py
+step 120 gpu_tests.log "$PY" -m pytest -m gpu -p no:cacheprovider -q -s -rA tests/test_forward.py tests/test_forward_qwen35.py tests/test_logprob_head.py
 tests_rc=$rc
+step 240 packed_forward.md "$PY" bench/packed_forward.py "$@"
+bench_rc=$rc
 step 200 rank_balance.md "$PY" bench/rank_balance.py --plans tokens,compute "$@"
 balance_rc=$rc
 step 60 train_step.md "$PY" bench/train_step.py "${ts_args[@]}"
 train_rc=$rc
-step 170 packed_forward.md "$PY" bench/packed_forward.py "$@"
-bench_rc=$rc
 step 80 cost_model.md "$PY" bench/cost_model.py "$@"
 cost_rc=$rc
 step 40 train_step_real.md "$PY" bench/train_step.py "${ts_args[@]}" --real-size

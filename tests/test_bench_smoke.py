@@ -20,26 +20,35 @@ import pytest
 from helpers import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
-ROWS = ("packed, cap 2048", "packed, cap 1024", "one sample per forward", "padded batches of 4")
+ROWS = (  # (configuration, head, checkpointing): --rows 1,2,4,5 of bench/packed_forward.py --tiny
+    ("packed, cap 2048", "chunked", "on"),
+    ("one sample per forward", "chunked", "on"),
+    ("one sample per forward", "chunked", "off"),
+    ("packed, cap 2048", "pre-43", "off"),
+)
+HEADS = ("pre-43 head (4096-token chunks, logits kept)", "chunked head (recomputed in backward)")
 
 
 @pytest.mark.timeout(300)
 def test_packed_forward_bench_runs_on_cpu():
     ensure_tiny_model("qwen2_vl")
     proc = subprocess.run(
-        [sys.executable, "bench/packed_forward.py", "--tiny", "--samples", "6"],
+        [sys.executable, "bench/packed_forward.py", "--tiny", "--samples", "6", "--rows", "1,2,4,5"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    for name in ROWS:
-        row = next((r for r in rows if r.startswith(f"| {name}")), None)
+    rows = _rows(proc.stdout)
+    for name, head, ckpt in ROWS:
+        row = next((r for r in rows if r[:3] == [name, head, ckpt]), None)
         assert row is not None, f"no row {name!r} in:\n{proc.stdout}"
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        assert float(cells[1]) >= 0 and float(cells[2].replace(",", "")) > 0  # seconds, tokens/s
+        assert float(row[3]) >= 0 and float(row[4].replace(",", "")) > 0  # seconds, tokens/s
+        assert row[6] == "n/a" and row[7].endswith("iB")  # MFU (no CPU peak stated), peak memory
+    for head in HEADS:  # the LM-head table at 32k tokens, and its target row
+        assert any(r[0] == head and r[1].endswith("MiB") for r in rows), proc.stdout
+    assert any(r[0].startswith("LM head peak at 32,768 tokens") for r in rows), proc.stdout
     assert "| backend" in proc.stdout and "sdpa" in proc.stdout
 
 

@@ -433,53 +433,6 @@ def test_position_conventions_come_from_every_registered_adapter():
     assert not {"kimi_vl", "kimi_k25"} & set(mrope_model_types())
 
 
-def _saved_bytes_and_grads(
-    fam: Family, inputs: PackedInputs, **kwargs
-) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """Bytes autograd keeps for the backward during one packed forward (``saved_tensors_hooks``),
-    the logprobs, and every parameter's gradient of a token loss, flattened."""
-    saved = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
-        saved += t.numel() * t.element_size()
-        return t
-
-    fam.model.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = packed_logprobs(fam.model, inputs, **kwargs)
-    (out.logprobs * out.loss_mask).sum().backward()
-    grads = torch.cat([p.grad.flatten() for p in fam.model.parameters() if p.grad is not None])
-    fam.model.zero_grad(set_to_none=True)
-    return saved, out.logprobs.detach(), grads
-
-
-def test_a_checkpointed_lm_head_keeps_no_logits_and_changes_nothing(families):
-    """``checkpoint_lm_head``: the same logprobs and gradients, and autograd keeps at least the
-    float32 logits' bytes (``4 * vocab`` per token) less; on by default under gradient checkpointing."""
-    fam = families["qwen2_vl"]
-    prepare_model_for_packing(fam.model)
-    step = pack_samples(fam.samples(), fam.spec, seq_len=4096, micro_batch_max_tokens=600)
-    mb = next(mb for mb in step.micro_batches if mb.has_pixels)
-    m = materialize_micro_batch(mb, fam.spec, fam.config)
-    inputs = packed_inputs(m.packed, m.features, fam.model, fam.spec, image_index=m.image_index)
-    vocab = fam.model.get_output_embeddings().weight.shape[0]
-    logits_bytes = (mb.num_tokens - 1) * vocab * 4
-    kept, lp, grads = _saved_bytes_and_grads(fam, inputs, chunk_size=64)
-    lean, lp_lean, grads_lean = _saved_bytes_and_grads(fam, inputs, chunk_size=64, checkpoint_lm_head=True)
-    assert torch.equal(lp, lp_lean) and torch.allclose(grads, grads_lean, rtol=0, atol=1e-7)
-    assert kept - lean >= logits_bytes, (kept, lean, logits_bytes)
-    fam.model.gradient_checkpointing_enable()
-    fam.model.train()
-    try:  # the default follows the model's gradient checkpointing
-        by_default, _, _ = _saved_bytes_and_grads(fam, inputs, chunk_size=64)
-        kept_anyway, _, _ = _saved_bytes_and_grads(fam, inputs, chunk_size=64, checkpoint_lm_head=False)
-    finally:
-        fam.model.gradient_checkpointing_disable()
-        fam.model.eval()
-    assert kept_anyway - by_default >= logits_bytes
-
-
 def test_a_replaced_loss_mask_cannot_take_a_sample_start(families):
     """PACKING.md §1: ``num_loss_tokens`` equals the loss mask the forward returns, which drops
     each sample's first token (it has no logprob). A replacement with a loss there is refused;

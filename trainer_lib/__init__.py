@@ -27,10 +27,12 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
   (:mod:`trainer_lib.linear_attention`, :func:`linear_attention_path` reports it);
   :class:`PackingUnsupported` and the model-call keywords in :mod:`trainer_lib.packed_call`.
 - :func:`packed_logprobs` — the packed forward, suppressed ids out of its softmax
-  (:mod:`trainer_lib.forward`).
+  (:mod:`trainer_lib.forward`; its LM head, logprobs and entropy without ``[L, vocab]`` logits
+  kept: :mod:`trainer_lib.logprob_head`).
 - :func:`fail_fast`, :func:`check_all_ranks` — rank-wide errors (:mod:`trainer_lib.distributed`).
 - :func:`sample_logprobs` — per-sample logprobs of rows through the packed forward, with gradients
   (:mod:`trainer_lib.sample_forward`: a framework's row batch).
+- :func:`shard_model` — the packed forward under FSDP2 (:mod:`trainer_lib.sharding`).
 - :func:`recompute_logprobs`, :func:`logprob_mismatch`, :func:`check_sampling_temperature` — trainer vs
   inference (:mod:`trainer_lib.mismatch`).
 - :class:`MaterializeConfig` — ``MMREF_*`` settings (:mod:`trainer_lib.config`).
@@ -69,6 +71,7 @@ from trainer_lib.planning.refine import Refinement
 from trainer_lib.positions import build_position_ids, cu_seqlens, mrope_position_ids
 from trainer_lib.prepare import check_packable, prepare_model_for_packing, select_backend
 from trainer_lib.sample_forward import SampleForward, SampleLogprobs, sample_logprobs
+from trainer_lib.sharding import shard_model
 from trainer_lib.spec import PackingSpec
 
 __all__ = [
@@ -124,4 +127,5 @@ __all__ = [
     "register_varlen_attention",
     "sample_logprobs",
     "select_backend",
+    "shard_model",
 ]

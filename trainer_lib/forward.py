@@ -3,8 +3,9 @@
 One packed micro-batch is one row (:class:`~trainer_lib.model_inputs.PackedInputs`); attention
 stays inside each sample through the backend :mod:`trainer_lib.prepare` set up, and the
 linear-attention layers of hybrid models (Qwen3.5) through the path
-:mod:`trainer_lib.linear_attention` installed. The LM head runs in chunks (float32 log-softmax;
-no ``[L, vocab]`` tensor at once).
+:mod:`trainer_lib.linear_attention` installed. The LM head is :mod:`trainer_lib.logprob_head`
+(chunked, float32, recomputed in the backward: no ``[L, vocab]`` tensor kept); activation
+checkpointing is transformers' own, switched on by :func:`~trainer_lib.prepare_model_for_packing`.
 """
 
 from __future__ import annotations
@@ -16,22 +17,27 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 
 from trainer_lib.attention import VARLEN_ATTENTION
 from trainer_lib.hf_surface import attn_implementation, image_features, takes_encoder_outputs
 from trainer_lib.linear_attention import linear_attention_path
+from trainer_lib.logprob_head import DEFAULT_CHUNK_SIZE, SUPPRESSED_LOGIT, token_logprobs
 from trainer_lib.model_inputs import PackedInputs
-from trainer_lib.packed_call import CU_SEQLENS_KWARG, MAX_SEQLEN_KWARG, PackingUnsupported
+from trainer_lib.packed_call import (
+    CU_SEQLENS_KWARG,
+    FSDP_FORWARD_METHOD,
+    MAX_SEQLEN_KWARG,
+    PackingUnsupported,
+)
 from trainer_lib.prepare import check_packable
 
-__all__ = ["SUPPRESSED_LOGIT", "ForwardResult", "check_temperature", "packed_logprobs"]
-
-SUPPRESSED_LOGIT = -1.0e4
-"""The logit a suppressed token gets (after the temperature division): ``exp`` of it relative to
-any real logit is 0 in float32, like the server's ``logit_bias`` of -100 (``e^-100``), and unlike
-``-inf`` it keeps the logprob of a prompt position whose token is suppressed (the image
-placeholder) finite: no NaN where a loss mask multiplies it by 0."""
+__all__ = [
+    "SUPPRESSED_LOGIT",
+    "ForwardResult",
+    "check_temperature",
+    "packed_forward_tensors",
+    "packed_logprobs",
+]
 
 
 @dataclass(frozen=True)
@@ -45,15 +51,19 @@ class ForwardResult:
     ``TrainingSample.inference_logprobs`` (vLLM's logprob of the sampled token ``t``)."""
     loss_mask: torch.Tensor
     """bool ``[L]``: :attr:`PackedInputs.loss_mask`."""
+    entropy: torch.Tensor
+    """float32 ``[L]``: the entropy (nats) of the distribution ``logprobs[t]`` was drawn from
+    (temperature-scaled, suppressed ids out), differentiable like ``logprobs``; 0 at each
+    sample's first token."""
     backend: str
     """The attention implementation that ran."""
     linear_attention: str | None
     """The linear-attention path that ran (``"per_segment_torch"`` / ``"fla_varlen"``), None for
     a model without linear-attention layers."""
-    entropy: torch.Tensor | None = None
-    """float32 ``[L]`` with ``compute_entropy``: ``entropy[t]`` = the entropy (nats) of the
-    distribution ``logprobs[t]`` was drawn from (temperature-scaled, suppressed ids out); 0 at each
-    sample's first token. None without ``compute_entropy``."""
+    activation_checkpointing: bool
+    """Whether the language layers and the vision tower ran under activation checkpointing
+    (transformers' own: gradients enabled, the model in training mode and its gradient
+    checkpointing on, as :func:`~trainer_lib.prepare_model_for_packing` leaves it by default)."""
 
 
 def _repeated_image_features(model: torch.nn.Module, pixels: torch.Tensor, inputs: PackedInputs) -> Any:
@@ -118,17 +128,18 @@ def packed_logprobs(
     *,
     temperature: float = 1.0,
     suppressed_token_ids: Sequence[int] = (),
-    chunk_size: int = 4096,
-    checkpoint_lm_head: bool | None = None,
-    compute_entropy: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> ForwardResult:
-    """Forward one packed micro-batch; per-token logprobs of the packed tokens.
+    """Forward one packed micro-batch; per-token logprobs and entropy of the packed tokens.
 
     Runs ``model.model(input_ids, position_ids [4,1,L], pixel_values, image_grid_thw,
-    attention_mask=None, use_cache=False)`` then the LM head in ``chunk_size``-token chunks
-    (float32 log-softmax; no ``[L, vocab]`` tensor at once). Gradients flow when enabled. The
-    sample boundaries (``cu_seqlens``) go down as :data:`~trainer_lib.packed_call.CU_SEQLENS_KWARG`
-    only where a layer reads them: the ``mmref_varlen`` backend and linear-attention layers.
+    attention_mask=None, use_cache=False)`` then the LM head of :mod:`trainer_lib.logprob_head`
+    in ``chunk_size``-token chunks (float32; each chunk's logits recomputed in the backward, never
+    kept). Gradients flow when enabled. The sample boundaries (``cu_seqlens``) go down as
+    :data:`~trainer_lib.packed_call.CU_SEQLENS_KWARG` only where a layer reads them: the
+    ``mmref_varlen`` backend and linear-attention layers. A model sharded by
+    :func:`~trainer_lib.shard_model` runs through its FSDP2 forward method (parameters gathered,
+    gradients reduce-scattered).
 
     Args:
         temperature: logits are divided by it. To compare with a vLLM server's logprobs, match
@@ -141,18 +152,12 @@ def packed_logprobs(
             logits are set to :data:`SUPPRESSED_LOGIT` after the temperature division, before the
             log-softmax, so the logprobs are the server's processed ones (without it each token's
             logprob is off by ``-log(1 - p_suppressed)``, ~2e-3 on the tiny model).
-        checkpoint_lm_head: recompute each chunk's logits in the backward instead of keeping them
-            (``torch.utils.checkpoint``): autograd otherwise keeps every chunk's float32 logits,
-            ``4 * vocab`` bytes per token (10 GB for a 16k micro-batch at Qwen's 151,936-token
-            vocabulary), for one more LM-head matmul per chunk in the backward. Default: on where
-            the model has gradient checkpointing on (``model.is_gradient_checkpointing``) and
-            gradients are enabled. Logprobs and gradients are the same either way.
-        compute_entropy: also return each position's entropy (:attr:`ForwardResult.entropy`),
-            from the same chunk's logits (what RL frameworks log and use for entropy bonuses).
+        chunk_size: tokens per LM-head chunk: the transient float32 logits are
+            ``chunk_size * 4 * vocab`` bytes; the result does not depend on it.
 
     Raises:
         ValueError: ``temperature`` not finite and > 0 (:func:`check_temperature`: a greedy
-            sample's caller passes 1.0); a suppressed id outside the vocabulary.
+            sample's caller passes 1.0); a suppressed id outside the vocabulary; ``chunk_size`` < 1.
         PackingUnsupported: see :func:`check_packable`; a hybrid model whose linear-attention
             path is not installed (:func:`~trainer_lib.prepare_model_for_packing` not called).
     """
@@ -165,12 +170,41 @@ def packed_logprobs(
         )
     backend = attn_implementation(model.config)
     inputs = inputs.to(next(model.parameters()).device)
+    suppressed = _suppressed_index(model, suppressed_token_ids, inputs.input_ids.device)
+    run = getattr(model, FSDP_FORWARD_METHOD, None)  # shard_model's FSDP2-hooked method
+    if run is None:
+        logprobs, entropy = packed_forward_tensors(model, inputs, temperature, suppressed, chunk_size)
+    else:
+        logprobs, entropy = run(inputs, temperature, suppressed, chunk_size)
+    return ForwardResult(
+        logprobs=logprobs,
+        loss_mask=inputs.loss_mask,
+        entropy=entropy,
+        backend=backend,
+        linear_attention=linear,
+        activation_checkpointing=torch.is_grad_enabled()
+        and model.training
+        and bool(getattr(model, "is_gradient_checkpointing", False)),
+    )
+
+
+def packed_forward_tensors(
+    model: torch.nn.Module,
+    inputs: PackedInputs,
+    temperature: float,
+    suppressed: torch.Tensor | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body of :func:`packed_logprobs` on inputs already on the model's device: float32
+    ``[L]`` logprobs and entropy, 0 at sample starts. Tensors in, tensors out, so that FSDP2 can
+    run it as a forward method of the root module (:func:`~trainer_lib.shard_model`)."""
+    linear = linear_attention_path(model)
     kwargs: dict[str, Any] = {}
+    backend = attn_implementation(model.config)
     if backend == VARLEN_ATTENTION or linear is not None:
         kwargs[CU_SEQLENS_KWARG] = inputs.cu_seqlens
     if backend == VARLEN_ATTENTION:
         kwargs[MAX_SEQLEN_KWARG] = inputs.max_seqlen
-    suppressed = _suppressed_index(model, suppressed_token_ids, inputs.input_ids.device)
     dtype = next(model.parameters()).dtype
     pixels = None if inputs.pixel_values is None else inputs.pixel_values.to(dtype)
     grid = inputs.image_grid_thw
@@ -190,17 +224,19 @@ def packed_logprobs(
         **kwargs,
     )
     hidden = out.last_hidden_state[0, :-1]  # position t predicts token t+1
-    if checkpoint_lm_head is None:
-        checkpoint_lm_head = bool(getattr(model, "is_gradient_checkpointing", False))
-    recompute = checkpoint_lm_head and torch.is_grad_enabled()
-    head = _Head(model.get_output_embeddings(), temperature, suppressed, compute_entropy)
-    logprobs, entropy = _token_logprobs(head, hidden, inputs, chunk_size, recompute)
-    return ForwardResult(
-        logprobs=logprobs,
-        loss_mask=inputs.loss_mask,
-        backend=backend,
-        linear_attention=linear,
-        entropy=entropy,
+    logprobs, entropy = token_logprobs(
+        hidden,
+        model.get_output_embeddings(),
+        inputs.input_ids[0, 1:],
+        temperature=temperature,
+        suppressed=suppressed,
+        chunk_size=chunk_size,
+    )
+    starts = inputs.cu_seqlens[:-1].long()
+    zero = torch.zeros(1, device=hidden.device)
+    return (
+        torch.cat([zero, logprobs]).index_fill(0, starts, 0.0),
+        torch.cat([zero, entropy]).index_fill(0, starts, 0.0),
     )
 
 
@@ -218,49 +254,3 @@ def _suppressed_index(
     if distinct[0] < 0 or distinct[-1] >= vocab:
         raise ValueError(f"suppressed_token_ids {distinct} must lie in [0, {vocab}) (the LM head's rows)")
     return torch.tensor(distinct, dtype=torch.long, device=device)
-
-
-@dataclass(frozen=True)
-class _Head:
-    """The LM head and what turns its logits into the sampling distribution."""
-
-    module: torch.nn.Module
-    temperature: float
-    suppressed: torch.Tensor | None
-    entropy: bool
-
-    def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """float32 ``[n]``: ``log_softmax(head(hidden) / temperature)`` at ``targets``, the
-        suppressed ids' logits at :data:`SUPPRESSED_LOGIT` after the temperature; with
-        ``entropy``, also the distribution's entropy ``[n]``."""
-        logits = self.module(hidden).float() / self.temperature
-        if self.suppressed is not None:
-            logits = logits.index_fill(-1, self.suppressed, SUPPRESSED_LOGIT)
-        logz = torch.logsumexp(logits, dim=-1)
-        picked = logits.gather(-1, targets[:, None]).squeeze(-1) - logz
-        if not self.entropy:
-            return (picked,)
-        logp = logits - logz[:, None]
-        return picked, -(logp.exp() * logp).sum(-1)
-
-
-def _token_logprobs(
-    head: _Head, hidden: torch.Tensor, inputs: PackedInputs, chunk_size: int, recompute: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """float32 ``[L]`` logprobs (and entropies with ``head.entropy``) from ``hidden [L - 1, H]``
-    (positions ``0..L-2``, predicting tokens ``1..L-1``): the LM head in ``chunk_size``-token
-    chunks, no ``[L, vocab]`` tensor at once, each chunk's logits recomputed in the backward with
-    ``recompute``; 0 at sample starts."""
-    targets = inputs.input_ids[0, 1:]
-    pieces = []
-    for lo in range(0, hidden.shape[0], chunk_size):
-        args = (hidden[lo : lo + chunk_size], targets[lo : lo + chunk_size])
-        if recompute:
-            pieces.append(torch.utils.checkpoint.checkpoint(head, *args, use_reentrant=False))
-        else:
-            pieces.append(head(*args))
-    starts = inputs.cu_seqlens[:-1].long()
-    zero = torch.zeros(1, device=hidden.device)
-    columns = list(zip(*pieces, strict=True)) or [()] * (2 if head.entropy else 1)
-    out = [torch.cat([zero, *parts]).index_fill(0, starts, 0.0) for parts in columns]
-    return out[0], (out[1] if head.entropy else None)

@@ -7,7 +7,7 @@ and the forward (:mod:`trainer_lib.forward`) all import these names from here.
 
 from __future__ import annotations
 
-__all__ = ["CU_SEQLENS_KWARG", "MAX_SEQLEN_KWARG", "PackingUnsupported"]
+__all__ = ["CU_SEQLENS_KWARG", "FSDP_FORWARD_METHOD", "MAX_SEQLEN_KWARG", "PackingUnsupported"]
 
 CU_SEQLENS_KWARG = "mmref_cu_seqlens"
 """Model-call keyword carrying a packed row's int ``[num_samples + 1]`` sample boundaries, read by
@@ -16,6 +16,10 @@ unknown keywords to every decoder layer; the vision tower takes ``cu_seqlens`` /
 itself, so those names are not used."""
 MAX_SEQLEN_KWARG = "mmref_max_seqlen"
 """Model-call keyword with the longest sample's token count (the ``mmref_varlen`` backend only)."""
+FSDP_FORWARD_METHOD = "mmref_packed_forward"
+"""The attribute :func:`~trainer_lib.shard_model` sets on a model sharded with FSDP2: the packed
+forward's body, registered with ``register_fsdp_forward_method`` so that the root module's
+parameters are gathered around it; :func:`~trainer_lib.packed_logprobs` calls it when present."""
 
 
 class PackingUnsupported(ValueError):

@@ -109,7 +109,11 @@ def check_packable(
 
 
 def prepare_model_for_packing(
-    model: torch.nn.Module, backend: str | None = None, *, linear_attention: str | None = None
+    model: torch.nn.Module,
+    backend: str | None = None,
+    *,
+    linear_attention: str | None = None,
+    activation_checkpointing: bool = True,
 ) -> str:
     """Check the model and switch it to the packing backend; returns the backend name.
 
@@ -121,6 +125,14 @@ def prepare_model_for_packing(
     Args:
         backend: default :func:`select_backend`. :data:`VARLEN_ATTENTION` is registered first.
         linear_attention: default ``"per_segment_torch"`` off CUDA, ``"fla_varlen"`` on CUDA.
+        activation_checkpointing: True (default) turns on transformers' own gradient
+            checkpointing (``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=
+            {"use_reentrant": False})``) where the model supports it
+            (``model.supports_gradient_checkpointing``): every language decoder layer and vision
+            block keeps only its input for the backward and runs again there (transformers
+            checkpoints in training mode only, ``model.train()``); the linear-attention path stays
+            installed, so the recomputation keeps the sample boundaries. False turns it off.
+            Gradients are the same either way (``tests/test_checkpointing.py``).
 
     Raises:
         PackingUnsupported, ValueError: see :func:`check_packable`.
@@ -134,5 +146,20 @@ def prepare_model_for_packing(
         set_attn_implementation(model, backend)
     if path is not None:
         prepare_linear_attention(model, path)
-    _log.info("packed %s: attention %s, linear attention %s", model.config.model_type, backend, path)
+    checkpointed = _set_activation_checkpointing(model, activation_checkpointing)
+    _log.info(
+        "packed %s: attention %s, linear attention %s, activation checkpointing %s",
+        model.config.model_type, backend, path, checkpointed,
+    )  # fmt: skip
     return backend
+
+
+def _set_activation_checkpointing(model: torch.nn.Module, enabled: bool) -> bool:
+    """transformers' gradient checkpointing on (non-reentrant) where supported, or off; returns
+    whether it is on."""
+    if enabled and getattr(model, "supports_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return True
+    if getattr(model, "is_gradient_checkpointing", False):
+        model.gradient_checkpointing_disable()
+    return False

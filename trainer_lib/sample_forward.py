@@ -86,7 +86,8 @@ def sample_logprobs(
             temperature against a ``processed_logprobs`` server; the ids the sampler never drew).
         resolved: one dict shared by the calls of one step (:data:`~trainer_lib.materialize.Resolved`):
             each distinct image decoded once per step; default one for this call.
-        compute_entropy: also each position's entropy (:class:`SampleLogprobs`).
+        compute_entropy: also return each position's entropy (:class:`SampleLogprobs`; the head
+            computes it either way, an unused one costs no backward work).
 
     Raises:
         ValueError: ``temperature`` not finite and > 0, before any work.
@@ -104,17 +105,13 @@ def sample_logprobs(
         pixel_bytes += 0 if pixels is None else pixels.numel() * pixels.element_size()
         inputs = packed_inputs(m.packed, m.features, model, spec, image_index=m.image_index)
         result = packed_logprobs(
-            model,
-            inputs,
-            temperature=temperature,
-            suppressed_token_ids=suppressed_token_ids,
-            compute_entropy=compute_entropy,
+            model, inputs, temperature=temperature, suppressed_token_ids=suppressed_token_ids
         )
         for slot in m.packed.slots:
             if slot.sample_index is None or slot.is_padding:
                 continue
             span = slice(slot.start, slot.start + slot.length)
-            entropy = None if result.entropy is None else result.entropy[span]
+            entropy = result.entropy[span] if compute_entropy else None
             out[slot.sample_index] = SampleLogprobs(result.logprobs[span], result.loss_mask[span], entropy)
     missing = [i for i, o in enumerate(out) if o is None]
     if missing:
