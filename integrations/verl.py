@@ -362,6 +362,39 @@ class MMRefActorForward:
             entropy=entropy,
         )
 
+    def step(
+        self, model: torch.nn.Module, micro_batch: Any, loss_function: Any, dp_group: Any = None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """What verl's ``forward_step`` returns (transformer_impl.py:1549) for one micro-batch: the
+        loss of ``loss_function`` (verl's ``ppo_loss``...) over :func:`mmref_model_output`, rows
+        whose image went missing since the rollout with ``response_mask``/``loss_mask`` zeroed
+        (``placeholder_zero_loss``: their loss only), and ``{"model_output", "loss", "metrics"}``.
+
+        Raises:
+            ValueError: top-K distillation asked for.
+        """
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.engine.utils import detach_tree
+
+        if tu.get_non_tensor_data(micro_batch, "distillation_use_topk", False):
+            raise ValueError("mmref's forward does not support top-K distillation")
+        entropy = bool(tu.get_non_tensor_data(micro_batch, "calculate_entropy", False))
+        model_output, forward = self(model, micro_batch, entropy=entropy)
+        for key in ("response_mask", "loss_mask"):
+            if forward.zeroed and key in micro_batch.keys():
+                micro_batch[key] = zero_rows(micro_batch[key], forward.zeroed)
+        if loss_function is not None:
+            loss, metrics = loss_function(model_output=model_output, data=micro_batch, dp_group=dp_group)
+        else:
+            loss, metrics = torch.tensor(1.0), {}
+        metrics = {
+            **metrics,
+            "mmref/zeroed_rows": len(forward.zeroed),
+            "mmref/pixel_bytes": forward.pixel_bytes,
+        }
+        output = {"model_output": detach_tree(model_output), "loss": float(loss.detach()), "metrics": metrics}
+        return loss, output
+
 
 def mmref_model_output(
     rows: Sequence[TrainingSample],
@@ -378,7 +411,8 @@ def mmref_model_output(
     """The rows through :func:`trainer_lib.sample_logprobs`, in the layout of verl's
     ``prepare_model_outputs`` (transformer_impl.py:1332, ``use_remove_padding``): ``log_probs`` (and
     ``entropy``) float32 jagged nested tensors ``[B, L_b]`` over each row's whole sequence, entry
-    ``t`` the logprob of token ``t + 1`` (verl's rolled labels; the last entry 0), gradients kept.
+    ``t`` the logprob of token ``t + 1`` (verl's rolled labels) and the entropy of the distribution
+    it was drawn from; the last entry 0; gradients kept.
     verl's ``no_padding_2_padding`` cuts them to ``[B, response_length]``.
 
     Args:
@@ -408,12 +442,11 @@ def mmref_model_output(
     offsets = torch.tensor([0, *torch.tensor([len(r.input_ids) for r in rows]).cumsum(0).tolist()])
 
     def jagged(values: list[torch.Tensor]) -> torch.Tensor:
-        flat = torch.cat(values).float()
+        """Each row's ``[n]`` values (entry t about token t) left-shifted by one (about token t + 1)."""
+        flat = torch.cat([torch.cat([v[1:], v.new_zeros(1)]) for v in values]).float()
         return torch.nested.nested_tensor_from_jagged(flat, offsets.to(flat.device))
 
-    out = {
-        "log_probs": jagged([torch.cat([s.logprobs[1:], s.logprobs.new_zeros(1)]) for s in forward.samples])
-    }
+    out = {"log_probs": jagged([s.logprobs for s in forward.samples])}
     if entropy:
         out["entropy"] = jagged([s.entropy for s in forward.samples])
     return out, forward
@@ -469,42 +502,19 @@ class MMRefFSDPEngine(FSDPEngineWithLMHead):
         self, micro_batch: Any, loss_function: Any, forward_only: bool
     ) -> tuple[torch.Tensor, dict]:
         from verl.utils import tensordict_utils as tu
-        from verl.workers.engine.utils import detach_tree
 
         if self.use_ulysses_sp or tu.get_non_tensor_data(micro_batch, "use_fused_kernels", False):
             raise ValueError(
-                "mmref's forward supports neither ulysses_sequence_parallel_size > 1 nor fused kernels"
+                "mmref's forward supports neither Ulysses sequence parallelism nor fused kernels"
             )
-        if tu.get_non_tensor_data(micro_batch, "distillation_use_topk", False):
-            raise ValueError("mmref's forward does not support top-K distillation")
         if not hasattr(self, "mmref_forward"):
             cap = self.engine_config.max_token_len_per_gpu or 8192
             self.mmref_forward = MMRefActorForward(self.model_config.local_path, seq_len=cap)
-        micro_batch = micro_batch.to(get_device_id())
-        entropy = tu.get_non_tensor_data(micro_batch, "calculate_entropy", False)
         dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
-        autocast = torch.autocast(device_type=get_device_name(), dtype=dtype, enabled=dtype != torch.float32)
-        with autocast:
-            model_output, forward = self.mmref_forward(self.module, micro_batch, entropy=entropy)
-            for key in ("response_mask", "loss_mask"):  # a row whose image went missing: no loss
-                if forward.zeroed and key in micro_batch.keys():
-                    micro_batch[key] = zero_rows(micro_batch[key], forward.zeroed)
-            if loss_function is not None:
-                loss, metrics = loss_function(
-                    model_output=model_output, data=micro_batch, dp_group=self.get_data_parallel_group()
-                )
-            else:
-                loss, metrics = torch.tensor(1.0, device=get_device_name()), {}
-        metrics = {
-            **metrics,
-            "mmref/zeroed_rows": len(forward.zeroed),
-            "mmref/pixel_bytes": forward.pixel_bytes,
-        }
-        return loss, {
-            "model_output": detach_tree(model_output),
-            "loss": loss.detach().item(),
-            "metrics": metrics,
-        }
+        with torch.autocast(device_type=get_device_name(), dtype=dtype, enabled=dtype != torch.float32):
+            return self.mmref_forward.step(
+                self.module, micro_batch.to(get_device_id()), loss_function, self.get_data_parallel_group()
+            )
 
 
 # --- weight sync ------------------------------------------------------------------------------------
