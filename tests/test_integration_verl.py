@@ -153,7 +153,7 @@ def spied(srv, qwen2_vl_dir, output_root, loop, iv):
 
 
 async def _client_in_loop(iv, cfg):
-    return iv._client(iv.settings_from_config(cfg))
+    return iv.rollout._client(iv.settings_from_config(cfg))
 
 
 @pytest.fixture(scope="module")
@@ -183,11 +183,12 @@ def test_version_outside_the_tested_range_stops_with_its_name(monkeypatch, iv):
 
 def test_sampling_that_would_break_the_ratio_is_refused(iv):
     with pytest.raises(ValueError, match=r"top_p=0\.9"):
-        iv._sampling({"temperature": 1.0, "top_p": 0.9, "top_k": -1}, 8)
+        iv.rollout._sampling({"temperature": 1.0, "top_p": 0.9, "top_k": -1}, 8)
     with pytest.raises(ValueError, match="top_k=20"):
-        iv._sampling({"temperature": 1.0, "top_p": 1.0, "top_k": 20}, 8)
+        iv.rollout._sampling({"temperature": 1.0, "top_p": 1.0, "top_k": 20}, 8)
     assert (
-        iv._sampling({"temperature": 0.7, "top_p": 1.0, "top_k": -1, "logprobs": True}, 8).temperature == 0.7
+        iv.rollout._sampling({"temperature": 0.7, "top_p": 1.0, "top_k": -1, "logprobs": True}, 8).temperature
+        == 0.7
     )
 
 
@@ -369,7 +370,7 @@ def test_verls_ppo_loss_on_the_hook_trains_the_vision_tower_too(rollout, spied, 
     policy.zero_grad()
     loss, out = actor.step(policy, td, loss_fn(cfg))
     loss.backward()
-    assert torch.isfinite(loss) and out["loss"] == pytest.approx(float(loss))
+    assert torch.isfinite(loss) and out["loss"] == pytest.approx(float(loss.detach()))
     assert "actor/pg_loss" in out["metrics"] and out["metrics"]["mmref/zeroed_rows"] == 0
     grads = {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}
     assert any(g.abs().sum() > 0 for n, g in grads.items() if "visual" in n)

@@ -56,7 +56,7 @@ def test_install_script_pins_the_verl_range_integrations_verl_imports_under():
     import ast
     import re
 
-    tree = ast.parse((REPO / "integrations" / "verl.py").read_text())
+    tree = ast.parse((REPO / "integrations" / "verl" / "__init__.py").read_text())
     supported = next(
         n.value.value
         for n in tree.body
