@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ __all__ = [
     "require_version",
     "stand_in_sample",
     "text_only",
+    "write_safetensors",
 ]
 
 _log = logging.getLogger("integrations")
@@ -141,7 +142,9 @@ class PushRecord:
 
 class WeightPusher:
     """Writes the trainer's weights as a checkpoint and makes the server serve them
-    (:func:`rollout_client.push_weights`: drain, reload, cache resets, version, resume).
+    (:func:`rollout_client.push_weights`: drain, reload, cache resets, version, resume): from a
+    model (:meth:`push`) or from named tensors in the checkpoint's key names (:meth:`push_tensors`,
+    what a framework's weight-sync hook hands over).
 
     Args:
         http: an ``httpx.Client`` on the server's base URL.
@@ -169,14 +172,71 @@ class WeightPusher:
         target = self.weights_dir / version
         t0 = time.monotonic()
         model.save_pretrained(target, state_dict=state_dict, safe_serialization=True)
+        return self._publish(target, version, time.monotonic() - t0)
+
+    def push_tensors(
+        self, tensors: Iterable[tuple[str, torch.Tensor]], version: str, *, shard_bytes: int = 2 << 30
+    ) -> PushRecord:
+        """Write ``(name, tensor)`` pairs (checkpoint key names, e.g. verl's
+        ``get_per_tensor_param``) as safetensors shards of at most ``shard_bytes`` each (a larger
+        tensor gets its own) under ``version`` and push them. Tensors are copied to CPU one shard
+        at a time: peak host memory is one shard.
+
+        Raises:
+            ValueError: a name given twice.
+            httpx.HTTPStatusError, httpx.TransportError: see :func:`rollout_client.push_weights`.
+        """
+        target = self.weights_dir / version
+        t0 = time.monotonic()
+        write_safetensors(tensors, target, shard_bytes=shard_bytes)
+        return self._publish(target, version, time.monotonic() - t0)
+
+    def _publish(self, target: Path, version: str, save_seconds: float) -> PushRecord:
         t1 = time.monotonic()
         answer = push_weights(self.http, target, version, self.timeout_s)
-        t2 = time.monotonic()
+        push_seconds = time.monotonic() - t1
         self._written.append(target)
         while len(self._written) > self.keep:
             shutil.rmtree(self._written.pop(0), ignore_errors=True)
-        _log.info("mmref: pushed %s (save %.2f s, push %.2f s)", version, t1 - t0, t2 - t1)
-        return PushRecord(answer.get("weight_version", version), t1 - t0, t2 - t1, answer)
+        _log.info("mmref: pushed %s (save %.2f s, push %.2f s)", version, save_seconds, push_seconds)
+        return PushRecord(answer.get("weight_version", version), save_seconds, push_seconds, answer)
+
+
+def write_safetensors(
+    tensors: Iterable[tuple[str, torch.Tensor]], folder: Path, *, shard_bytes: int = 2 << 30
+) -> list[Path]:
+    """``(name, tensor)`` pairs as ``model-00001.safetensors``, ... in ``folder`` (created), each
+    shard at most ``shard_bytes`` (a larger tensor alone); the files vLLM's ``reload_weights`` reads.
+
+    Raises:
+        ValueError: a name given twice.
+    """
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    files: list[Path] = []
+    shard: dict[str, torch.Tensor] = {}
+    size, seen = 0, set()
+
+    def flush() -> None:
+        nonlocal shard, size
+        if shard:
+            files.append(folder / f"model-{len(files) + 1:05d}.safetensors")
+            save_file(shard, str(files[-1]))
+        shard, size = {}, 0
+
+    for name, tensor in tensors:
+        if name in seen:
+            raise ValueError(f"tensor {name!r} given twice")
+        seen.add(name)
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > shard_bytes:
+            flush()
+        shard[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        size += nbytes
+    flush()
+    return files
 
 
 def completion_rows(

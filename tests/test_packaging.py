@@ -50,3 +50,20 @@ def test_wheel_metadata_and_contents(wheel):
     assert (
         "protocol/adapters/registry.py" in whl.namelist() and "trainer_lib/planning/plan.py" in whl.namelist()
     )
+
+
+def test_install_script_pins_the_verl_range_integrations_verl_imports_under():
+    """``scripts/install.sh verl`` installs verl with --no-deps at ``integrations.verl.SUPPORTED``
+    (read from the source: verl need not be installed)."""
+    import ast
+    import re
+
+    tree = ast.parse((REPO / "integrations" / "verl" / "__init__.py").read_text())
+    supported = next(
+        n.value.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "SUPPORTED" for t in n.targets)
+    )
+    script = (REPO / "scripts" / "install.sh").read_text()
+    assert re.search(r'^VERL_SPEC="verl(.+?)"', script, re.M).group(1) == supported
+    assert script.count('--no-deps "$VERL_SPEC"') == 2  # the CUDA and the CPU branch
