@@ -185,20 +185,19 @@ class AssetRoots:
     def from_env(
         cls, environ: Mapping[str, str] | None = None, *, legacy_root: str | os.PathLike[str] | None = None
     ) -> AssetRoots:
-        """``MMREF_ASSET_ROOTS``, ``MMREF_READ_CACHE_DIR``, ``MMREF_READ_CACHE_BYTES`` (default
-        8 GiB when a folder is set) and ``MMREF_STORE_*`` (:meth:`StoreClientConfig.from_env`).
+        """``MMREF_ASSET_ROOTS`` (none: no roots), ``MMREF_READ_CACHE_DIR``,
+        ``MMREF_READ_CACHE_BYTES`` and ``MMREF_STORE_*``, read as every party reads them
+        (:class:`protocol.settings.StoreSettings`).
 
         Raises:
-            ValueError: a setting that does not parse, see :meth:`from_urls`.
+            protocol.settings.SettingError: a setting that does not parse.
+            ValueError: a root that does not open, see :meth:`from_urls`.
         """
+        from protocol.settings import StoreSettings
+
         env = os.environ if environ is None else environ
-        return cls.from_urls(
-            parse_roots_spec(env.get(ROOTS_ENV, "")),
-            client=StoreClientConfig.from_env(env),
-            cache_dir=env.get("MMREF_READ_CACHE_DIR") or None,
-            cache_bytes=int(env.get("MMREF_READ_CACHE_BYTES", 8 << 30)),
-            legacy_root=legacy_root,
-        )
+        settings = StoreSettings() if environ is None else StoreSettings.from_environ(environ)
+        return settings.open_roots(parse_roots_spec(env.get(ROOTS_ENV, "")), legacy_root)
 
     def describe(self) -> list[str]:
         """The roots as configured, in order (for start-up logs: no credential is ever in them)."""
