@@ -221,9 +221,14 @@ class ObjectRoot(AssetRoot):
         not a root down) or only this object was denied."""
         from obstore.exceptions import PermissionDeniedError
 
-        if not isinstance(e, PermissionDeniedError) and self._last_ok < started:
+        held = not isinstance(e, PermissionDeniedError) and self._last_ok < started
+        if held:
             self._down_until = time.monotonic() + self.client.hold_down_s
-        return StoreUnavailable(f"{self.url} unavailable for {what}: {_first_line(e)}", ref=ref)
+        return StoreUnavailable(
+            f"{self.url} unavailable for {what}: {_first_line(e)}",
+            ref=ref,
+            retry_after_s=self.client.hold_down_s if held and self.client.hold_down_s > 0 else None,
+        )
 
     def _check_up(self, what: str, ref: str | None = None) -> None:
         """Raises StoreUnavailable at once while the root is held down."""
@@ -232,6 +237,7 @@ class ObjectRoot(AssetRoot):
             raise StoreUnavailable(
                 f"{self.url} unavailable for {what}: held down {left:.1f} s more after a failed request",
                 ref=ref,
+                retry_after_s=left,
             )
 
     def get(self, key: str, *, max_bytes: int, ref: str | None = None) -> bytes:

@@ -291,6 +291,7 @@ class AssetRoots:
         refusal of the module docstring's step 3. Refusals count the roots tried and say of which
         kind; which roots, and why each failed, goes to this module's log (never to a client)."""
         unavailable: set[str] = set()  # root URLs: a root may be tried under two keys (v1)
+        retry_after: list[float] = []
         mismatched: set[str] = set()
         for root, key in candidates:
             try:
@@ -301,6 +302,7 @@ class AssetRoots:
             except StoreUnavailable as e:
                 _log.warning("image %s: asset root %s could not be asked: %s", mm_hash, root.url, e.message)
                 unavailable.add(root.url)
+                retry_after += [e.retry_after_s] if e.retry_after_s else []
                 continue
             try:
                 digest = check_sha256(data, mm_hash, ref=ref)
@@ -320,6 +322,7 @@ class AssetRoots:
                 f"image {mm_hash} not found in the reachable roots; {len(unavailable)} of the {tried} "
                 "could not be asked",
                 ref=ref,
+                retry_after_s=min(retry_after) if retry_after else None,
             )
         if mismatched:
             raise HashMismatch(
