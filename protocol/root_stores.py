@@ -24,7 +24,15 @@ from protocol.errors import AssetNotFound, AssetTooLarge, HashMismatch, InvalidR
 from protocol.refs import file_uri_to_path
 from protocol.store import AssetStore, atomic_write
 
-__all__ = ["OBJECT_SCHEMES", "AssetRoot", "LocalRoot", "ObjectRoot", "StoreClientConfig", "open_root"]
+__all__ = [
+    "OBJECT_SCHEMES",
+    "S3_ENDPOINT_VARIABLES",
+    "AssetRoot",
+    "LocalRoot",
+    "ObjectRoot",
+    "StoreClientConfig",
+    "open_root",
+]
 
 OBJECT_SCHEMES = ("s3", "gs", "az", "http", "https")
 """URL schemes of object-store roots (anything else but ``file`` and a plain path is refused)."""
