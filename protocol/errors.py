@@ -202,10 +202,19 @@ class StoreUnavailable(MMRefError, ConnectionError):
     refused the connection, timed out (``MMREF_STORE_TIMEOUT_S``, retries included) or denied the
     request, or a local file that could not be opened (permission denied, too many open files, an
     I/O error: ``protocol/store.py``) (``protocol/roots.py``). The image may exist: retryable,
-    never replaced by a placeholder."""
+    never replaced by a placeholder.
+
+    Args:
+        retry_after_s: seconds before asking the root again can change the answer (the root is
+            held down that long, ``MMREF_STORE_HOLD_DOWN_S``): the server's ``Retry-After``.
+    """
 
     code = "store_unavailable"
     http_status = 503
+
+    def __init__(self, message: str, *, ref: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message, ref=ref)
+        self.retry_after_s = retry_after_s
 
 
 def all_error_types() -> list[type[MMRefError]]:

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import warnings
+from pathlib import Path
 
 from PIL import Image, ImageOps
 
 from protocol.errors import AssetTooLarge, ImageUnreadable, MMRefError
 
-__all__ = ["ALLOWED_FORMATS", "DEFAULT_MAX_IMAGE_PIXELS", "load_image", "sniff_media_type"]
+__all__ = ["ALLOWED_FORMATS", "DEFAULT_MAX_IMAGE_PIXELS", "image_bytes", "load_image", "sniff_media_type"]
 
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 DEFAULT_MAX_IMAGE_PIXELS = 178_956_970
@@ -34,6 +36,26 @@ _MEDIA_TYPES = {
     "BMP": ("image/bmp", ".img"),
     "TIFF": ("image/tiff", ".img"),
 }
+
+
+def image_bytes(image: bytes | bytearray | memoryview | Image.Image | str | os.PathLike[str]) -> bytes:
+    """The encoded bytes the store holds for ``image``: bytes as they are, a path read once, a PIL
+    image encoded as PNG (lossless: the server and the trainer decode the same pixels; PIL's PNG
+    encoder is deterministic, so the same image gives the same bytes and the same ref).
+
+    Raises:
+        TypeError: anything else.
+        OSError: a path that cannot be read.
+    """
+    if isinstance(image, bytes | bytearray | memoryview):
+        return bytes(image)
+    if isinstance(image, str | os.PathLike):
+        return Path(image).read_bytes()
+    if isinstance(image, Image.Image):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return buf.getvalue()
+    raise TypeError(f"an image must be bytes, a PIL image or a path, got {type(image).__name__}")
 
 
 def sniff_media_type(data: bytes) -> tuple[str, str]:

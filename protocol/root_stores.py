@@ -24,7 +24,15 @@ from protocol.errors import AssetNotFound, AssetTooLarge, HashMismatch, InvalidR
 from protocol.refs import file_uri_to_path
 from protocol.store import AssetStore, atomic_write
 
-__all__ = ["OBJECT_SCHEMES", "AssetRoot", "LocalRoot", "ObjectRoot", "StoreClientConfig", "open_root"]
+__all__ = [
+    "OBJECT_SCHEMES",
+    "S3_ENDPOINT_VARIABLES",
+    "AssetRoot",
+    "LocalRoot",
+    "ObjectRoot",
+    "StoreClientConfig",
+    "open_root",
+]
 
 OBJECT_SCHEMES = ("s3", "gs", "az", "http", "https")
 """URL schemes of object-store roots (anything else but ``file`` and a plain path is refused)."""
@@ -77,21 +85,16 @@ class StoreClientConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreClientConfig:
-        """Read ``MMREF_STORE_*`` (unset: the defaults above).
+        """``MMREF_STORE_*`` (unset: the defaults above), read as every party reads them
+        (:class:`protocol.settings.StoreSettings`).
 
         Raises:
-            ValueError: a value that does not parse or is out of range.
+            protocol.settings.SettingError: a value that does not parse or is out of range.
         """
-        env = os.environ if environ is None else environ
-        d = cls()
-        return cls(
-            timeout_s=float(env.get("MMREF_STORE_TIMEOUT_S", d.timeout_s)),
-            connect_timeout_s=float(env.get("MMREF_STORE_CONNECT_TIMEOUT_S", d.connect_timeout_s)),
-            max_retries=int(env.get("MMREF_STORE_MAX_RETRIES", d.max_retries)),
-            retry_timeout_s=float(env.get("MMREF_STORE_RETRY_TIMEOUT_S", d.retry_timeout_s)),
-            allow_http=env.get("MMREF_STORE_ALLOW_HTTP", "").lower() in ("1", "true", "yes"),
-            hold_down_s=float(env.get("MMREF_STORE_HOLD_DOWN_S", d.hold_down_s)),
-        )
+        from protocol.settings import StoreSettings
+
+        settings = StoreSettings() if environ is None else StoreSettings.from_environ(environ)
+        return settings.store_client()
 
     def obstore_options(self, *, allow_http: bool = False) -> dict[str, Any]:
         """``client_options`` and ``retry_config`` keyword arguments of ``obstore.store.from_url``."""
@@ -178,14 +181,17 @@ class ObjectRoot(AssetRoot):
     Args:
         url: the root URL: no credentials, query or fragment; bucket/host and ``/``-separated
             prefix segments of ``[A-Za-z0-9_.=-]`` (not ``.`` or ``..``).
-        client: timeouts and retries.
+        client: timeouts and retries (default: ``MMREF_STORE_*`` of this process,
+            :meth:`StoreClientConfig.from_env`).
         endpoint: the S3 endpoint URL, when not the chain's (``AWS_ENDPOINT_URL``): a local S3
             such as MinIO or moto. Not a credential; credentials come only from the chain.
 
     Raises:
         ValueError: a URL off these rules, or one obstore cannot open (e.g. ``az://`` without
             ``AZURE_STORAGE_ACCOUNT_NAME``), or obstore not installed (the ``fleet`` extra,
-            Python >= 3.11).
+            Python >= 3.11); an ``s3://`` root whose endpoint is plain HTTP while the client
+            does not allow it (obstore would build the client and fail every request with
+            "builder error").
     """
 
     local = False
@@ -201,7 +207,8 @@ class ObjectRoot(AssetRoot):
                 f"asset root {url!r} needs obstore: install mmref[fleet] (Python >= 3.11)"
             ) from e
         self.url = url
-        self.client = client or StoreClientConfig()
+        self.client = client or StoreClientConfig.from_env()
+        _check_plain_http(url, self.client, endpoint)
         options = self.client.obstore_options(allow_http=urlparse(url).scheme == "http")
         if endpoint is not None:
             options["endpoint"] = endpoint
@@ -222,9 +229,14 @@ class ObjectRoot(AssetRoot):
         not a root down) or only this object was denied."""
         from obstore.exceptions import PermissionDeniedError
 
-        if not isinstance(e, PermissionDeniedError) and self._last_ok < started:
+        held = not isinstance(e, PermissionDeniedError) and self._last_ok < started
+        if held:
             self._down_until = time.monotonic() + self.client.hold_down_s
-        return StoreUnavailable(f"{self.url} unavailable for {what}: {_first_line(e)}", ref=ref)
+        return StoreUnavailable(
+            f"{self.url} unavailable for {what}: {_first_line(e)}",
+            ref=ref,
+            retry_after_s=self.client.hold_down_s if held and self.client.hold_down_s > 0 else None,
+        )
 
     def _check_up(self, what: str, ref: str | None = None) -> None:
         """Raises StoreUnavailable at once while the root is held down."""
@@ -233,6 +245,7 @@ class ObjectRoot(AssetRoot):
             raise StoreUnavailable(
                 f"{self.url} unavailable for {what}: held down {left:.1f} s more after a failed request",
                 ref=ref,
+                retry_after_s=left,
             )
 
     def get(self, key: str, *, max_bytes: int, ref: str | None = None) -> bytes:
@@ -303,6 +316,24 @@ def _first_line(e: BaseException) -> str:
     """An error's first line, at most 300 characters (obstore appends a multi-line debug dump)."""
     text = str(e).strip().splitlines()
     return (text[0] if text else type(e).__name__)[:300]
+
+
+S3_ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+"""Where obstore's S3 client reads an endpoint from the environment (each checked, 0.12.1)."""
+
+
+def _check_plain_http(url: str, client: StoreClientConfig, endpoint: str | None) -> None:
+    """Refuse an ``s3://`` root whose endpoint (``endpoint``, else the environment's) is
+    ``http://`` unless ``client.allow_http``, naming the endpoint and the setting that allows it."""
+    if client.allow_http or urlparse(url).scheme != "s3":
+        return
+    given = [("endpoint", endpoint)] if endpoint else [(n, os.environ.get(n)) for n in S3_ENDPOINT_VARIABLES]
+    for name, value in given:
+        if value and value.strip().lower().startswith("http://"):
+            raise ValueError(
+                f"asset root {url!r}: its S3 endpoint {name}={value.strip()[:200]!r} is plain HTTP; "
+                "set MMREF_STORE_ALLOW_HTTP=1 to allow it (a local S3 such as moto or MinIO)"
+            )
 
 
 def _check_object_url(url: str) -> None:

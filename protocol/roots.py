@@ -185,20 +185,19 @@ class AssetRoots:
     def from_env(
         cls, environ: Mapping[str, str] | None = None, *, legacy_root: str | os.PathLike[str] | None = None
     ) -> AssetRoots:
-        """``MMREF_ASSET_ROOTS``, ``MMREF_READ_CACHE_DIR``, ``MMREF_READ_CACHE_BYTES`` (default
-        8 GiB when a folder is set) and ``MMREF_STORE_*`` (:meth:`StoreClientConfig.from_env`).
+        """``MMREF_ASSET_ROOTS`` (none: no roots), ``MMREF_READ_CACHE_DIR``,
+        ``MMREF_READ_CACHE_BYTES`` and ``MMREF_STORE_*``, read as every party reads them
+        (:class:`protocol.settings.StoreSettings`).
 
         Raises:
-            ValueError: a setting that does not parse, see :meth:`from_urls`.
+            protocol.settings.SettingError: a setting that does not parse.
+            ValueError: a root that does not open, see :meth:`from_urls`.
         """
+        from protocol.settings import StoreSettings
+
         env = os.environ if environ is None else environ
-        return cls.from_urls(
-            parse_roots_spec(env.get(ROOTS_ENV, "")),
-            client=StoreClientConfig.from_env(env),
-            cache_dir=env.get("MMREF_READ_CACHE_DIR") or None,
-            cache_bytes=int(env.get("MMREF_READ_CACHE_BYTES", 8 << 30)),
-            legacy_root=legacy_root,
-        )
+        settings = StoreSettings() if environ is None else StoreSettings.from_environ(environ)
+        return settings.open_roots(parse_roots_spec(env.get(ROOTS_ENV, "")), legacy_root)
 
     def describe(self) -> list[str]:
         """The roots as configured, in order (for start-up logs: no credential is ever in them)."""
@@ -292,6 +291,7 @@ class AssetRoots:
         refusal of the module docstring's step 3. Refusals count the roots tried and say of which
         kind; which roots, and why each failed, goes to this module's log (never to a client)."""
         unavailable: set[str] = set()  # root URLs: a root may be tried under two keys (v1)
+        retry_after: list[float] = []
         mismatched: set[str] = set()
         for root, key in candidates:
             try:
@@ -302,6 +302,7 @@ class AssetRoots:
             except StoreUnavailable as e:
                 _log.warning("image %s: asset root %s could not be asked: %s", mm_hash, root.url, e.message)
                 unavailable.add(root.url)
+                retry_after += [e.retry_after_s] if e.retry_after_s else []
                 continue
             try:
                 digest = check_sha256(data, mm_hash, ref=ref)
@@ -321,6 +322,7 @@ class AssetRoots:
                 f"image {mm_hash} not found in the reachable roots; {len(unavailable)} of the {tried} "
                 "could not be asked",
                 ref=ref,
+                retry_after_s=min(retry_after) if retry_after else None,
             )
         if mismatched:
             raise HashMismatch(

@@ -1,47 +1,76 @@
-"""Where a party reads images, as settings (``MMREF_*``): the part of the plugin's and the
-trainer's configuration that builds their :class:`~protocol.roots.AssetRoots` (docs/SCALING.md §5).
+"""Every party's ``MMREF_*`` settings, read one way (docs/SCALING.md §5, README "Settings").
 
-A subclass sets ``model_config`` (``env_prefix="MMREF_"``) and adds its own fields; this class adds
-``asset_root``, ``asset_roots``, the node's read cache and the object-store request settings, and
-:meth:`RootSettings.image_source`, which opens the roots once.
+:class:`StoreSettings` (the node's read cache and object-store requests) and :class:`RootSettings`
+(``+`` where images are read) are the base of the plugin's ``PluginConfig`` and the trainer's
+``MaterializeConfig``; an object-store URL given as a string anywhere (``Offloader``,
+``offload_image``, ``materialize``) is opened with :func:`store_client`, the same
+``MMREF_STORE_*`` values. Whichever party reads them:
+
+- a bad or missing value raises :class:`SettingError`: one line naming the environment variable,
+  its value and what is allowed (never pydantic's multi-line report naming a field);
+- an ``MMREF_*`` variable no part of mmref reads is logged once per process, with the closest
+  known name (:func:`warn_unknown_variables`: ``MMREF_MAX_WORKER`` -> ``MMREF_MAX_WORKERS``).
+
+The names and the wording of refusals live in :mod:`protocol.setting_names`. The server checks
+its settings in its launcher process before vLLM builds anything (``vllm_plugin.preflight``, a
+``vllm.general_plugins`` entry point).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from protocol.roots import AssetRoots, StoreClientConfig, parse_roots_spec
+from protocol.roots import AssetRoots, StoreClientConfig, open_root, parse_roots_spec
+from protocol.setting_names import (
+    NEITHER_ROOT,
+    PREFIX,
+    SettingError,
+    SourceError,
+    known_variables,
+    setting_error,
+    unknown_variables,
+    warn_unknown_variables,
+)
 from protocol.store import existing_asset_root
 
-__all__ = ["RootSettings"]
+__all__ = [
+    "PREFIX",
+    "RootSettings",
+    "SettingError",
+    "StoreSettings",
+    "known_variables",
+    "store_client",
+    "unknown_variables",
+    "warn_unknown_variables",
+]
+
+_CLIENT_FIELDS = tuple(f.name for f in dataclasses.fields(StoreClientConfig))
+"""``store_<name>`` of the settings is ``<name>`` of :class:`StoreClientConfig`."""
 
 
-class RootSettings(BaseSettings):
-    """Asset roots, the read cache and object-store requests; each field reads ``MMREF_<NAME>``.
-
-    At least one of ``asset_root`` and ``asset_roots`` is required. Without ``asset_roots`` the
-    one folder ``asset_root`` is also the only root of v2 refs.
+class StoreSettings(BaseSettings):
+    """The node's read cache and object-store requests; each field reads ``MMREF_<NAME>``.
 
     Raises:
-        pydantic.ValidationError: a bad value, naming the setting (a root that does not open
-            included: :func:`protocol.roots.open_root`).
+        SettingError: a bad value (see the module doc); the constructor also logs unknown
+            ``MMREF_*`` variables once per process (:func:`warn_unknown_variables`).
     """
 
-    model_config = SettingsConfigDict(hide_input_in_errors=True)
-    """Errors name the setting, never echo its value (a root URL could carry a credential, which is
-    then refused: the refusal must not log it)."""
+    model_config = SettingsConfigDict(
+        env_prefix=PREFIX, extra="ignore", frozen=True, hide_input_in_errors=True, env_ignore_empty=True
+    )
+    """An empty variable is unset (``MMREF_ASSET_ROOT="$OUTPUT_ROOT"`` with ``OUTPUT_ROOT`` unset is
+    no root, not the current folder). Errors never echo a value through pydantic (a root URL could
+    carry a credential): :class:`SettingError` writes the value itself, credentials masked."""
 
-    asset_root: Path | None = None
-    """``MMREF_ASSET_ROOT``: v1 refs resolve inside this folder (by path, or by content for a
-    copied store) and ``mmfile`` feature files are read under it; must exist when set."""
-    asset_roots: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """``MMREF_ASSET_ROOTS``: ordered roots (absolute folders, ``file://``, ``s3://``, ``gs://``,
-    ``az://``, ``http(s)://``), comma-separated or a JSON list (:func:`protocol.roots.parse_roots_spec`)."""
     read_cache_dir: Path | None = None
     """The node's read-through cache of object-store reads (local disk); unset: no cache."""
     read_cache_bytes: int = Field(default=8 << 30, ge=0)
@@ -59,6 +88,75 @@ class RootSettings(BaseSettings):
     """After a request finds an object-store root unreachable, its reads fail at once for this
     long (seconds; 0: never)."""
 
+    def __init__(self, **values: Any) -> None:
+        warn_unknown_variables()
+        try:
+            super().__init__(**values)
+        except (ValidationError, SourceError) as e:
+            raise setting_error(type(self), e, values) from None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> StoreSettings:
+        """The settings from ``environ`` instead of the process environment (tests; other
+        ``MMREF_*`` variables of the process are not read).
+
+        Raises:
+            SettingError: as the constructor.
+        """
+        n = len(PREFIX)
+        values = {k[n:].lower(): v for k, v in environ.items() if k.startswith(PREFIX) and v != ""}
+        values = {k: v for k, v in values.items() if k in cls.model_fields}
+        try:
+            return cls.model_validate(values)
+        except ValidationError as e:
+            raise setting_error(cls, e, {}, environ) from None
+
+    def store_client(self) -> StoreClientConfig:
+        """The object-store request settings (``store_*``)."""
+        return StoreClientConfig(**{k: getattr(self, f"store_{k}") for k in _CLIENT_FIELDS})
+
+    def open_roots(self, urls: list[str], legacy_root: str | os.PathLike[str] | None = None) -> AssetRoots:
+        """``urls`` opened in order with these settings: ``store_*`` for object stores, the node's
+        read cache (``read_cache_dir``, ``read_cache_bytes``); ``legacy_root`` for v1 refs.
+
+        Raises:
+            ValueError, OSError: see :meth:`AssetRoots.from_urls`.
+        """
+        return AssetRoots.from_urls(
+            urls,
+            client=self.store_client(),
+            cache_dir=self.read_cache_dir,
+            cache_bytes=self.read_cache_bytes,
+            legacy_root=legacy_root,
+        )
+
+
+class RootSettings(StoreSettings):
+    """Asset roots, the read cache and object-store requests; each field reads ``MMREF_<NAME>``.
+
+    At least one of ``asset_root`` and ``asset_roots`` is required. Without ``asset_roots`` the
+    one folder ``asset_root`` is also the only root of v2 refs. The roots are opened when the
+    settings are validated (an object-store client per root: no request, no thread yet).
+
+    Raises:
+        SettingError: a bad or missing value (a root that does not open included:
+            :func:`protocol.roots.open_root`; an ``s3://`` root whose endpoint is plain HTTP
+            without ``MMREF_STORE_ALLOW_HTTP``).
+    """
+
+    asset_root: Path | None = Field(default=None, json_schema_extra={"allowed": "an existing folder"})
+    """``MMREF_ASSET_ROOT``: v1 refs resolve inside this folder (by path, or by content for a
+    copied store) and ``mmfile`` feature files are read under it; must exist when set."""
+    asset_roots: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        json_schema_extra={
+            "allowed": "absolute folders, file://, s3://, gs://, az:// or http(s):// URLs without "
+            "credentials, comma-separated or a JSON list"
+        },
+    )
+    """``MMREF_ASSET_ROOTS``: ordered roots (absolute folders, ``file://``, ``s3://``, ``gs://``,
+    ``az://``, ``http(s)://``), comma-separated or a JSON list (:func:`protocol.roots.parse_roots_spec`)."""
+
     @field_validator("asset_root")
     @classmethod
     def _absolute_existing_dir(cls, value: Path | None) -> Path | None:
@@ -69,23 +167,28 @@ class RootSettings(BaseSettings):
     def _roots_spec(cls, value: Any) -> Any:
         return parse_roots_spec(value) if isinstance(value, str) else value
 
+    @field_validator("asset_roots")
+    @classmethod
+    def _roots_open(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        """Each root opens (:func:`protocol.roots.open_root`, with the ``store_*`` values given):
+        a URL off the rules, or an ``s3://`` root on a plain-HTTP endpoint without
+        ``MMREF_STORE_ALLOW_HTTP``, is refused here, naming ``MMREF_ASSET_ROOTS``."""
+        client = StoreClientConfig(
+            **{k: info.data[f"store_{k}"] for k in _CLIENT_FIELDS if f"store_{k}" in info.data}
+        )
+        for url in value:
+            open_root(url, client)
+        return value
+
     @model_validator(mode="after")
     def _somewhere_to_read(self) -> RootSettings:
         if self.asset_root is None and not self.asset_roots:
-            raise ValueError("asset_root / asset_roots: set MMREF_ASSET_ROOT (a folder) or MMREF_ASSET_ROOTS")
-        self.image_source()  # a root that does not open stops start-up here, naming the setting
+            raise ValueError(NEITHER_ROOT)
+        try:
+            self.image_source()  # the read cache folder is made here
+        except ValueError as e:
+            raise ValueError(f"read cache: {e.__cause__ or e}") from e
         return self
-
-    def store_client(self) -> StoreClientConfig:
-        """The object-store request settings (``store_*``)."""
-        return StoreClientConfig(
-            timeout_s=self.store_timeout_s,
-            connect_timeout_s=self.store_connect_timeout_s,
-            max_retries=self.store_max_retries,
-            retry_timeout_s=self.store_retry_timeout_s,
-            allow_http=self.store_allow_http,
-            hold_down_s=self.store_hold_down_s,
-        )
 
     def root_urls(self) -> list[str]:
         """The roots in order: ``asset_roots``, or ``[asset_root]`` without them."""
@@ -93,18 +196,12 @@ class RootSettings(BaseSettings):
 
     @functools.cached_property
     def _source(self) -> AssetRoots:
-        return AssetRoots.from_urls(
-            self.root_urls(),
-            client=self.store_client(),
-            cache_dir=self.read_cache_dir,
-            cache_bytes=self.read_cache_bytes,
-            legacy_root=self.asset_root,
-        )
+        return self.open_roots(self.root_urls(), self.asset_root)
 
     def image_source(self) -> AssetRoots:
         """The roots, the read cache and ``asset_root`` for v1 refs, opened when the settings are
-        validated and kept (one object-store client per root, one cache). Build the settings in
-        the process that reads: obstore starts its own runtime, which a ``fork`` does not carry.
+        validated and kept (one object-store client per root, one cache). Requests start
+        obstore's runtime in the process that makes them (a ``fork`` does not carry it).
 
         Raises:
             ValueError: a root that does not open, naming ``MMREF_ASSET_ROOTS`` (see
@@ -114,3 +211,12 @@ class RootSettings(BaseSettings):
             return self._source
         except (ValueError, OSError) as e:
             raise ValueError(f"MMREF_ASSET_ROOTS / MMREF_READ_CACHE_DIR: {e}") from e
+
+
+def store_client() -> StoreClientConfig:
+    """``MMREF_STORE_*`` of this process, read as every party reads them (:class:`StoreSettings`).
+
+    Raises:
+        SettingError: a bad value.
+    """
+    return StoreSettings().store_client()

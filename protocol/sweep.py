@@ -8,7 +8,9 @@ Writers refresh the mtime of an existing file (idempotent writes), so a file in 
 A writer's temp file (``.tmp-*``) is removed only once it is older than :data:`TEMP_GRACE_S` (and
 the TTL): a sweep with ``--ttl 0`` never pulls one from under a write in progress.
 
-CLI: ``python -m protocol.sweep OUTPUT_OR_ASSET_ROOT [--ttl 1800] [--dry-run]``.
+CLI: ``.venv/bin/python -m protocol.sweep [OUTPUT_OR_ASSET_ROOT] [--ttl 1800] [--dry-run]`` (the
+root defaults to ``MMREF_ASSET_ROOT``, read as the server reads it; unknown ``MMREF_*`` variables
+are warned about, a bad value stops it with one line: :mod:`protocol.settings`).
 """
 
 from __future__ import annotations
@@ -131,12 +133,29 @@ def sweep_features(
 
 
 def main(argv: list[str] | None = None) -> None:
+    import logging
+
+    from protocol.settings import RootSettings, SettingError, warn_unknown_variables
+
     parser = argparse.ArgumentParser(description="Remove expired mm_features files (never images).")
-    parser.add_argument("root", type=Path, help="an asset root or an output root holding run_*/assets")
+    parser.add_argument(
+        "root", type=Path, nargs="?", help="an asset root or an output root holding run_*/assets "
+        "(default: MMREF_ASSET_ROOT)"
+    )  # fmt: skip
     parser.add_argument("--ttl", type=float, default=DEFAULT_TTL_S, help="seconds (default 1800)")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
-    report = sweep_features(args.root, ttl_s=args.ttl, dry_run=args.dry_run)
+    logging.basicConfig(format="%(message)s")
+    warn_unknown_variables()
+    root = args.root
+    if root is None:
+        try:
+            root = RootSettings().asset_root
+        except SettingError as e:
+            parser.error(str(e))
+        if root is None:
+            parser.error("no root given and MMREF_ASSET_ROOT is unset (MMREF_ASSET_ROOTS are not swept)")
+    report = sweep_features(root, ttl_s=args.ttl, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     print(
         f"scanned {report.scanned} feature files; {verb} {report.removed} "

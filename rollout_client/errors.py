@@ -7,17 +7,36 @@ subclass, rebuilt by :func:`protocol.errors.error_from_body`. Everything else th
     ├── ServerRefusal          stock vLLM refused the request (no ``mmref_code``): schema, sampling
     │                          checks, a prompt over ``max_model_len``, a 500...
     ├── RetriesExhausted       a retryable answer (429, 502, 503, 504, a refused connection) every
-    │                          attempt, until ``RetryPolicy.max_attempts`` or its deadline
+    │   │                      attempt, until ``RetryPolicy.max_attempts`` or its deadline
+    │   ├── StoreUnavailableRetriesExhausted  the last answer: the plugin's 503 store_unavailable
+    │   │                      (also a protocol.errors.StoreUnavailable)
+    │   └── DrainTimeoutRetriesExhausted      the last answer: the plugin's 503 drain_timeout
+    │                          (also a protocol.errors.DrainTimeout)
     ├── WeightVersionMismatch  answered under other weights than asked for, every attempt; or a group
     │                          that never came back under one version
     └── RolloutTimeout         (also a ``TimeoutError``) no answer within the timeout
+
+A store outage is therefore caught by ``except StoreUnavailable`` (what the server said) and by
+``except RetriesExhausted`` (with ``attempts``, what the client did); ``__cause__`` is the last
+answer's error as the server sent it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["RetriesExhausted", "RolloutError", "RolloutTimeout", "ServerRefusal", "WeightVersionMismatch"]
+from protocol.errors import DrainTimeout, MMRefError, StoreUnavailable
+
+__all__ = [
+    "DrainTimeoutRetriesExhausted",
+    "RetriesExhausted",
+    "RolloutError",
+    "RolloutTimeout",
+    "ServerRefusal",
+    "StoreUnavailableRetriesExhausted",
+    "WeightVersionMismatch",
+    "retries_exhausted",
+]
 
 
 class RolloutError(Exception):
@@ -56,6 +75,46 @@ class RetriesExhausted(RolloutError):
         self.attempts = attempts
         self.last_status = last_status
         self.last_message = last_message
+
+
+class _TypedRetriesExhausted(RetriesExhausted):
+    """Retries exhausted on one of the plugin's retryable refusals: also an instance of its
+    :mod:`protocol.errors` class (``code``, ``http_status``, ``ref`` of the last answer)."""
+
+    def __init__(
+        self, attempts: int, last_status: int | None, last_message: str, ref: str | None = None
+    ) -> None:
+        super().__init__(attempts, last_status, last_message)
+        self.ref = ref
+
+    def __reduce__(self):  # the protocol error's pickling would call this class with its arguments
+        return (type(self), (self.attempts, self.last_status, self.last_message, self.ref))
+
+
+class StoreUnavailableRetriesExhausted(_TypedRetriesExhausted, StoreUnavailable):
+    """Every attempt ended in a retryable answer, the last the plugin's 503 ``store_unavailable``:
+    an object store the server reads could not be asked (the image may exist)."""
+
+
+class DrainTimeoutRetriesExhausted(_TypedRetriesExhausted, DrainTimeout):
+    """Every attempt ended in a retryable answer, the last the plugin's 503 ``drain_timeout``."""
+
+
+def retries_exhausted(
+    attempts: int, last_status: int | None, last_message: str, refusal: MMRefError | None
+) -> RetriesExhausted:
+    """The error raised when the policy gives up: typed after the last answer's refusal when it is
+    one of the plugin's retryable ones (``__cause__``: that refusal as the server sent it)."""
+    if isinstance(refusal, StoreUnavailable):
+        error: RetriesExhausted = StoreUnavailableRetriesExhausted(
+            attempts, last_status, last_message, refusal.ref
+        )
+    elif isinstance(refusal, DrainTimeout):
+        error = DrainTimeoutRetriesExhausted(attempts, last_status, last_message, refusal.ref)
+    else:
+        error = RetriesExhausted(attempts, last_status, last_message)
+    error.__cause__ = refusal
+    return error
 
 
 class WeightVersionMismatch(RolloutError):

@@ -10,7 +10,6 @@ first offload, not at import.
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import threading
 from collections import OrderedDict
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
+from protocol.images import image_bytes
 from protocol.structs import RawMMRef
 
 if TYPE_CHECKING:
@@ -31,28 +31,6 @@ __all__ = ["ImageInput", "OffloadStats", "Offloader", "image_bytes"]
 ImageInput = Union[bytes, bytearray, memoryview, "Image", str, os.PathLike]
 """An image as rollout code holds it: encoded bytes (JPEG, PNG, WebP, GIF, BMP, TIFF), a PIL
 image (stored as lossless PNG), or a path to an image file."""
-
-
-def image_bytes(image: ImageInput) -> bytes:
-    """The encoded bytes the store will hold for ``image``.
-
-    Bytes are taken as they are; a path is read once; a PIL image is encoded as PNG (lossless: the
-    server and the trainer decode the same pixels; PIL's PNG encoder is deterministic, so the same
-    image gives the same bytes and the same ref).
-
-    Raises:
-        TypeError: anything else.
-        OSError: a path that cannot be read.
-    """
-    if isinstance(image, bytes | bytearray | memoryview):
-        return bytes(image)
-    if isinstance(image, str | os.PathLike):
-        return Path(image).read_bytes()
-    if hasattr(image, "save") and hasattr(image, "mode"):  # a PIL image, without importing PIL here
-        buf = io.BytesIO()
-        image.save(buf, format="PNG")
-        return buf.getvalue()
-    raise TypeError(f"an image must be bytes, a PIL image or a path, got {type(image).__name__}")
 
 
 @dataclass
@@ -76,7 +54,8 @@ class Offloader:
         model_dir: the served model's folder (its image processor config gives grids).
         asset_root: the run's asset store, e.g. ``<output_root>/run_1/assets``, inside the server's
             ``MMREF_ASSET_ROOT`` and readable by the trainer; or, for a fleet, an object-store URL
-            (``s3://bucket/prefix``, opened on first use), an opened root or
+            (``s3://bucket/prefix``: opened here with ``MMREF_STORE_*``, as every party opens
+            one, :func:`protocol.roots.open_root`), an opened root or
             :class:`protocol.roots.AssetRoots` (its first root), with ``form="v2"``.
         form: the refs' form (:func:`protocol.adapters.offload_image`): ``"v1"`` (a ``file://``
             path; a local folder only) or ``"v2"`` (named by content: every party finds the bytes
@@ -84,6 +63,11 @@ class Offloader:
         adapter: an adapter already loaded (default: :func:`protocol.adapters.load_adapter` of
             ``model_dir`` on first use).
         cache_size: refs kept by content.
+
+    Raises:
+        ValueError: an object-store URL that does not open (e.g. an ``s3://`` root whose endpoint
+            is plain HTTP without ``MMREF_STORE_ALLOW_HTTP``), naming what to set.
+        protocol.settings.SettingError: a bad ``MMREF_STORE_*`` value.
     """
 
     def __init__(
@@ -98,7 +82,11 @@ class Offloader:
         self.model_dir = Path(model_dir)
         url = isinstance(asset_root, str) and "://" in asset_root
         local = isinstance(asset_root, os.PathLike) or (isinstance(asset_root, str) and not url)
-        self.asset_root = Path(asset_root) if local else asset_root  # a URL: opened on first use
+        if url:
+            from protocol.roots import open_root
+
+            asset_root = open_root(asset_root)  # no request yet: a bad setting fails here, not at offload
+        self.asset_root = Path(asset_root) if local else asset_root
         self.form: RefForm = form
         self._adapter = adapter
         self._cache: OrderedDict[str, RawMMRef] = OrderedDict()
@@ -133,22 +121,13 @@ class Offloader:
                 return ref
         from protocol.adapters import offload_image
 
-        ref = offload_image(data, self._root(), self.adapter, form=self.form)
+        ref = offload_image(data, self.asset_root, self.adapter, form=self.form)
         with self._lock:
             self._cache[key] = ref
             self.stats.offloaded += 1
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return ref
-
-    def _root(self) -> os.PathLike[str] | AssetRoot | AssetRoots:
-        """Where images go: an object-store URL opened once (:func:`protocol.roots.open_root`)."""
-        with self._lock:
-            if isinstance(self.asset_root, str):
-                from protocol.roots import open_root
-
-                self.asset_root = open_root(self.asset_root)
-            return self.asset_root
 
     def lookup(self, sha256: str) -> RawMMRef | None:
         """The ref of an already offloaded content, by the full hex sha256 of its bytes."""

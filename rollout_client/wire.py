@@ -26,7 +26,7 @@ import msgspec
 from protocol.errors import MMRefError, error_from_body
 from protocol.structs import RawMMRef
 from rollout_client.conversation import PreparedPrompt
-from rollout_client.errors import RetriesExhausted, RolloutTimeout, ServerRefusal, WeightVersionMismatch
+from rollout_client.errors import RolloutTimeout, ServerRefusal, WeightVersionMismatch, retries_exhausted
 from rollout_client.result import WEIGHT_VERSION_HEADER
 from rollout_client.retry import parse_retry_after
 
@@ -66,8 +66,9 @@ class Retry:
         message: what the answer said.
         retry_after: the server's ``Retry-After`` seconds, if any.
         served_version, expected_version: for a 200 under another version than asked for.
-        refusal: the plugin's typed error of a retryable refusal (``drain_timeout``), chained to
-            the error raised when the policy gives up.
+        refusal: the plugin's typed error of a retryable refusal (``store_unavailable``,
+            ``drain_timeout``): the error raised when the policy gives up is also of its class,
+            and chains it (:func:`~rollout_client.errors.retries_exhausted`).
     """
 
     status: int | None
@@ -86,9 +87,7 @@ class Retry:
                 expected=self.expected_version,
                 served=[self.served_version or ""],
             )
-        error = RetriesExhausted(attempts, self.status, self.message)
-        error.__cause__ = self.refusal
-        return error
+        return retries_exhausted(attempts, self.status, self.message, self.refusal)
 
 
 def encode_body(

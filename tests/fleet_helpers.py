@@ -5,6 +5,8 @@ request bodies by ref and by cache handle, killing a replica)."""
 from __future__ import annotations
 
 import hashlib
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from helpers import DelayProxy, VLLMServer, photo_array
+from helpers import REPO, DelayProxy, VLLMServer, photo_array
 from vllm_server import free_port
 
 __all__ = [
@@ -24,8 +26,11 @@ __all__ = [
     "LONG",
     "PAD",
     "ROUTER",
+    "ROUTER_FLAGS",
     "STORE",
+    "TEXT",
     "Fleet",
+    "RouterAnswer",
     "body",
     "by_handle",
     "counters",
@@ -38,6 +43,7 @@ __all__ = [
     "s3_offloader",
     "start_router",
     "store_key",
+    "through",
     "tokens",
     "unique_image",
     "wait_running",
@@ -46,6 +52,33 @@ __all__ = [
 
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
 """vllm-router's console script (the ``dev`` extra)."""
+
+
+def readme_router_flags() -> list[str]:
+    """The README's Fleet router command, less what names this machine's ports and workers
+    (``--host``, ``--port``, ``--worker-urls``, ``--prometheus-port``): the flags every router here
+    runs with, as written."""
+    fleet = (REPO / "README.md").read_text().split("### Fleet\n", 1)[1]
+    (command,) = [b for b in re.findall(r"^```bash\n(.*?)^```$", fleet, re.S | re.M) if "vllm-router" in b]
+    words = shlex.split(command.replace("\\\n", " "))[1:]
+    flags, skip = [], False
+    for word in words:
+        if word.startswith("--"):
+            skip = word in ("--host", "--port", "--worker-urls", "--prometheus-port")
+        if not skip:
+            flags.append(word)
+    return flags
+
+
+ROUTER_FLAGS = readme_router_flags()
+"""``--policy consistent_hash --disable-circuit-breaker --disable-retries ...`` (docs/SCALING.md §7)."""
+
+OLD_ROUTER_FLAGS = [
+    "--policy", "consistent_hash", "--cb-failure-threshold", "1", "--cb-timeout-duration-secs", "2",
+    "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+]  # fmt: skip
+"""The README's flags before issue 47 (breaker after one 5xx, the router's retries on): measured
+beside :data:`ROUTER_FLAGS` in ``tests/test_fleet.py``."""
 
 
 STORE = {
@@ -67,6 +100,9 @@ DEADLINE_S = 3.0 + 2.0
 
 GREEDY = {"temperature": 0, "max_tokens": 4}
 
+TEXT = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
+"""A request that needs no store."""
+
 
 PAD = 261
 
@@ -79,6 +115,8 @@ class Fleet:
     router_process: subprocess.Popen
     proxy: DelayProxy
     """B's way to the store (cut or slowed by the fault tests)."""
+    proxy_a: DelayProxy
+    """A's way to the store (cut with B's: the store stopped)."""
     s3: str
     """The shared root, ``s3://<bucket>/fleet``."""
     bucket: object
@@ -89,14 +127,26 @@ class Fleet:
     def replica(self, name: str) -> VLLMServer:
         return {"a": self.a, "b": self.b}[name]
 
+    def stop_store(self) -> None:
+        """The S3 endpoint down for both replicas (connections refused, as for a stopped server)."""
+        self.proxy.close()
+        self.proxy_a.close()
 
-def start_router(workers: list[str], log: Path) -> tuple[str, subprocess.Popen]:
+    def start_store(self) -> None:
+        """The endpoint back (each proxy listening again; one already listening is left alone)."""
+        for proxy in (self.proxy, self.proxy_a):
+            if proxy._closed.is_set():
+                proxy.reopen()
+
+
+def start_router(
+    workers: list[str], log: Path, flags: list[str] = ROUTER_FLAGS
+) -> tuple[str, subprocess.Popen]:
+    """vllm-router on a free port in front of ``workers``, with ``flags`` (the README's)."""
     port = free_port()
     cmd = [
         ROUTER, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
-        "--policy", "consistent_hash", "--prometheus-port", str(free_port()),
-        "--cb-failure-threshold", "1", "--cb-timeout-duration-secs", "2",
-        "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+        "--prometheus-port", str(free_port()), *flags,
     ]  # fmt: skip
     process = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -229,3 +279,47 @@ def wait_running(server: VLLMServer, timeout_s: float = 60.0) -> None:
     while metric(server.url, "vllm:num_requests_running") < 1:
         assert time.monotonic() < deadline, "no request ever ran on the replica"
         time.sleep(0.05)
+
+
+@dataclass
+class RouterAnswer:
+    """One request through a router (:func:`through`), and the session's next text-only request."""
+
+    status: int
+    code: str | None
+    """The plugin's ``mmref_code`` when the body is the plugin's; None for a 200 or the router's own."""
+    content_type: str
+    replica_answers: int
+    """How many answers the replicas gave it (their refusal and success counters): > 1 is a retry."""
+    next_status: int
+    next_on: list[str]
+    """The replicas that answered the session's next text-only request."""
+    router_text: str = ""
+    """The router's own answer's first characters (not the plugin's)."""
+
+    def __str__(self) -> str:
+        got = f"{self.status} {self.code or ''}".strip()
+        own = f" ({self.router_text!r})" if self.router_text else ""
+        return f"client gets {got}{own} [{self.content_type}], replica answers {self.replica_answers}, " \
+               f"next text-only request {self.next_status} on {self.next_on or 'none'}"  # fmt: skip
+
+
+def through(fleet: Fleet, router: str, payload: dict, session: str) -> RouterAnswer:
+    """``payload`` through ``router`` under ``session``, then a text-only request under it."""
+    from helpers import refusal
+
+    def answers() -> float:
+        success = counters(fleet, "vllm:request_success_total")
+        return sum(success.values()) + sum(counters(fleet, "mmref_ref_errors_total").values())
+
+    before = answers()
+    r = post(router, payload, session)
+    seen = answers() - before
+    served = counters(fleet, "vllm:request_success_total")
+    after = post(router, TEXT, session)
+    landed = [k for k, d in delta(counters(fleet, "vllm:request_success_total"), served).items() if d]
+    typed = r.status_code != 200 and r.headers.get("content-type", "").startswith("application/json")
+    code = refusal(r)[1] if typed else None
+    own = "" if typed or r.status_code == 200 else r.text[:60]
+    return RouterAnswer(r.status_code, code, r.headers.get("content-type", ""), int(seen), after.status_code,
+                        landed, own)  # fmt: skip

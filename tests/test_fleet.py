@@ -11,9 +11,13 @@ counters on /metrics); streaming through the router; a cache handle minted on on
 on the other with the same tokens; the store faults on the plugin (endpoint down 503 with the
 server up, object deleted 404, replaced 409, slow 503 within the deadline); msgpack behind the
 router (415, the router's); a typed refusal counted once fleet-wide (never retried by the router);
-an image key's S3 URL on the chat route served as its data URL (issue 27);
-one replica killed mid-run: what the router answers for the requests it had in flight, and every
-group of a client that retries those answers completes on the other replica.
+the store stopped for both replicas (issue 47): the typed 503 through the router, text-only
+requests 200 on both replicas throughout, the rollout client's ``StoreUnavailable``, all 200 once
+it is back; what the router does with each of the plugin's answers under the README's flags and
+the old ones, side by side; an image key's S3 URL on the chat route served as its data URL (issue
+27); one replica killed mid-run: what the router answers for the requests it had in flight, how
+soon it leaves the ring, and every group of a client that retries those answers completes on the
+other replica. Every router here runs the README's flags (``fleet_helpers.ROUTER_FLAGS``).
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ from fleet_helpers import (
     GREEDY,
     HOLD_DOWN_S,
     LONG,
+    OLD_ROUTER_FLAGS,
     PAD,
     STORE,
+    TEXT,
     Fleet,
     body,
     by_handle,
@@ -51,6 +57,7 @@ from fleet_helpers import (
     s3_offloader,
     start_router,
     store_key,
+    through,
     tokens,
     unique_image,
     wait_running,
@@ -73,14 +80,15 @@ def fleet(moto_s3, qwen2_vl_dir, tmp_path_factory) -> Iterator[Fleet]:
     bucket = f"fleet-{uuid.uuid4().hex[:8]}"
     moto_s3.make_bucket(bucket)
     s3 = f"s3://{bucket}/fleet"
-    proxy = DelayProxy(moto_s3.port)
+    proxy, proxy_a = DelayProxy(moto_s3.port), DelayProxy(moto_s3.port)
     mount_a, trainer_mount = work / "mount-a", work / "trainer-mount"
     common = {**STORE, "MMREF_STORE_ALLOW_HTTP": "1"}
-    env_a = {**moto_s3.env(), **common, "MMREF_ASSET_ROOTS": f"{mount_a},{s3}",
+    env_a = {**moto_s3.env(proxy_a.url), **common, "MMREF_ASSET_ROOTS": f"{mount_a},{s3}",
              "MMREF_READ_CACHE_DIR": str(work / "cache-a")}  # fmt: skip
     env_b = {**moto_s3.env(proxy.url), **common, "MMREF_ASSET_ROOTS": s3}
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(2) as pool:
         stack.callback(proxy.close)
+        stack.callback(proxy_a.close)
         stack.enter_context(moto_s3.environment())  # this process offloads to S3 and edits the bucket
         starting = [
             pool.submit(
@@ -101,7 +109,7 @@ def fleet(moto_s3, qwen2_vl_dir, tmp_path_factory) -> Iterator[Fleet]:
         router, process = start_router([a.url, b.url], work / "router.log")
         stack.callback(process.kill)
         handle = from_url(f"s3://{bucket}", client_options={"allow_http": True})
-        yield Fleet(a, b, router, process, proxy, s3, handle, mount_a, trainer_mount)
+        yield Fleet(a, b, router, process, proxy, proxy_a, s3, handle, mount_a, trainer_mount)
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +260,9 @@ def test_a_handle_under_other_weights_or_opaque_is_not_cached(fleet, qwen2_vl_ad
 # --- the store's faults, on the S3-only replica ----------------------------------------------------
 
 
-def test_store_endpoint_down_is_503_and_the_replica_stays_up(fleet, qwen2_vl_adapter, sessions):
+def test_store_endpoint_down_is_503_and_the_replica_stays_up(fleet, qwen2_vl_adapter):
+    """B's way to the store cut (A's is not): B answers a new image 503 within its deadline, stays
+    healthy, and serves what it resolved before."""
     held, lost = offload(fleet, qwen2_vl_adapter, "down1"), offload(fleet, qwen2_vl_adapter, "down2")
     before = tokens(post(fleet.b.url, body(held)))
     fleet.proxy.close()
@@ -262,16 +272,113 @@ def test_store_endpoint_down_is_503_and_the_replica_stays_up(fleet, qwen2_vl_ada
         assert time.monotonic() - start < DEADLINE_S
         assert httpx.get(f"{fleet.b.url}/health").status_code == 200
         assert tokens(post(fleet.b.url, body(held))) == before  # what it resolved before: still served
-        # through the router: B's 503 is sent again to A (a 5xx: the router retries it on another
-        # replica, its breaker takes B out for 2 s), and A reaches the store
-        errors = counters(fleet, "mmref_ref_errors_total", code="store_unavailable")
-        via_router = post(fleet.router, body(lost), sessions["b"][0])
-        routed = delta(counters(fleet, "mmref_ref_errors_total", code="store_unavailable"), errors)
-        assert tokens(via_router) and routed == {"a": 0.0, "b": 1.0}
     finally:
         fleet.proxy.reopen()
     time.sleep(HOLD_DOWN_S)  # B holds the root down that long after it found it down
     assert tokens(post(fleet.b.url, body(lost)))  # the endpoint is back: served (failures are not cached)
+
+
+# --- the store stopped, seen through the router (issue 47) -----------------------------------------
+
+
+def test_a_store_outage_through_the_router(fleet, qwen2_vl_dir, qwen2_vl_adapter, sessions):
+    """S3 stopped for both replicas: through the router (the README's flags), a new ref is the
+    replica's own typed 503 (JSON, ``mmref_code``, ``Retry-After``), answered once by the replica
+    its session names; text-only requests are 200 throughout, each on its session's replica (both
+    stay in the ring); the rollout client raises ``StoreUnavailable`` after its attempts. S3 back:
+    every request 200."""
+    from protocol.errors import StoreUnavailable
+    from rollout_client import RetriesExhausted, RetryPolicy, RolloutClient, Sampling
+    from rollout_client.retry import RETRYABLE_STATUSES
+
+    new = {name: offload(fleet, qwen2_vl_adapter, f"outage-{name}") for name in ("a", "b")}
+    retry = RetryPolicy(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=2.0,
+                        statuses=RETRYABLE_STATUSES | {500})  # fmt: skip
+    client = RolloutClient(fleet.router, qwen2_vl_dir, fleet.mount_a, retry=retry,
+                           offloader=s3_offloader(fleet, qwen2_vl_adapter))  # fmt: skip
+    ask = [{"role": "user", "content": [{"type": "image", "image": unique_image("outage-client")},
+                                        {"type": "text", "text": "And now?"}]}]  # fmt: skip
+    client.offloader.offload(unique_image("outage-client"))  # into the bucket while it answers
+    fleet.stop_store()
+    timings = []
+    try:
+        for _ in range(3):
+            for name, other in (("a", "b"), ("b", "a")):
+                session = sessions[name][0]
+                errors = counters(fleet, "mmref_ref_errors_total", code="store_unavailable")
+                start = time.monotonic()
+                r = post(fleet.router, body(new[name]), session)
+                timings.append(time.monotonic() - start)
+                assert refusal(r) == (503, "store_unavailable") and r.headers["retry-after"] == "1", r.text
+                assert r.headers["content-type"] == "application/json"
+                routed = delta(counters(fleet, "mmref_ref_errors_total", code="store_unavailable"), errors)
+                assert routed == {name: 1.0, other: 0.0}  # once, on its session's replica: no retry
+                served = counters(fleet, "vllm:request_success_total")
+                assert tokens(post(fleet.router, TEXT, session))
+                landed = delta(counters(fleet, "vllm:request_success_total"), served)
+                assert landed == {name: 1.0, other: 0.0}  # still in the ring, its sessions its own
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailable) as info:
+            client.generate(ask, Sampling(max_tokens=2))
+        gave_up = time.monotonic() - start
+        assert isinstance(info.value, RetriesExhausted) and info.value.attempts == 3
+    finally:
+        fleet.start_store()
+    print(f"store down: typed 503 through the router in {min(timings):.2f}-{max(timings):.2f} s; "
+          f"the client gave up after 3 attempts in {gave_up:.1f} s")  # fmt: skip
+    time.sleep(HOLD_DOWN_S)
+    for name in ("a", "b"):
+        assert tokens(post(fleet.router, body(new[name]), sessions[name][0]))
+    assert client.generate(ask, Sampling(max_tokens=2)).attempts == 1
+
+
+def test_what_the_router_does_with_each_answer(fleet, qwen2_vl_adapter, sessions, tmp_path):
+    """docs/SCALING.md §7's table, measured: each of the plugin's answers sent under a session of
+    replica B through a router with the README's flags and through one with the flags before issue
+    47 (:func:`fleet_helpers.through`). With the README's flags every answer is passed through
+    once, as the replica gave it, and B keeps its sessions; the old flags' breaker and retries are
+    what the issue measured (printed, not asserted: vLLM-router's behaviour, not ours)."""
+    old, old_process = start_router([fleet.a.url, fleet.b.url], tmp_path / "old.log", OLD_ROUTER_FLAGS)
+    short = body(offload(fleet, qwen2_vl_adapter, "table-short"))
+    short["token_ids"] = [t for i, t in enumerate(short["token_ids"]) if i != 3]
+    gone, swapped = (
+        offload(fleet, qwen2_vl_adapter, "table-gone"),
+        offload(fleet, qwen2_vl_adapter, "table-swap"),
+    )
+    obstore.delete(fleet.bucket, f"fleet/{store_key(gone)}")
+    obstore.put(fleet.bucket, f"fleet/{store_key(swapped)}", unique_image("not table-swap"))
+    cases = {
+        (200, None): TEXT,
+        (400, "invalid_ref"): {
+            "token_ids": [1, 2],
+            "mm_refs": ["mmraw:v2:nothing"],
+            "sampling_params": GREEDY,
+        },
+        (404, "asset_not_found"): body(gone),
+        (409, "hash_mismatch"): body(swapped),
+        (422, "placeholder_mismatch"): short,
+    }
+    rows = []
+    try:
+        for flags, router in (("README", fleet.router), ("old", old)):
+            for expected, payload in cases.items():
+                rows.append((flags, *expected, through(fleet, router, payload, sessions["b"][0])))
+            fresh = [body(offload(fleet, qwen2_vl_adapter, f"table-{flags}-{k}")) for k in range(2)]
+            fleet.stop_store()
+            for payload in fresh:  # the second finds B's root held down
+                rows.append(
+                    (flags, 503, "store_unavailable", through(fleet, router, payload, sessions["b"][0]))
+                )
+            fleet.start_store()
+            time.sleep(HOLD_DOWN_S + 2.5)  # the hold-down, and the old breaker's 2 s
+    finally:
+        fleet.start_store()
+        old_process.kill()
+    for flags, status, code, seen in rows:
+        print(f"{flags} flags | plugin {status} {code} | {seen}")
+        if flags == "README":
+            assert (seen.status, seen.code, seen.replica_answers) == (status, code, 1), seen
+            assert (seen.next_status, seen.next_on) == (200, ["b"]), seen
 
 
 def test_store_object_deleted_is_404_and_replaced_is_409(fleet, qwen2_vl_adapter):
@@ -402,11 +509,12 @@ def test_an_object_store_url_under_the_roots_is_served_like_its_data_url(fleet, 
 
 def test_a_replica_killed_mid_run_loses_nothing(fleet, qwen2_vl_dir, qwen2_vl_adapter, sessions):
     """Replica B is killed (SIGKILL, engine included) with requests of both replicas' sessions in
-    flight through the router. Measured: the router sends a non-streamed request B never answered
-    again to A (the client gets A's 200), and cuts a stream B had begun (the client sees the body
-    end without ``[DONE]``: a transport error); a request that reaches the router after the kill and
-    before B leaves its ring gets a 500 "Request failed" in plain text (the rollout client here
-    retries 500 too). Every request of every session is answered in full; B's sessions are A's.
+    flight through the router (the README's flags: no breaker, no router retries). Measured: a
+    request B never answered, and one that reaches the router after the kill and before B fails its
+    health check, gets the router's 500 "Request failed" in plain text (a stream B had begun would
+    end without ``[DONE]``: a transport error); the rollout client here retries 500 too, and every
+    request of every session is answered in full. B leaves the ring on its failed health check:
+    B's sessions are A's within seconds of the kill.
     """
     from rollout_client import RetryPolicy, RolloutClient, Sampling
     from rollout_client.retry import RETRYABLE_STATUSES
@@ -442,12 +550,17 @@ def test_a_replica_killed_mid_run_loses_nothing(fleet, qwen2_vl_dir, qwen2_vl_ad
             ]
             wait_running(fleet.b)
             kill(fleet.b)
+            killed = time.monotonic()
+            while post(fleet.router, TEXT, sessions["b"][0]).status_code != 200:  # B still in the ring
+                assert time.monotonic() - killed < 30, "the router never took the dead replica out"
+            out_after = time.monotonic() - killed
             rollouts = [f.result(timeout=280) for f in futures]
             for f in bares:
                 f.result(timeout=120)
     assert all(len(r.completion_ids) == LONG["max_tokens"] for r in rollouts)  # nothing lost
     retried = [r.attempts for r in rollouts if r.attempts > 1]
-    print(f"killed B: {len(retried)} of {len(rollouts)} requests sent again by the client; bare: {bare}")
+    print(f"killed B: out of the ring {out_after:.1f} s after the kill; {len(retried)} of {len(rollouts)} "
+          f"requests sent again by the client; bare: {bare}")  # fmt: skip
     for status, text in bare:  # answered in full, or a clean failure: never a 200 JSON cut short
         assert "done=True" in text or status == "RemoteProtocolError" or int(status) >= 500, bare
     # B's sessions are A's now

@@ -105,6 +105,9 @@ def test_every_python_block_runs_against_the_served_model(readme_server, qwen2_v
     log = log_path.read_text()
     assert "Loaded endpoint plugin mmref" in log and "mmref: serving refs for qwen2_vl" in log
     assert "dtype=torch.float32" in log  # --dtype float32 took
+    (logged,) = {int(n) for n in re.findall(r"body limit (\d+) bytes", log)}
+    (stated,) = re.findall(r"; ([\d.]+) MB for the tiny test model", README.replace("\n", " "))
+    assert f"{logged / 1e6:.1f}" == stated, (logged, stated)  # the README's figure is what the server logs
     python = blocks("python")
     assert len(python) >= 5
     script = "".join(

@@ -25,7 +25,7 @@ class MaterializeConfig(RootSettings):
 
     Example::
 
-        cfg = MaterializeConfig()            # raises pydantic.ValidationError naming the bad variable
+        cfg = MaterializeConfig()            # SettingError: the bad variable, its value, what is allowed
         batch = materialize(samples, adapter, **cfg.materialize_kwargs())
         m = materialize_micro_batch(packed, spec, cfg)
     """

@@ -25,11 +25,21 @@ __all__ = ["checked_refs", "describe_source", "image_source", "raw_body"]
 
 
 def image_source(asset_root: str | os.PathLike[str] | ImageSource) -> ImageSource:
-    """``asset_root`` as an :class:`ImageSource`: an ``AssetRoots`` or ``AssetStore`` as given; a
+    """``asset_root`` as an :class:`ImageSource`: an ``AssetRoots`` or ``AssetStore`` as given; an
+    object-store URL (``s3://bucket/prefix``) as that one root with the node's read cache and
+    ``MMREF_STORE_*``, as every party reads them (:class:`protocol.settings.StoreSettings`); a
     folder as ``AssetRoots([folder], legacy_root=folder)`` (v1 refs by path, else by content under
-    it, a store copied or mounted elsewhere; v2 refs at ``images/<sha256[:16]><ext>`` under it)."""
+    it, a store copied or mounted elsewhere; v2 refs at ``images/<sha256[:16]><ext>`` under it).
+
+    Raises:
+        ValueError, protocol.settings.SettingError: a URL or a setting that does not open.
+    """
     if hasattr(asset_root, "read_image"):
         return asset_root  # type: ignore[return-value]
+    if isinstance(asset_root, str) and "://" in asset_root and not asset_root.startswith("file://"):
+        from protocol.settings import StoreSettings
+
+        return StoreSettings().open_roots([asset_root])
     folder = Path(asset_root).resolve()  # type: ignore[arg-type]
     return AssetRoots([LocalRoot(folder)], legacy_root=folder)
 

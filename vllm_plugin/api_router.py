@@ -15,6 +15,7 @@ from __future__ import annotations
 import email.message
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -74,14 +75,19 @@ def error_response(error: MMRefError) -> JSONResponse:
     """The one mapping from a plugin refusal to its HTTP answer (body: ``protocol.error_body``).
 
     Messages go through vLLM's ``sanitize_message`` (no object addresses, no server paths beyond
-    the ref); a hash mismatch never echoes the digest of what the file holds.
+    the ref); a hash mismatch never echoes the digest of what the file holds. A store outage says
+    when asking again can help: ``Retry-After`` (whole seconds, rounded up), the root's hold-down
+    (docs/SCALING.md §7).
     """
     sanitize_message = load("sanitize_message")
     metrics.REF_ERRORS.labels(error.code).inc()
     message = error.message
     if isinstance(error, HashMismatch):
         message = "the bytes read do not have the sha256 the ref (or the feature envelope) names"
-    return JSONResponse(status_code=error.http_status, content=error_body(error, sanitize_message(message)))
+    retry_after = getattr(error, "retry_after_s", None)
+    headers = {"Retry-After": str(math.ceil(retry_after))} if retry_after else None
+    content = error_body(error, sanitize_message(message))
+    return JSONResponse(status_code=error.http_status, content=content, headers=headers)
 
 
 async def read_body(request: Request, limit: int) -> Any:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pydantic import Field
-from pydantic_settings import SettingsConfigDict
 
 from protocol.features import DEFAULT_MAX_FEATURE_BYTES
 from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
@@ -24,10 +23,9 @@ class PluginConfig(RootSettings):
     (:meth:`~protocol.settings.RootSettings.image_source`), after vLLM started its processes.
 
     Raises:
-        pydantic.ValidationError: at start-up, naming the bad variable.
+        protocol.settings.SettingError: one line naming the bad variable, its value and what is
+            allowed (checked before the engine starts: ``vllm_plugin/preflight.py``).
     """
-
-    model_config = SettingsConfigDict(env_prefix="MMREF_", extra="ignore", frozen=True)
 
     cache_budget_bytes: int = Field(default=2 << 30, ge=0)
     """Bytes of resolved items (their tensors) the resolve cache keeps (LRU beyond)."""

@@ -2,9 +2,12 @@
 
 Loaded by the stock vLLM API server when ``VLLM_PLUGINS`` names ``mmref``. vLLM logs and swallows
 a plugin that fails to import or to instantiate, so this module imports nothing from vLLM (its
-vLLM names come through ``vllm_plugin/vllm_surface``, the door, when called): the
-supported-version check runs in :meth:`MMRefEndpointPlugin.attach_router` and the settings checks
-in ``init_state``, whose exceptions stop the server instead of leaving the route missing.
+vLLM names come through ``vllm_plugin/vllm_surface``, the door, when called). The settings and the
+supported vLLM range are checked before the engine starts by ``preflight.py`` (a
+``vllm.general_plugins`` entry point), and again here: the version in
+:meth:`MMRefEndpointPlugin.attach_router`, the settings in ``init_state`` (a launch path that
+skipped the early check still stops: their exceptions stop the server instead of leaving the
+route missing).
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ class MMRefEndpointPlugin:
         """Build the serving object from the served model: its adapter wraps vLLM's own image processor.
 
         Raises:
-            pydantic.ValidationError: bad ``MMREF_*`` settings (e.g. no ``MMREF_ASSET_ROOT``).
+            protocol.settings.SettingError: bad ``MMREF_*`` settings (e.g. no ``MMREF_ASSET_ROOT``).
             UnsupportedFamily: the served model has no adapter.
             RuntimeError: settings under which refs would be unsafe or silently processed
                 differently from vLLM (see ``startup.refuse_unsafe_settings``).

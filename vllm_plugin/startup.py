@@ -10,6 +10,7 @@ from protocol.errors import UnsupportedFamily
 from vllm_plugin.config import PluginConfig
 from vllm_plugin.engine_items import EngineItems
 from vllm_plugin.items import ItemLayout
+from vllm_plugin.preflight import refuse_insecure_serialization
 from vllm_plugin.resolver import MMRefResolver
 from vllm_plugin.seeds import SplitRule
 from vllm_plugin.serving import MMRefServing
@@ -23,7 +24,12 @@ from vllm_plugin.vllm_surface import (
 )
 from vllm_plugin.weights import VersionReader
 
-__all__ = ["build_serving", "default_body_limit", "engine_items", "refuse_unsafe_settings"]
+__all__ = [
+    "build_serving",
+    "default_body_limit",
+    "engine_items",
+    "refuse_unsafe_settings",
+]
 
 _PER_ITEM_OVERHEAD = 1024
 """JSON bytes one item adds beside its tensors (hash, range, msgpack framing, ``mm_metadata``)."""
@@ -33,7 +39,7 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
     """The :class:`MMRefServing` for the served model.
 
     Raises:
-        pydantic.ValidationError, UnsupportedFamily, RuntimeError: see ``plugin.init_state``.
+        SettingError, UnsupportedFamily, RuntimeError: see ``plugin.init_state``.
     """
     from protocol.adapters import adapter_class
 
@@ -122,8 +128,8 @@ def engine_items(renderer: Any, engine_client: Any) -> EngineItems:
 def refuse_unsafe_settings(model_config: Any) -> None:
     """Stop start-up where serving refs would be unsafe or silently wrong.
 
-    - ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: vLLM's msgpack decoder would unpickle objects,
-      and ``mmfile`` payloads come from a shared store (code execution for anyone who can write it).
+    - ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
+      (:func:`~vllm_plugin.preflight.refuse_insecure_serialization`, also run before the engine starts).
     - ``--mm-processor-kwargs`` other than ``device``: vLLM passes them per call
       (``vllm/transformers_utils/processor.py``), the plugin calls the processor without them and
       the fingerprint cannot see them, so refs would be processed unlike vLLM's own path. Put such
@@ -132,11 +138,7 @@ def refuse_unsafe_settings(model_config: Any) -> None:
     Raises:
         RuntimeError: naming the setting.
     """
-    if load("envs.VLLM_ALLOW_INSECURE_SERIALIZATION"):
-        raise RuntimeError(
-            "mmref refuses VLLM_ALLOW_INSECURE_SERIALIZATION=1: mmfile feature payloads from the "
-            "shared store would be unpickled"
-        )
+    refuse_insecure_serialization()
     kwargs = dict(getattr(model_config.multimodal_config, "mm_processor_kwargs", None) or {})
     kwargs.pop("device", None)
     if kwargs:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from protocol.adapters.base import ImageAdapter, ProcessedImage, RefForm
 from protocol.adapters.kimi_k25 import KimiK25Adapter
@@ -18,6 +19,9 @@ from protocol.refs import file_uri_to_path
 from protocol.roots import AssetRoot, AssetRoots, open_root
 from protocol.store import AssetStore
 from protocol.structs import RawMMRef
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 __all__ = [
     "ADAPTERS",
@@ -38,7 +42,7 @@ __all__ = [
 
 
 def offload_image(
-    image: bytes | os.PathLike[str] | str,
+    image: bytes | Image | os.PathLike[str] | str,
     root: str | os.PathLike[str] | AssetRoot | AssetRoots,
     adapter: ImageAdapter,
     *,
@@ -50,8 +54,11 @@ def offload_image(
     adapter supplies the grid and placeholder count the server will check.
 
     Args:
+        image: encoded bytes, a PIL image (stored as lossless PNG) or a path to an image file.
         root: a local folder (v1 and v2), an object-store URL such as ``s3://bucket/prefix``
-            (v2 only: create-if-absent), an opened root, or :class:`AssetRoots` (its first root).
+            (v2 only: create-if-absent; opened with ``MMREF_STORE_*``,
+            :meth:`~protocol.roots.StoreClientConfig.from_env`), an opened root, or
+            :class:`AssetRoots` (its first root).
         form: ``"v1"`` (``file://`` path) or ``"v2"`` (named by content); see
             :meth:`ImageAdapter.offload`.
 

@@ -375,7 +375,7 @@ class ImageAdapter(ABC):
 
     def offload(
         self,
-        image: bytes | os.PathLike[str] | str,
+        image: bytes | Image.Image | os.PathLike[str] | str,
         store: AssetStore | AssetRoot | AssetRoots,
         *,
         form: RefForm = "v1",

@@ -4,16 +4,17 @@ and placeholder count a family's adapter gives for its decoded size (docs/PROTOC
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from protocol.images import load_image
+from protocol.images import image_bytes, load_image
 from protocol.refs import ContentRef, RawRefBody, format_content_ref, format_mmraw
 from protocol.roots import AssetRoot, AssetRoots, put_content
 from protocol.store import AssetStore
 from protocol.structs import RawMMRef
 
 if TYPE_CHECKING:
+    from PIL.Image import Image
+
     from protocol.adapters.base import ImageAdapter
 
 __all__ = ["RefForm", "store_and_ref"]
@@ -25,7 +26,7 @@ RefForm = Literal["v1", "v2"]
 
 def store_and_ref(
     adapter: ImageAdapter,
-    image: bytes | os.PathLike[str] | str,
+    image: bytes | Image | os.PathLike[str] | str,
     store: AssetStore | AssetRoot | AssetRoots,
     *,
     form: RefForm = "v1",
@@ -33,6 +34,8 @@ def store_and_ref(
     """Store a raw image and return its ``mmraw`` :class:`RawMMRef` (grid from its decoded size).
 
     Args:
+        image: encoded bytes, a PIL image (stored as PNG) or a path
+            (:func:`protocol.images.image_bytes`).
         store: where the bytes go: an :class:`AssetStore`, one root (a local folder or an
             object store: create-if-absent), or :class:`AssetRoots` (its first root).
         form: ``"v1"`` (a ``file://`` path: an :class:`AssetStore` only) or ``"v2"``
@@ -49,7 +52,7 @@ def store_and_ref(
         raise ValueError(f"form must be 'v1' or 'v2', got {form!r}")
     if form == "v1" and not isinstance(store, AssetStore):
         raise ValueError("v1 refs name a local file: offload them to an AssetStore, or use form='v2'")
-    data = image if isinstance(image, bytes) else Path(image).read_bytes()
+    data = image_bytes(image)
     decoded = load_image(data)
     try:
         grid = adapter.grid_for_size(decoded.width, decoded.height)

@@ -53,6 +53,13 @@ _ENTRY: tuple[Touchpoint, ...] = (
         positional_names=("engine_client", "state", "args")),
     row("vllm.envs:VLLM_SERVER_DEV_MODE", "constant", "vllm/envs.py", "vllm_plugin/plugin.py",
         key="envs.VLLM_SERVER_DEV_MODE"),
+    # --- preflight.py: the settings checked while vLLM builds its argument parser --------------------------
+    row("vllm.plugins:DEFAULT_PLUGINS_GROUP", "constant", "vllm/plugins/__init__.py", "pyproject.toml",
+        side="plugin", spelled="vllm.general_plugins",
+        reached_as='the entry-point group of the start-up check ("vllm.general_plugins"), called by '
+                   "load_general_plugins() from AsyncEngineArgs.add_cli_args, uncaught"),
+    row("vllm.envs:VLLM_PLUGINS", "constant", "vllm/envs.py", "vllm_plugin/preflight.py",
+        key="envs.VLLM_PLUGINS"),
     row(f"{_LLM}.get_supported_tasks", "method", _LLM_FILE, "vllm_plugin/plugin.py",
         "vllm_plugin/serving_tokens.py", reached_as="await engine_client.get_supported_tasks()",
         positional=0),
@@ -89,7 +96,7 @@ _ENTRY: tuple[Touchpoint, ...] = (
             "encoder_cache_size"),
     *_attrs("vllm.config:CacheConfig", "vllm/config/cache.py", ("vllm_plugin/seeds.py",), "mamba_cache_mode",
             "block_size"),
-    row("vllm.envs:VLLM_ALLOW_INSECURE_SERIALIZATION", "constant", "vllm/envs.py", "vllm_plugin/startup.py",
+    row("vllm.envs:VLLM_ALLOW_INSECURE_SERIALIZATION", "constant", "vllm/envs.py", "vllm_plugin/preflight.py",
         key="envs.VLLM_ALLOW_INSECURE_SERIALIZATION"),
     row(f"{_LLM}.get_weight_version", "method", _LLM_FILE, "vllm_plugin/startup.py", positional=0),
     # --- startup.py and the door: the renderer, its processor, its sender cache and worker ----------------
