@@ -30,14 +30,13 @@ import contextlib
 import fcntl
 import hashlib
 import os
-import secrets
 import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from protocol.refs import SHA256_RE
-from protocol.store import TEMP_PREFIX
+from protocol.store import TEMP_PREFIX, temp_file
 
 __all__ = ["LOW_WATER", "TEMP_MAX_AGE_S", "ReadCache"]
 
@@ -123,24 +122,14 @@ class ReadCache:
         if len(data) > self.max_bytes or os.path.lexists(path):
             return False
         path.parent.mkdir(exist_ok=True)
-        tmp = path.parent / f"{TEMP_PREFIX}{secrets.token_hex(8)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            with self._locked():
-                if os.path.lexists(path):  # another process won the race with the same bytes
-                    os.unlink(tmp)
-                    return False
-                usage = self._read_usage() + len(data)  # read first: a rescan must not see the file
-                os.replace(tmp, path)
-                if usage > self.max_bytes:
-                    usage = self._evict_locked(int(self.max_bytes * LOW_WATER))
-                self._write_usage(usage)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        with temp_file(path.parent, data) as tmp, self._locked():
+            if os.path.lexists(path):  # another process won the race with the same bytes
+                return False
+            usage = self._read_usage() + len(data)  # read first: a rescan must not see the file
+            os.replace(tmp, path)
+            if usage > self.max_bytes:
+                usage = self._evict_locked(int(self.max_bytes * LOW_WATER))
+            self._write_usage(usage)
         return True
 
     def usage(self) -> int:

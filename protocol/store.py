@@ -20,6 +20,7 @@ import hashlib
 import os
 import secrets
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -45,6 +46,7 @@ __all__ = [
     "atomic_write",
     "check_sha256",
     "existing_asset_root",
+    "temp_file",
 ]
 
 DEFAULT_MAX_IMAGE_BYTES = 64 * 1024 * 1024
@@ -129,18 +131,28 @@ def atomic_write(path: Path, data: bytes) -> bool:
     if _holds(path, data):
         return False
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = str(path.parent / f"{TEMP_PREFIX}{secrets.token_hex(8)}{path.suffix}")
-    # 0o666 & ~umask (not mkstemp's 0600): the server may run as another user.
+    with temp_file(path.parent, data, path.suffix) as tmp:
+        os.replace(tmp, path)
+    return True
+
+
+@contextlib.contextmanager
+def temp_file(folder: Path, data: bytes, suffix: str = "") -> Iterator[str]:
+    """A new file in ``folder`` (``TEMP_PREFIX`` + random name + ``suffix``) holding ``data``,
+    for the caller to ``os.replace`` into place; removed on exit if it is still there.
+
+    Created with ``O_EXCL | O_NOFOLLOW`` and mode ``0o666 & ~umask`` (not mkstemp's 0600: the
+    server may run as another user); the sweep removes a crashed writer's leftovers by the prefix.
+    """
+    tmp = str(folder / f"{TEMP_PREFIX}{secrets.token_hex(8)}{suffix}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
+        yield tmp
+    finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        raise
-    return True
 
 
 def _holds(path: Path, data: bytes) -> bool:

@@ -47,7 +47,13 @@ from transformers.utils import TensorType
 
 from protocol.adapters.base import ImageAdapter, ProcessedImage
 
-__all__ = ["POS_EMB_LIMIT", "KimiVLAdapter", "KimiVLImageProcessor", "kimi_vl_target_size"]
+__all__ = [
+    "POS_EMB_LIMIT",
+    "KimiVLAdapter",
+    "KimiVLImageProcessor",
+    "kimi_vl_target_size",
+    "processor_target_size",
+]
 
 POS_EMB_LIMIT = 512
 """MoonViT's position-embedding limit: a side of this many patches or more is refused."""
@@ -90,6 +96,22 @@ def kimi_vl_target_size(
     return resized, (w, h)
 
 
+def processor_target_size(
+    processor: Any, width: int, height: int
+) -> tuple[tuple[int, int] | None, tuple[int, int]]:
+    """:func:`kimi_vl_target_size` with ``processor``'s fields (``patch_size``,
+    ``merge_kernel_size``, ``in_token_limit``, ``pad_input``): any Kimi-VL image processor, ours or
+    the remote-code one vLLM loads on a server."""
+    return kimi_vl_target_size(
+        width,
+        height,
+        patch_size=processor.patch_size,
+        merge_kernel_size=processor.merge_kernel_size,
+        in_token_limit=processor.in_token_limit,
+        pad_input=processor.pad_input,
+    )
+
+
 class KimiVLImageProcessor(BaseImageProcessor):
     """Kimi-VL's image processor (``image_processing_kimi_vl.KimiVLImageProcessor``), see the module doc.
 
@@ -122,14 +144,7 @@ class KimiVLImageProcessor(BaseImageProcessor):
 
     def target_size(self, width: int, height: int) -> tuple[tuple[int, int] | None, tuple[int, int]]:
         """:func:`kimi_vl_target_size` with this processor's fields."""
-        return kimi_vl_target_size(
-            width,
-            height,
-            patch_size=self.patch_size,
-            merge_kernel_size=self.merge_kernel_size,
-            in_token_limit=self.in_token_limit,
-            pad_input=self.pad_input,
-        )
+        return processor_target_size(self, width, height)
 
     def fit(self, image: Image.Image) -> Image.Image:
         """Step 1 of the module doc: token-limit resize, then pad (or crop) to the patch grid."""
@@ -224,16 +239,8 @@ class KimiVLAdapter(ImageAdapter):
         Raises:
             ValueError: ``"Exceed pos emb"`` (a side of 512 patches or more after padding).
         """
-        p = self.image_processor
-        _, (w, h) = kimi_vl_target_size(
-            width,
-            height,
-            patch_size=p.patch_size,
-            merge_kernel_size=p.merge_kernel_size,
-            in_token_limit=p.in_token_limit,
-            pad_input=p.pad_input,
-        )
-        return (h // p.patch_size, w // p.patch_size)
+        _, (w, h) = processor_target_size(self.image_processor, width, height)
+        return (h // self.image_processor.patch_size, w // self.image_processor.patch_size)
 
     def num_placeholders(self, grid: Sequence[int]) -> int:
         h, w = grid
