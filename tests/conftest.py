@@ -20,6 +20,21 @@ from helpers import (
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+SESSION_ENV = dict(os.environ)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    """Each test, and every server its fixtures start, begins from the session's environment.
+
+    Libraries change ``os.environ`` when imported: TRL sets ``VLLM_LOGGING_LEVEL=ERROR``
+    (``trl/_compat.py``), OpenCV prepends ``LD_LIBRARY_PATH``, tensordict sets ``LAZY_LEGACY_OP``.
+    Inherited by a vLLM server started later, the first silenced every INFO line the log tests
+    read (CI, 10 failures after the TRL tests ran).
+    """
+    if os.environ != SESSION_ENV:
+        os.environ.clear()
+        os.environ.update(SESSION_ENV)
 
 
 @pytest.fixture(scope="session")
