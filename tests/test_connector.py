@@ -55,12 +55,12 @@ def test_ref_parts_finds_every_image_url_form_and_refuses_reserved_uuids():
 
 
 def test_the_scan_sees_escaped_and_split_needles():
-    from vllm_plugin.admission import _mentions
+    from vllm_plugin.http_edge import decode_json, mentions
 
-    assert _mentions([b'{"url": "mm', b'raw:v2:..."}'], chat_refs.NEEDLES)
-    assert _mentions([b'{"uuid": "\\u006dmref-1"}'], chat_refs.NEEDLES)  # an escaped name: parsed
-    assert not _mentions([b'{"messages": [{"content": "hello"}]}'], chat_refs.NEEDLES)
-    body, encode = chat_refs.decode_json(b'{"a": NaN, "b": 1}')
+    assert mentions([b'{"url": "mm', b'raw:v2:..."}'], chat_refs.NEEDLES)
+    assert mentions([b'{"uuid": "\\u006dmref-1"}'], chat_refs.NEEDLES)  # an escaped name: parsed
+    assert not mentions([b'{"messages": [{"content": "hello"}]}'], chat_refs.NEEDLES)
+    body, encode = decode_json(b'{"a": NaN, "b": 1}')
     assert json.loads(encode(body))["b"] == 1  # the stdlib's reader, written back the same way
 
 

@@ -39,13 +39,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
-import json
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import msgspec
 
 from protocol.errors import AssetOutsideRoot, InvalidRef, InvalidRequest, MMRefError
 from protocol.images import load_image
@@ -68,7 +65,6 @@ __all__ = [
     "activate",
     "active",
     "bind_body",
-    "decode_json",
     "errors_scope",
     "needles",
     "object_key",
@@ -326,20 +322,6 @@ def needles() -> tuple[bytes, ...]:
     else :data:`NEEDLES`."""
     service = active()
     return NEEDLES if service is None else service.needles
-
-
-def decode_json(raw: bytes) -> tuple[Any, Callable[[Any], bytes]] | None:
-    """A JSON body and the encoder that writes it back the way it was read (msgspec, or the stdlib
-    for what msgspec refuses and Starlette accepts: NaN, integers beyond 64 bits, lone
-    surrogates); None where neither parses it (vLLM's route answers it)."""
-    try:
-        return msgspec.json.decode(raw), msgspec.json.encode
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-        pass
-    try:
-        return json.loads(raw), lambda body: json.dumps(body).encode()
-    except (ValueError, RecursionError):
-        return None
 
 
 async def bind_body(body: Any, service: ChatRefs | None, versions: Callable[[], Awaitable[str]]) -> bool:

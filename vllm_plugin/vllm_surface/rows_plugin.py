@@ -333,7 +333,7 @@ _ROUTE: tuple[Touchpoint, ...] = (
     row("vllm.entrypoints.serve.utils.api_utils:with_cancellation", "function",
         "vllm/entrypoints/serve/utils/api_utils.py", "vllm_plugin/api_router.py", positional=1),
     row("vllm.entrypoints.serve.exception_handling.utils:sanitize_message", "function",
-        "vllm/entrypoints/serve/exception_handling/utils.py", "vllm_plugin/api_router.py", positional=1),
+        "vllm/entrypoints/serve/exception_handling/utils.py", "vllm_plugin/http_edge.py", positional=1),
 )
 
 _CONNECTOR: tuple[Touchpoint, ...] = (
