@@ -23,7 +23,7 @@ from protocol.errors import InvalidRequest
 from protocol.refs import file_uri_to_path, format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample
 from trainer_lib import materialize
-from vllm_plugin import chat_refs
+from vllm_plugin import chat_refs, request_scope
 from vllm_plugin.chat_refs import CHAT_MODE
 from vllm_plugin.weights import ContentKey, engine_hash, parse_handle
 
@@ -558,11 +558,11 @@ def test_content_parts_key_an_object_store_url_as_the_chat_route_does(moto_s3, q
             {"type": "image_url", "url": ref.ref},
             {"type": "image_url", "url": url.replace("/mmref/", "/elsewhere/")},
         ]
-        previous = chat_refs.active()
-        chat_refs.activate(service)
+        previous = request_scope.active()
+        request_scope.activate(service)
         try:
             asyncio.run(bind_content_refs(parts, "step-1"))
         finally:
-            chat_refs.activate(previous)
+            request_scope.activate(previous)
     assert parts[0]["uuid"].startswith("mmref-") and parts[0]["uuid"] == parts[1]["uuid"]
     assert "uuid" not in parts[2]

@@ -39,7 +39,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from protocol.errors import DrainTimeout, MMRefError
-from vllm_plugin import chat_refs
+from vllm_plugin import chat_refs, request_scope
 from vllm_plugin.http_edge import (
     Message,
     Receive,
@@ -178,7 +178,7 @@ class AdmissionMiddleware:
             except MMRefError as e:
                 await refuse(scope, send, e)
                 return
-            errors = chat_refs.errors_scope()
+            errors = request_scope.errors_scope()
             typed = _typed(labelled(send, admission.versions), scope, errors)
             try:
                 await self.app(scope, receive, typed)
@@ -232,7 +232,7 @@ async def _inspect(
         return scope, replay(messages, receive)
     if admission.split_rule is not None:
         rule_check(admission.split_rule, body)
-    if await chat_refs.bind_body(body, chat_refs.active(), admission.versions) or wide:
+    if await chat_refs.bind_body(body, request_scope.active(), admission.versions) or wide:
         raw = encode(body)
         messages = [{"type": "http.request", "body": raw, "more_body": False}]
         scope = {**scope, "headers": with_length(scope.get("headers", ()), len(raw))}

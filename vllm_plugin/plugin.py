@@ -69,7 +69,7 @@ class MMRefEndpointPlugin:
         if engine_client is None:  # vLLM's CPU-only render server: no engine, no route
             state.mmref_serving = None
             return
-        from vllm_plugin import chat_refs
+        from vllm_plugin import chat_refs, request_scope
         from vllm_plugin.admission import Admission
         from vllm_plugin.connector import CONNECTOR_NAME
         from vllm_plugin.startup import build_serving
@@ -77,7 +77,7 @@ class MMRefEndpointPlugin:
 
         serving = build_serving(engine_client, state, args)
         on = load("envs.VLLM_MEDIA_CONNECTOR") == CONNECTOR_NAME
-        chat_refs.activate(chat_refs.ChatRefs(serving.resolver) if on else None)
+        request_scope.activate(chat_refs.ChatRefs(serving.resolver) if on else None)
         admission = Admission(serving.weight_version, serving.split_rule, serving.max_body_bytes)
         # cached by vLLM's engine client: no request's hand-off then waits on the engine before
         # its send (``engine_items.py``: the send follows the hand-off in the same step)
