@@ -298,7 +298,7 @@ _ROUTE: tuple[Touchpoint, ...] = (
         "vllm_plugin/seeds.py"),
     row(f"{_TIT}.protocol:GenerateRequest.is_sampling_param_provided", "method", f"{_TIT_FILE}/protocol.py",
         "vllm_plugin/seeds.py", positional=1),
-    row(f"{_TIT}.protocol:MultiModalFeatures", "class", f"{_TIT_FILE}/protocol.py", "vllm_plugin/serving.py",
+    row(f"{_TIT}.protocol:MultiModalFeatures", "class", f"{_TIT_FILE}/protocol.py",
         "vllm_plugin/resolution.py", positional=0,
         keywords=("mm_hashes", "mm_placeholders", "kwargs_data", "mm_metadata")),
     *_attrs(f"{_TIT}.protocol:MultiModalFeatures", f"{_TIT_FILE}/protocol.py",
