@@ -98,7 +98,7 @@ async def _default_weight_version() -> str:
 
 async def fill_features(serving, body: dict):
     """What the route does to a body before vLLM's ``serve_tokens``: validate, check, resolve."""
-    from vllm_plugin.api_router import parse_request
+    from vllm_plugin.protocol import parse_request
 
     prepared = await serving.prepare(parse_request({"sampling_params": {}, **body}))
     return prepared.request
@@ -299,7 +299,7 @@ def part_b_profile(model: Path, photos: int) -> tuple[list[tuple], list[tuple]]:
 
     from protocol.adapters import offload_image
     from protocol.placeholders import expand_image_placeholders
-    from vllm_plugin.api_router import parse_request
+    from vllm_plugin.protocol import parse_request
 
     serving, _, _ = build_resolver(model, device_normalize=True)
     pad = serving.placeholder_token_id

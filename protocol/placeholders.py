@@ -25,6 +25,7 @@ from protocol.errors import InvalidRequest, PlaceholderMismatch
 from protocol.structs import RawMMRef
 
 __all__ = [
+    "check_length",
     "check_no_typed_images",
     "check_placeholder_counts",
     "check_range",
@@ -303,12 +304,33 @@ def check_range(
         raise InvalidRequest(
             f"mm_placeholders entries need integer offset and length, got {offset!r}, {length!r}"
         )
-    if length != expected:
-        raise PlaceholderMismatch(
-            f"placeholder range at {offset} has length {length}, the item needs {expected}", ref=ref
-        )
+    check_length(placeholder, expected, ref=ref)
     window = token_ids[offset : offset + length] if offset >= 0 else []
     if len(window) != length or any(t != placeholder_token_id for t in window):
         raise PlaceholderMismatch(
             f"tokens {offset}..{offset + length} are not all placeholder id {placeholder_token_id}", ref=ref
+        )
+
+
+def check_length(
+    placeholder: Mapping[str, Any], expected: int, where: str = "", ref: str | None = None
+) -> None:
+    """Check that one ``{"offset", "length"}`` range (integers) is ``expected`` long: the one copy
+    of the rule that a range covers exactly its item's features (:func:`check_range` adds the
+    token check).
+
+    Args:
+        placeholder: ``{"offset": int, "length": int}``.
+        expected: the item's feature count (its ``num_placeholders``).
+        where: the item, for the message (e.g. ``"image item 2"``).
+        ref: the item's ref (or hash), carried by the error.
+
+    Raises:
+        PlaceholderMismatch: naming the offset and both lengths.
+    """
+    offset, length = placeholder["offset"], placeholder["length"]
+    if length != expected:
+        prefix = f"{where}: " if where else ""
+        raise PlaceholderMismatch(
+            f"{prefix}placeholder range at {offset} has length {length}, the item needs {expected}", ref=ref
         )

@@ -23,7 +23,7 @@ from protocol.errors import InvalidRequest
 from protocol.refs import file_uri_to_path, format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample
 from trainer_lib import materialize
-from vllm_plugin import chat_refs
+from vllm_plugin import chat_refs, request_scope
 from vllm_plugin.chat_refs import CHAT_MODE
 from vllm_plugin.weights import ContentKey, engine_hash, parse_handle
 
@@ -55,12 +55,12 @@ def test_ref_parts_finds_every_image_url_form_and_refuses_reserved_uuids():
 
 
 def test_the_scan_sees_escaped_and_split_needles():
-    from vllm_plugin.admission import _mentions
+    from vllm_plugin.http_edge import decode_json, mentions
 
-    assert _mentions([b'{"url": "mm', b'raw:v2:..."}'], chat_refs.NEEDLES)
-    assert _mentions([b'{"uuid": "\\u006dmref-1"}'], chat_refs.NEEDLES)  # an escaped name: parsed
-    assert not _mentions([b'{"messages": [{"content": "hello"}]}'], chat_refs.NEEDLES)
-    body, encode = chat_refs.decode_json(b'{"a": NaN, "b": 1}')
+    assert mentions([b'{"url": "mm', b'raw:v2:..."}'], chat_refs.NEEDLES)
+    assert mentions([b'{"uuid": "\\u006dmref-1"}'], chat_refs.NEEDLES)  # an escaped name: parsed
+    assert not mentions([b'{"messages": [{"content": "hello"}]}'], chat_refs.NEEDLES)
+    body, encode = decode_json(b'{"a": NaN, "b": 1}')
     assert json.loads(encode(body))["b"] == 1  # the stdlib's reader, written back the same way
 
 
@@ -558,11 +558,11 @@ def test_content_parts_key_an_object_store_url_as_the_chat_route_does(moto_s3, q
             {"type": "image_url", "url": ref.ref},
             {"type": "image_url", "url": url.replace("/mmref/", "/elsewhere/")},
         ]
-        previous = chat_refs.active()
-        chat_refs.activate(service)
+        previous = request_scope.active()
+        request_scope.activate(service)
         try:
             asyncio.run(bind_content_refs(parts, "step-1"))
         finally:
-            chat_refs.activate(previous)
+            request_scope.activate(previous)
     assert parts[0]["uuid"].startswith("mmref-") and parts[0]["uuid"] == parts[1]["uuid"]
     assert "uuid" not in parts[2]

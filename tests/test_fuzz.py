@@ -256,8 +256,7 @@ def test_generate_request_parsing(doc):
     from fastapi.exceptions import RequestValidationError
     from vllm.exceptions import VLLMError
 
-    from vllm_plugin.api_router import parse_request
-    from vllm_plugin.protocol import MMRefGenerateRequest
+    from vllm_plugin.protocol import MMRefGenerateRequest, parse_request
 
     try:
         assert isinstance(parse_request(doc), MMRefGenerateRequest)
@@ -272,9 +271,9 @@ def test_generate_body_decoding(data):
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 
-    from vllm_plugin.api_router import _decode_json
+    from vllm_plugin.http_edge import decode_json
 
     try:
-        _decode_json(bytearray(data))
+        decode_json(bytearray(data))
     except (RequestValidationError, HTTPException):
         pass

@@ -8,7 +8,7 @@ import tomllib
 from packaging.requirements import Requirement
 
 from helpers import REPO
-from vllm_plugin.plugin import SUPPORTED_VLLM, check_vllm_version
+from vllm_plugin.preflight import SUPPORTED_VLLM, check_vllm_version
 from vllm_plugin.startup import default_body_limit
 
 

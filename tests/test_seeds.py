@@ -190,12 +190,12 @@ def test_for_engine_reads_vllms_own_configs(family, scheduler, cache, is_cpu, re
 
 
 def test_the_middleware_parses_only_bodies_that_name_a_seed():
-    """``admission._mentions``: the bytes ``"seed"`` found across chunk boundaries without
+    """``http_edge.mentions``: the bytes ``"seed"`` found across chunk boundaries without
     joining the body; only then is it parsed (a 90 MB data-URL body costs a scan, not a copy)."""
-    from vllm_plugin.admission import _mentions
+    from vllm_plugin.http_edge import mentions
 
     def _mentions_seed(chunks: list[bytes]) -> bool:
-        return _mentions(chunks, (b'"seed"',))
+        return mentions(chunks, (b'"seed"',))
 
     assert _mentions_seed([b'{"seed": 7}'])
     assert _mentions_seed([b'{"se', b'ed": 7}'])

@@ -24,7 +24,7 @@ from packaging.version import Version
 from vllm_compat import SourceTree, installed_source
 
 from helpers import REPO
-from vllm_plugin.plugin import SUPPORTED_VLLM
+from vllm_plugin.preflight import SUPPORTED_VLLM
 from vllm_plugin.vllm_surface import (
     CHECKED_VLLM,
     HF_SURFACE,

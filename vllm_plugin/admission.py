@@ -32,13 +32,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+
 from protocol.errors import DrainTimeout, MMRefError
-from vllm_plugin import chat_refs
+from vllm_plugin import chat_refs, request_scope
+from vllm_plugin.http_edge import (
+    Message,
+    Receive,
+    Scope,
+    Send,
+    declared_length,
+    decode_json,
+    labelled,
+    mentions,
+    read_messages,
+    refuse,
+    replay,
+    with_length,
+)
 from vllm_plugin.seeds import SplitRule
-from vllm_plugin.weights import WEIGHT_VERSION_HEADER, version_header
 
 __all__ = ["ENGINE_PREFIXES", "PLUGIN_PATHS", "UNGATED", "Admission", "AdmissionMiddleware", "rule_check"]
 
@@ -65,11 +81,6 @@ weight update's gate."""
 
 PLUGIN_PATHS = frozenset({"/inference/v1/generate", "/inference/v1/resolve"})
 """The plugin's own routes: they bind and label versions and apply the seed rule themselves."""
-
-_Scope = MutableMapping[str, Any]
-_Message = MutableMapping[str, Any]
-_Receive = Callable[[], Awaitable[_Message]]
-_Send = Callable[[_Message], Awaitable[None]]
 
 
 class Admission:
@@ -141,10 +152,10 @@ class AdmissionMiddleware:
     """The ASGI middleware (see the module doc); finds the :class:`Admission` on
     ``app.state.mmref_admission`` (set by the plugin's ``init_state``; absent: a pass-through)."""
 
-    def __init__(self, app: Callable[[_Scope, _Receive, _Send], Awaitable[None]]) -> None:
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         self.app = app
 
-    async def __call__(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         admission = _admission(scope)
         if admission is None:
             await self.app(scope, receive, send)
@@ -155,27 +166,27 @@ class AdmissionMiddleware:
         # the body first: a client still sending (or stalled) is not admitted, so it never holds
         # up a weight update's drain nor, through it, the requests queued at the gate (a body
         # declared over the plugin's limit is left to the route, which refuses it from the header)
-        over = limit is not None and _declared_length(scope) > limit
-        messages = [] if over else await _read_body(receive, limit)
+        over = limit is not None and declared_length(scope) > limit
+        messages = [] if over else await read_messages(receive, limit)
         gate = contextlib.nullcontext() if route.startswith(UNGATED) else admission.admit()
         async with gate:
             if plugin:
-                await self.app(scope, _replay(messages, receive), send)
+                await self.app(scope, replay(messages, receive), send)
                 return
             try:
                 scope, receive = await _inspect(admission, scope, messages, receive)
             except MMRefError as e:
-                await _refuse(scope, send, e)
+                await refuse(scope, send, e)
                 return
-            errors = chat_refs.errors_scope()
-            typed = _typed(_labelled(send, admission.versions), scope, errors)
+            errors = request_scope.errors_scope()
+            typed = _typed(labelled(send, admission.versions), scope, errors)
             try:
                 await self.app(scope, receive, typed)
             except MMRefError as e:  # a connector refusal no handler of vLLM answered
                 await typed(e)
 
 
-def _route_path(scope: _Scope) -> str:
+def _route_path(scope: Scope) -> str:
     """The path the app routes on: ``path`` less the ``root_path`` prefix (vLLM's ``--root-path``),
     as Starlette's own routing computes it (``starlette/_utils.py``, ``get_route_path``)."""
     path: str = scope.get("path", "")
@@ -187,7 +198,7 @@ def _route_path(scope: _Scope) -> str:
     return path[len(root) :] if path[len(root)] == "/" else path
 
 
-def _admission(scope: _Scope) -> Admission | None:
+def _admission(scope: Scope) -> Admission | None:
     if scope.get("type") != "http" or scope.get("method") != "POST":
         return None
     if not _route_path(scope).startswith(ENGINE_PREFIXES):
@@ -197,60 +208,9 @@ def _admission(scope: _Scope) -> Admission | None:
     return admission if isinstance(admission, Admission) else None
 
 
-def _labelled(send: _Send, versions: Callable[[], Awaitable[str]]) -> _Send:
-    """``send`` with the weight version added to a successful answer's headers."""
-
-    async def labelled(message: _Message) -> None:
-        if message.get("type") == "http.response.start" and message.get("status") == 200:
-            try:
-                version = await versions()
-            except Exception:
-                version = None
-            value = None if version is None else version_header(version)
-            if value is not None:
-                headers = list(message.get("headers", ()))
-                headers.append((WEIGHT_VERSION_HEADER.encode(), value.encode("latin-1")))
-                message = {**message, "headers": headers}
-        await send(message)
-
-    return labelled
-
-
-async def _read_body(receive: _Receive, limit: int | None) -> list[_Message]:
-    """The request's messages up to the end of its body (or a disconnect), or past ``limit``
-    bytes of it (the rest is left to the route)."""
-    messages: list[_Message] = []
-    size = 0
-    while True:
-        message = await receive()
-        messages.append(message)
-        size += len(message.get("body", b""))
-        if message.get("type") != "http.request" or not message.get("more_body", False):
-            return messages
-        if limit is not None and size > limit:
-            return messages
-
-
-def _declared_length(scope: _Scope) -> int:
-    """The request's ``content-length`` (-1 when absent or not a number)."""
-    for key, value in scope.get("headers", ()):
-        if key.lower() == b"content-length":
-            return int(value) if value.isdigit() else -1
-    return -1
-
-
-def _replay(messages: list[_Message], receive: _Receive) -> _Receive:
-    """A ``receive`` that gives ``messages`` first, then the live ones."""
-
-    async def replay() -> _Message:
-        return messages.pop(0) if messages else await receive()
-
-    return replay
-
-
 async def _inspect(
-    admission: Admission, scope: _Scope, messages: list[_Message], receive: _Receive
-) -> tuple[_Scope, _Receive]:
+    admission: Admission, scope: Scope, messages: list[Message], receive: Receive
+) -> tuple[Scope, Receive]:
     """On the body's ``messages``: refuse a seeded request that can be split (CPU servers), a
     reserved uuid; key and pin image refs (``chat_refs``). Returns the scope (its
     ``content-length`` rewritten with the body) and the ``receive`` that replays the body to
@@ -263,35 +223,20 @@ async def _inspect(
     # UTF-16/32 JSON (vLLM's json.loads reads it) hides every needle below: parsed, and passed on
     # as UTF-8; UTF-8 JSON never holds a raw NUL
     wide = any(b"\x00" in chunk for chunk in chunks)
-    seeded = admission.split_rule is not None and _mentions(chunks, (b'"seed"',))
-    if wide or seeded or _mentions(chunks, chat_refs.needles()):  # only then is it joined and parsed
-        decoded = chat_refs.decode_json(b"".join(chunks))
-        if decoded is not None:  # else not JSON: vLLM's route refuses it with its own error
-            body, encode = decoded
-            if admission.split_rule is not None:
-                rule_check(admission.split_rule, body)
-            if await chat_refs.bind_body(body, chat_refs.active(), admission.versions) or wide:
-                raw = encode(body)
-                messages = [{"type": "http.request", "body": raw, "more_body": False}]
-                scope = {**scope, "headers": _with_length(scope.get("headers", ()), len(raw))}
-    return scope, _replay(messages, receive)
-
-
-def _with_length(headers: Any, length: int) -> list[tuple[bytes, bytes]]:
-    kept = [(k, v) for k, v in headers if k.lower() != b"content-length"]
-    return [*kept, (b"content-length", str(length).encode())]
-
-
-def _mentions(chunks: list[bytes], needles: tuple[bytes, ...]) -> bool:
-    """Whether any of ``needles`` occurs in the body, across chunk boundaries, without copying it."""
-    width = max(len(n) for n in needles) - 1
-    tail = b""
-    for chunk in chunks:
-        joint = tail + chunk[:width]
-        if any(n in joint or n in chunk for n in needles):
-            return True
-        tail = (tail + chunk[-width:])[-width:]
-    return False
+    seeded = admission.split_rule is not None and mentions(chunks, (b'"seed"',))
+    if not (wide or seeded or mentions(chunks, chat_refs.needles())):  # only then is it joined and parsed
+        return scope, replay(messages, receive)
+    try:
+        body, encode = decode_json(b"".join(chunks))
+    except (RequestValidationError, HTTPException):  # not JSON: vLLM's route refuses it with its own error
+        return scope, replay(messages, receive)
+    if admission.split_rule is not None:
+        rule_check(admission.split_rule, body)
+    if await chat_refs.bind_body(body, request_scope.active(), admission.versions) or wide:
+        raw = encode(body)
+        messages = [{"type": "http.request", "body": raw, "more_body": False}]
+        scope = {**scope, "headers": with_length(scope.get("headers", ()), len(raw))}
+    return scope, replay(messages, receive)
 
 
 def rule_check(rule: SplitRule, body: Any) -> None:
@@ -345,19 +290,7 @@ def _has_media(body: dict[str, Any]) -> bool:
     return False
 
 
-async def _refuse(scope: _Scope, send: _Send, error: MMRefError) -> None:
-    """Answer the plugin's typed refusal (``api_router.error_response``: the generate route's body)."""
-    from vllm_plugin.api_router import error_response
-
-    logger.info("mmref refused a request on vLLM's route: %s %s", error.code, error.message[:300])
-    await error_response(error)(scope, _no_body, send)
-
-
-async def _no_body() -> _Message:
-    return {"type": "http.disconnect"}
-
-
-def _typed(send: _Send, scope: _Scope, errors: list[MMRefError]) -> Callable[[Any], Awaitable[None]]:
+def _typed(send: Send, scope: Scope, errors: list[MMRefError]) -> Callable[[Any], Awaitable[None]]:
     """``send``, with an error answer of vLLM's route replaced by the plugin's typed refusal when the
     connector recorded one for this request (what vLLM's handlers made of it: a 400 or a 500).
     Called with an :class:`MMRefError` instead of a message: answer it, unless an answer started."""
@@ -368,14 +301,14 @@ def _typed(send: _Send, scope: _Scope, errors: list[MMRefError]) -> Callable[[An
             if not state["started"]:
                 state["started"] = state["replaced"] = True
                 logger.info("mmref: a ref vLLM's parser refused reached no handler of vLLM")
-                await _refuse(scope, send, message)
+                await refuse(scope, send, message)
             return
         if message.get("type") == "http.response.start":
             state["started"] = True
             if message.get("status", 200) >= 400 and errors:
                 state["replaced"] = True
                 logger.info("mmref: vLLM answered %s to a ref its parser refused", message.get("status"))
-                await _refuse(scope, send, errors[0])
+                await refuse(scope, send, errors[0])
                 return
         if not state["replaced"]:
             await send(message)

@@ -1,47 +1,40 @@
 """HTTP routes of the plugin: ``POST /inference/v1/generate`` (replacing vLLM's) and
 ``POST /inference/v1/resolve`` (mirrors upstream ``token_in_token_out/api_router.py``).
 
-The body is read under a byte limit, decoded (JSON as FastAPI decodes it, or msgpack), validated
+The body is read under a byte limit and decoded by the HTTP edge (``http_edge.read_body``: JSON as
+FastAPI decodes it, or msgpack), validated
 as :class:`~vllm_plugin.protocol.MMRefGenerateRequest`, checked and resolved by
 :class:`~vllm_plugin.serving.MMRefServing`, and served by vLLM's own ``serve_tokens``
 (``serving_tokens.py``: resolved items reach the engine input as they are). A request
 stock vLLM refuses gets stock's own error body: validation errors are raised as FastAPI's
 ``RequestValidationError`` and vLLM's exceptions propagate, both to the exception handlers vLLM
-registered on the app. Only refusals this plugin adds are answered here (:func:`error_response`).
+registered on the app. Only refusals this plugin adds are answered here (``http_edge.error_response``).
+Routes only: what a body is and what an answer carries is ``http_edge.py``.
 """
 
 from __future__ import annotations
 
-import email.message
-import json
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
 import msgspec
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException
 
-from protocol.errors import AssetTooLarge, HashMismatch, InvalidRequest, MMRefError
-from vllm_plugin import metrics
-from vllm_plugin.protocol import error_body, parse_request
+from protocol.errors import InvalidRequest, MMRefError
+from vllm_plugin.http_edge import error_response, no_engine, read_body, version_headers
 from vllm_plugin.serving import MMRefServing
+from vllm_plugin.updates import WeightUpdates
 from vllm_plugin.vllm_surface import load
-from vllm_plugin.weights import WEIGHT_VERSION_HEADER, version_header
 
 __all__ = [
     "WeightsRequest",
     "attach_router",
-    "error_response",
     "generate",
     "hold_weights",
     "mmref_serving",
-    "parse_request",
-    "read_body",
     "release_weights",
     "resolve",
     "router",
@@ -54,10 +47,6 @@ router = APIRouter()
 _ErrorResponse = load("ErrorResponse")
 """vLLM's error body (``vllm/entrypoints/serve/engine/protocol.py``): the route's documented answers."""
 
-_MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
-_UNSUPPORTED_MEDIA = "Unsupported Media Type: Only 'application/json' is allowed"
-"""vLLM's ``validate_json_request`` message (``vllm/entrypoints/serve/utils/api_utils.py``)."""
-
 
 def mmref_serving(request: Request) -> MMRefServing:
     """The app's :class:`MMRefServing` (set by the plugin's ``init_state``).
@@ -67,96 +56,8 @@ def mmref_serving(request: Request) -> MMRefServing:
     """
     serving = getattr(request.app.state, "mmref_serving", None)
     if not isinstance(serving, MMRefServing):
-        raise InvalidRequest("this server has no engine: mmref routes need `vllm serve`")
+        raise no_engine()
     return serving
-
-
-def error_response(error: MMRefError) -> JSONResponse:
-    """The one mapping from a plugin refusal to its HTTP answer (body: ``protocol.error_body``).
-
-    Messages go through vLLM's ``sanitize_message`` (no object addresses, no server paths beyond
-    the ref); a hash mismatch never echoes the digest of what the file holds. A store outage says
-    when asking again can help: ``Retry-After`` (whole seconds, rounded up), the root's hold-down
-    (docs/SCALING.md §7).
-    """
-    sanitize_message = load("sanitize_message")
-    metrics.REF_ERRORS.labels(error.code).inc()
-    message = error.message
-    if isinstance(error, HashMismatch):
-        message = "the bytes read do not have the sha256 the ref (or the feature envelope) names"
-    retry_after = getattr(error, "retry_after_s", None)
-    headers = {"Retry-After": str(math.ceil(retry_after))} if retry_after else None
-    content = error_body(error, sanitize_message(message))
-    return JSONResponse(status_code=error.http_status, content=content, headers=headers)
-
-
-async def read_body(request: Request, limit: int) -> Any:
-    """The request body, decoded: msgpack when the content type says so, else JSON exactly as
-    vLLM's own route admits it (stock's errors for a non-JSON content type or invalid JSON).
-
-    Raises:
-        AssetTooLarge: the body exceeds ``limit`` bytes (checked on Content-Length first; logged).
-        InvalidRequest: undecodable msgpack.
-        RequestValidationError: stock's refusal (content type, JSON syntax).
-    """
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        _log_too_large(int(declared), limit)
-        raise AssetTooLarge(f"request body is {declared} bytes, limit {limit} (MMREF_MAX_BODY_BYTES)")
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            _log_too_large(len(raw), limit)
-            raise AssetTooLarge(f"request body exceeds {limit} bytes (MMREF_MAX_BODY_BYTES)")
-    content_type = request.headers.get("content-type", "")
-    if content_type.split(";")[0].strip().lower() in _MSGPACK_TYPES:
-        try:
-            return msgspec.msgpack.decode(raw) if raw else None
-        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise InvalidRequest(f"body is not valid msgpack: {e}") from e
-    body = _decode_json(raw) if raw and _json_like(content_type) else None
-    # vLLM's validate_json_request (serve/utils/api_utils.py), after FastAPI's parse: no strip
-    if content_type.lower().split(";", 1)[0] != "application/json":
-        raise RequestValidationError(errors=[_UNSUPPORTED_MEDIA])
-    return body
-
-
-def _log_too_large(size: int, limit: int) -> None:
-    logger.warning("mmref refused a %d-byte request body: limit %d bytes (MMREF_MAX_BODY_BYTES)", size, limit)
-
-
-def _json_like(content_type: str) -> bool:
-    """FastAPI's rule for parsing a body as JSON (``fastapi/routing.py``)."""
-    message = email.message.Message()
-    message["content-type"] = content_type
-    subtype = message.get_content_subtype()
-    return message.get_content_maintype() == "application" and (
-        subtype == "json" or subtype.endswith("+json")
-    )
-
-
-def _decode_json(raw: bytearray) -> Any:
-    """msgspec's fast decoder, falling back to the stdlib's (what Starlette uses) for what msgspec
-    refuses (NaN, integers beyond 64 bits, lone surrogates) and for stock's error.
-
-    Raises:
-        RequestValidationError: FastAPI's ``json_invalid`` error, position and message included.
-        HTTPException: FastAPI's 400 for a body the JSON parser fails on otherwise (nesting).
-    """
-    try:
-        return msgspec.json.decode(raw)
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-        pass
-    try:
-        return json.loads(bytes(raw))
-    except json.JSONDecodeError as e:
-        error = {"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {}}
-        raise RequestValidationError([{**error, "ctx": {"error": e.msg}}], body=e.doc) from e
-    except (ValueError, RecursionError) as e:  # FastAPI's answer to any other parse failure
-        # (UnicodeDecodeError; an integer over Python's 4300-digit limit: a plain ValueError),
-        # raised as FastAPI raises it (Starlette's class: FastAPI's default handler, ``{"detail"}``)
-        raise HTTPException(status_code=400, detail="There was an error parsing the body") from e
 
 
 @router.post(
@@ -194,7 +95,7 @@ async def _generate(body: Any, raw_request: Request) -> Response:
         return error_response(e)
     if isinstance(result, _ErrorResponse):
         return JSONResponse(content=result.model_dump(), status_code=result.error.code)
-    headers = _version_headers(version)
+    headers = version_headers(version)
     if isinstance(result, load("GenerateResponseBase")):
         return JSONResponse(content=result.model_dump(), headers=headers)
     return StreamingResponse(content=result, media_type="text/event-stream", headers=headers)
@@ -214,13 +115,7 @@ async def resolve(raw_request: Request) -> Response:
         content, version = await serving.resolved_features(body)
     except MMRefError as e:
         return error_response(e)
-    return JSONResponse(content=content, headers=_version_headers(version))
-
-
-def _version_headers(version: str) -> dict[str, str]:
-    """The answer's weight-version header (none for a version no header can carry)."""
-    value = version_header(version)
-    return {} if value is None else {WEIGHT_VERSION_HEADER: value}
+    return JSONResponse(content=content, headers=version_headers(version))
 
 
 weights_router = APIRouter()
@@ -251,12 +146,10 @@ async def _weights_request(raw_request: Request, allowed: set[str]) -> WeightsRe
     return request
 
 
-def _updates(raw_request: Request) -> Any:
-    from vllm_plugin.updates import WeightUpdates
-
+def _updates(raw_request: Request) -> WeightUpdates:
     updates = getattr(raw_request.app.state, "mmref_updates", None)
     if not isinstance(updates, WeightUpdates):
-        raise InvalidRequest("this server has no engine: mmref routes need `vllm serve`")
+        raise no_engine()
     return updates
 
 

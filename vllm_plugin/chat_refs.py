@@ -24,33 +24,30 @@ a part:
   fingerprint, ``"chat:"`` + pixel mode) and the weight version, so no embedding crosses a weight
   version. Its binding names the chat route (:data:`CHAT_MODE`): the chat route's items (vLLM's
   processing) never share an entry with the token route's, and a chat uuid is no handle there;
-- **the pin** (:func:`pin`): the decoded images are held for the rest of the request in a context
+- **the pin** (``request_scope.pin``): the decoded images are held for the rest of the request in a context
   variable, and the connector (``connector.py``) hands vLLM's parser the very image whose bytes
   named the uuid.
 
 Where a route's body hides a ref from :func:`ref_parts` (e.g. a source URL vLLM converts to an image
 part itself), the connector reads it through :meth:`ChatRefs.image` and vLLM keys it by its bytes,
-as a data URL; its refusal is recorded (:func:`record_error`) for the admission middleware to
+as a data URL; its refusal is recorded (``request_scope.record_error``) for the admission middleware to
 answer as the plugin's typed 4xx.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import hashlib
-import json
 import re
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
-from protocol.errors import AssetOutsideRoot, InvalidRef, InvalidRequest, MMRefError
+from protocol.errors import AssetOutsideRoot, InvalidRef, InvalidRequest
 from protocol.images import load_image
 from protocol.refs import IMAGE_EXTS, FileRef, is_ref, parse_ref
 from protocol.store import check_sha256
+from vllm_plugin import request_scope
 from vllm_plugin.cache import ByteBudgetLRU
 from vllm_plugin.resolver import ExtRecorder
 from vllm_plugin.vllm_surface import load
@@ -65,16 +62,9 @@ __all__ = [
     "NEEDLES",
     "ChatImage",
     "ChatRefs",
-    "activate",
-    "active",
     "bind_body",
-    "decode_json",
-    "errors_scope",
     "needles",
     "object_key",
-    "pin",
-    "pinned",
-    "record_error",
     "ref_parts",
 ]
 
@@ -85,9 +75,6 @@ _IO_CONFIG = {"image_mode": "RGB", "decoder": "mmref"}
 """The decode settings a ref's image carries (``MediaWithBytes.io_config``): where vLLM keys the
 image by its bytes (no uuid), never the key of a data URL of the same bytes, which vLLM's own
 decoder (``--media-io-kwargs``) may have decoded otherwise."""
-
-_PINNED: contextvars.ContextVar[Mapping[str, ChatImage]] = contextvars.ContextVar("mmref_pinned")
-_ERRORS: contextvars.ContextVar[list[MMRefError]] = contextvars.ContextVar("mmref_connector_errors")
 
 
 @dataclass(frozen=True)
@@ -275,45 +262,6 @@ def ref_parts(body: Any, names: Callable[[Any], bool] = is_ref) -> list[tuple[di
     return found
 
 
-# --- the process's service and the request's scope ------------------------------------------------------
-
-_service: list[ChatRefs] = []
-
-
-def activate(service: ChatRefs | None) -> None:
-    """Make ``service`` the one the connector and the middleware use in this process (None: off)."""
-    _service[:] = [service] if service is not None else []
-
-
-def active() -> ChatRefs | None:
-    """The process's :class:`ChatRefs`, or None where refs on image URLs are off."""
-    return _service[0] if _service else None
-
-
-def pin(images: Mapping[str, ChatImage]) -> None:
-    """Hold ``images`` (by ref) for the rest of the current request (its context)."""
-    _PINNED.set({**_PINNED.get({}), **images})
-
-
-def pinned(ref: str) -> ChatImage | None:
-    """The image the current request pinned for ``ref``, if any."""
-    return _PINNED.get({}).get(ref)
-
-
-def errors_scope() -> list[MMRefError]:
-    """Start recording the connector's refusals for the current request; returns the record."""
-    record: list[MMRefError] = []
-    _ERRORS.set(record)
-    return record
-
-
-def record_error(error: MMRefError) -> None:
-    """Record a refusal raised inside vLLM's parser for the request's middleware (if it listens)."""
-    record = _ERRORS.get(None)
-    if record is not None:
-        record.append(error)
-
-
 # --- JSON bodies of vLLM's routes (the admission middleware) ---------------------------------------------
 
 NEEDLES = (b"mmraw:", b"mmfile:", NAMESPACE.encode(), b"\\u", b"\\/")
@@ -324,22 +272,8 @@ ones)."""
 def needles() -> tuple[bytes, ...]:
     """The bytes a JSON body must hold to be parsed: the active service's :attr:`ChatRefs.needles`,
     else :data:`NEEDLES`."""
-    service = active()
+    service = request_scope.active()
     return NEEDLES if service is None else service.needles
-
-
-def decode_json(raw: bytes) -> tuple[Any, Callable[[Any], bytes]] | None:
-    """A JSON body and the encoder that writes it back the way it was read (msgspec, or the stdlib
-    for what msgspec refuses and Starlette accepts: NaN, integers beyond 64 bits, lone
-    surrogates); None where neither parses it (vLLM's route answers it)."""
-    try:
-        return msgspec.json.decode(raw), msgspec.json.encode
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-        pass
-    try:
-        return json.loads(raw), lambda body: json.dumps(body).encode()
-    except (ValueError, RecursionError):
-        return None
 
 
 async def bind_body(body: Any, service: ChatRefs | None, versions: Callable[[], Awaitable[str]]) -> bool:
@@ -361,5 +295,5 @@ async def bind_body(body: Any, service: ChatRefs | None, versions: Callable[[], 
             "mm_processor_kwargs do not apply to refs: the trainer processes a ref's image with the model's "
             "own settings (put such settings in the model's preprocessor_config.json)"
         )
-    pin(await service.bind(parts, await versions()))
+    request_scope.pin(await service.bind(parts, await versions()))
     return True

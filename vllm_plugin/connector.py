@@ -8,7 +8,7 @@ and selects it with ``VLLM_MEDIA_CONNECTOR`` where the operator left that unset 
 
 For an ``mmraw:`` / ``mmfile:`` URL, or an image key's URL under one of the server's object-store
 roots (``ChatRefs.names``), the connector returns the image the request pinned
-(``chat_refs.pin``, read and keyed before vLLM parsed the body), or reads it through the plugin
+(``request_scope.pin``, read and keyed before vLLM parsed the body), or reads it through the plugin
 (``ChatRefs.image``); what it returns is what vLLM's connector returns for an image, a
 ``MediaWithBytes`` of the RGB image and its bytes, so vLLM's processor processes it as a data
 URL's. Every other URL (http, data, file under ``--allowed-local-media-path``) goes to vLLM's
@@ -23,7 +23,7 @@ from typing import Any
 
 from protocol.errors import MMRefError
 from protocol.refs import is_ref
-from vllm_plugin import chat_refs
+from vllm_plugin import chat_refs, request_scope
 from vllm_plugin.vllm_surface import load
 
 __all__ = ["CONNECTOR_NAME", "enable", "register"]
@@ -74,24 +74,24 @@ def _connector_class(base: type) -> type:
         def fetch_image(self, image_url: str, *, image_mode: str | None = "RGB") -> Any:
             if not _ours(image_url):
                 return super().fetch_image(image_url, image_mode=image_mode)
-            image = chat_refs.pinned(image_url)
+            image = request_scope.pinned(image_url)
             if image is None:
                 try:
                     image = _service(image_url).image_sync(image_url)
                 except MMRefError as e:
-                    chat_refs.record_error(e)
+                    request_scope.record_error(e)
                     raise
             return image.media
 
         async def fetch_image_async(self, image_url: str, *, image_mode: str | None = "RGB") -> Any:
             if not _ours(image_url):
                 return await super().fetch_image_async(image_url, image_mode=image_mode)
-            image = chat_refs.pinned(image_url)
+            image = request_scope.pinned(image_url)
             if image is None:
                 try:
                     image = await _service(image_url).image(image_url)
                 except MMRefError as e:
-                    chat_refs.record_error(e)
+                    request_scope.record_error(e)
                     raise
             return image.media
 
@@ -100,7 +100,7 @@ def _connector_class(base: type) -> type:
 
 def _ours(url: str) -> bool:
     """A ref, or an image key's URL under this server's object-store roots (``ChatRefs.names``)."""
-    service = chat_refs.active()
+    service = request_scope.active()
     return service.names(url) if service is not None else is_ref(url)
 
 
@@ -110,7 +110,7 @@ def _service(ref: str) -> chat_refs.ChatRefs:
     Raises:
         InvalidRequest: none (a server without an engine, e.g. vLLM's CPU-only render server).
     """
-    service = chat_refs.active()
+    service = request_scope.active()
     if service is None:
         from protocol.errors import InvalidRequest
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.errors import AssetNotFound, InvalidRequest
-from vllm_plugin import chat_refs
+from vllm_plugin import request_scope
 from vllm_plugin.weights import NAMESPACE
 
 __all__ = ["bind_content_refs", "check_content_parts"]
@@ -76,9 +76,9 @@ async def bind_content_refs(parts: list[dict[str, Any]], weight_version: str) ->
     Raises:
         MMRefError: as ``chat_refs.ChatRefs.bind``.
     """
-    service = chat_refs.active()
+    service = request_scope.active()
     if service is None:
         return
     found = [(p, p["url"]) for p in parts if p.get("type") == "image_url" and service.names(p.get("url"))]
     if found:
-        chat_refs.pin(await service.bind(found, weight_version))
+        request_scope.pin(await service.bind(found, weight_version))

@@ -16,37 +16,12 @@ import logging
 from argparse import Namespace
 from typing import Any
 
-from vllm_plugin.vllm_surface import load, vllm_version
+from vllm_plugin.preflight import SUPPORTED_VLLM, check_vllm_version
+from vllm_plugin.vllm_surface import load
 
-__all__ = ["SUPPORTED_VLLM", "MMRefEndpointPlugin", "check_vllm_version"]
+__all__ = ["MMRefEndpointPlugin"]
 
 logger = logging.getLogger("vllm.mmref")  # a child of vLLM's configured logger
-
-SUPPORTED_VLLM = ">=0.32.0,<0.34"
-"""vLLM releases this plugin supports (the ``serve``/``serve-cuda`` extras of pyproject.toml say
-the same; a test keeps them equal): exactly the releases the door's table is checked against
-(``vllm_surface.CHECKED_VLLM``: 0.32 installed and run, 0.33 statically from its wheel,
-docs/VLLM-SURFACE.md)."""
-
-
-def check_vllm_version(version: str | None = None) -> str:
-    """Return the installed vLLM version, or refuse one outside :data:`SUPPORTED_VLLM`.
-
-    Raises:
-        RuntimeError: naming the supported range and the installed version.
-    """
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import InvalidVersion, Version
-
-    if version is None:
-        version = vllm_version()
-    try:  # local tags and dev/rc suffixes do not matter: 0.33.1+cu130 and 0.33.0rc1 are 0.33.x
-        ok = SpecifierSet(SUPPORTED_VLLM).contains(Version(version).base_version)
-    except InvalidVersion:
-        ok = False
-    if not ok:
-        raise RuntimeError(f"mmref supports vLLM {SUPPORTED_VLLM}; this server runs vLLM {version}")
-    return version
 
 
 class MMRefEndpointPlugin:
@@ -94,7 +69,7 @@ class MMRefEndpointPlugin:
         if engine_client is None:  # vLLM's CPU-only render server: no engine, no route
             state.mmref_serving = None
             return
-        from vllm_plugin import chat_refs
+        from vllm_plugin import chat_refs, request_scope
         from vllm_plugin.admission import Admission
         from vllm_plugin.connector import CONNECTOR_NAME
         from vllm_plugin.startup import build_serving
@@ -102,7 +77,7 @@ class MMRefEndpointPlugin:
 
         serving = build_serving(engine_client, state, args)
         on = load("envs.VLLM_MEDIA_CONNECTOR") == CONNECTOR_NAME
-        chat_refs.activate(chat_refs.ChatRefs(serving.resolver) if on else None)
+        request_scope.activate(chat_refs.ChatRefs(serving.resolver) if on else None)
         admission = Admission(serving.weight_version, serving.split_rule, serving.max_body_bytes)
         # cached by vLLM's engine client: no request's hand-off then waits on the engine before
         # its send (``engine_items.py``: the send follows the hand-off in the same step)

@@ -22,9 +22,43 @@ import multiprocessing
 import os
 import sys
 
-__all__ = ["check_settings", "problems", "refuse_insecure_serialization"]
+__all__ = [
+    "SUPPORTED_VLLM",
+    "check_settings",
+    "check_vllm_version",
+    "problems",
+    "refuse_insecure_serialization",
+]
 
 logger = logging.getLogger("vllm.mmref")  # a child of vLLM's configured logger
+
+SUPPORTED_VLLM = ">=0.32.0,<0.34"
+"""vLLM releases this plugin supports (the ``serve``/``serve-cuda`` extras of pyproject.toml say
+the same; a test keeps them equal): exactly the releases the door's table is checked against
+(``vllm_surface.CHECKED_VLLM``: 0.32 installed and run, 0.33 statically from its wheel,
+docs/VLLM-SURFACE.md)."""
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    """Return the installed vLLM version, or refuse one outside :data:`SUPPORTED_VLLM`.
+
+    Raises:
+        RuntimeError: naming the supported range and the installed version.
+    """
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    if version is None:
+        from vllm_plugin.vllm_surface import vllm_version
+
+        version = vllm_version()
+    try:  # local tags and dev/rc suffixes do not matter: 0.33.1+cu130 and 0.33.0rc1 are 0.33.x
+        ok = SpecifierSet(SUPPORTED_VLLM).contains(Version(version).base_version)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise RuntimeError(f"mmref supports vLLM {SUPPORTED_VLLM}; this server runs vLLM {version}")
+    return version
 
 
 def problems() -> list[str]:
@@ -32,7 +66,6 @@ def problems() -> list[str]:
     variables (WARNING) first."""
     from protocol.settings import SettingError, warn_unknown_variables
     from vllm_plugin.config import PluginConfig
-    from vllm_plugin.plugin import check_vllm_version
 
     warn_unknown_variables(log=logger)
     found = []

@@ -40,20 +40,16 @@ from pathlib import Path
 from typing import Any
 
 from protocol.errors import PlaceholderMismatch
-from protocol.placeholders import locate_image_runs
-from protocol.refs import ContentRef, RawRefBody, parse_ref
-from protocol.structs import RawMMRef
 from vllm_plugin.content_parts import bind_content_refs, check_content_parts
 from vllm_plugin.engine_items import EngineItems, RecordedItem
 from vllm_plugin.items import encode_item
 from vllm_plugin.protocol import MMRefGenerateRequest, parse_request
-from vllm_plugin.resolver import MMRefResolver, ResolvedItem
+from vllm_plugin.request_scope import pending_items
+from vllm_plugin.resolution import FeatureForm, Resolution
+from vllm_plugin.resolver import MMRefResolver
 from vllm_plugin.seeds import SplitRule
-from vllm_plugin.serving_features import FeatureChecks
-from vllm_plugin.serving_tokens import ResolvedSlot, pending_items
 from vllm_plugin.vllm_surface import load
 from vllm_plugin.weights import (
-    engine_hash,
     served_by,
     version_salt,
 )
@@ -70,15 +66,11 @@ class Prepared:
     request: MMRefGenerateRequest
     """The request vLLM serves: ``features`` with the resolved refs' slots empty (``null``), the
     ``cache_salt`` bound to the weight version."""
-    sent: list[tuple[str, RecordedItem]]
-    """The items it gives the engine with data (``engine_items.py``)."""
-    slots: tuple[ResolvedSlot, ...]
-    """The resolved refs, by position: their items enter the engine input at the hand-off."""
-    version: str
-    """The weight version its engine hashes and ``cache_salt`` are bound to (``weights.py``)."""
+    resolution: Resolution
+    """Its images: the items it gives the engine, the resolved refs' slots, the version."""
 
 
-class MMRefServing(FeatureChecks):
+class MMRefServing:
     """Checks and resolves generate requests for the served model.
 
     Args:
@@ -111,9 +103,11 @@ class MMRefServing(FeatureChecks):
         self.config = resolver.config
         self.engine_items = engine_items
         self.placeholder_token_id = placeholder_token_id
+        self.form = FeatureForm(
+            resolver, engine_items, placeholder_token_id=placeholder_token_id, ec_transfer=ec_transfer
+        )
         self.serving_tokens = serving_tokens
         self.local_media = Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
-        self.ec_transfer = ec_transfer
         self.max_body_bytes = max_body_bytes
         self.weight_version = weight_version
         self.split_rule = split_rule
@@ -136,16 +130,19 @@ class MMRefServing(FeatureChecks):
         error_response, response = load("ErrorResponse"), load("GenerateResponseBase")
         for attempt in (1, 2):
             prepared = await self.prepare(parse_request(body))  # parsed again: vLLM mutates requests
+            resolution = prepared.resolution
             # the items it carried are recorded once the engine has answered (streamed or not)
-            with pending_items(prepared.slots, functools.partial(self.record, prepared.sent)):
+            with pending_items(resolution.slots, functools.partial(self.record, resolution.sent)):
                 result = await self.serving_tokens.serve_tokens(prepared.request, raw_request)
             if isinstance(result, error_response):
                 break
-            if not isinstance(result, response) or served_by(result, prepared.version):
+            if not isinstance(result, response) or served_by(result, resolution.version):
                 break
             if attempt == 1:
-                logger.info("mmref: not generated under weights %r alone; generating again", prepared.version)
-        return result, prepared.version
+                logger.info(
+                    "mmref: not generated under weights %r alone; generating again", resolution.version
+                )
+        return result, resolution.version
 
     async def resolved_features(self, body: Any) -> tuple[dict[str, Any], str]:
         """A generate request's ``features`` as the engine would get them (``/inference/v1/resolve``):
@@ -161,17 +158,15 @@ class MMRefServing(FeatureChecks):
         if isinstance(body, dict):
             body.setdefault("sampling_params", {})
         prepared = await self.prepare(parse_request(body))
-        features = prepared.request.features
+        features, slots = prepared.request.features, prepared.resolution.slots
         dumped = features.model_dump() if features is not None else None
-        if prepared.slots:
+        if slots:
             loop = asyncio.get_running_loop()
             pool = self.resolver.pool
-            encoded = await asyncio.gather(
-                *(loop.run_in_executor(pool, encode_item, s.item) for s in prepared.slots)
-            )
+            encoded = await asyncio.gather(*(loop.run_in_executor(pool, encode_item, s.item) for s in slots))
             kwargs = dumped.get("kwargs_data") or {}  # null: vLLM's form of "every item cached"
             dumped["kwargs_data"] = kwargs
-            for slot, data in zip(prepared.slots, encoded, strict=True):
+            for slot, data in zip(slots, encoded, strict=True):
                 items = kwargs.get(slot.modality) or [None] * len(dumped["mm_hashes"][slot.modality])
                 items[slot.index] = data
                 kwargs[slot.modality] = items
@@ -180,7 +175,7 @@ class MMRefServing(FeatureChecks):
             "fingerprint": self.adapter.fingerprint,
             "pixel_mode": self.resolver.pixel_mode,
         }
-        return content, prepared.version
+        return content, prepared.resolution.version
 
     async def prepare(self, request: MMRefGenerateRequest) -> Prepared:
         """Resolve refs and run the checks above, bound to the engine's current weight version.
@@ -197,22 +192,22 @@ class MMRefServing(FeatureChecks):
         if request.content_parts:
             check_content_parts(request.content_parts, self.local_media)
             await bind_content_refs(request.content_parts, version)
-        sent: list[tuple[str, RecordedItem]] = []
-        slots: list[ResolvedSlot] = []
-        features = request.features
         if request.mm_refs is not None:
-            features = await self._features_from_refs(request.mm_refs, token_ids, sent, slots, version)
-        elif features is not None:
-            features = await self._check_features(features, token_ids, sent, slots, version)
+            resolution = await self.form.from_refs(request.mm_refs, token_ids, version)
+        elif request.features is not None:
+            resolution = await self.form.check(request.features, token_ids, version)
+        else:
+            resolution = Resolution(None, (), (), version)
+        features = resolution.features
         if not request.content_parts and not (features and any(features.mm_hashes.values())):
             self._refuse_unclaimed(token_ids)
-        for mm_hash, item in sent:  # resolved refs' counts, for null slots while this request runs
+        for mm_hash, item in resolution.sent:  # resolved refs' counts, for null slots while it runs
             self.engine_items.note(mm_hash, item)
         salt = version_salt(request.cache_salt, version)
         served = request.model_copy(update={"features": features, "mm_refs": None, "cache_salt": salt})
-        return Prepared(served, sent, tuple(slots), version)
+        return Prepared(served, resolution)
 
-    def record(self, sent: list[tuple[str, RecordedItem]]) -> None:
+    def record(self, sent: tuple[tuple[str, RecordedItem], ...]) -> None:
         """The engine accepted a request: mirror its receiver cache for the items it carried."""
         for mm_hash, item in sent:
             self.engine_items.sent(mm_hash, item)
@@ -226,54 +221,3 @@ class MMRefServing(FeatureChecks):
                 f"prompt has {found} image placeholder tokens (id {self.placeholder_token_id}) and the "
                 "request carries no image (mm_refs, features or content_parts; vLLM ignores unknown keys)"
             )
-
-    # --- the two request forms -----------------------------------------------------------
-
-    async def _features_from_refs(
-        self,
-        mm_refs: list[str | RawMMRef],
-        token_ids: list[int],
-        sent: list[tuple[str, RecordedItem]],
-        slots: list[ResolvedSlot],
-        version: str,
-    ) -> Any:
-        self._check_ref_count(len(mm_refs))
-        resolved = await asyncio.gather(
-            *(self.resolver.resolve(e if isinstance(e, str) else e.ref) for e in mm_refs)
-        )
-        for entry, item in zip(mm_refs, resolved, strict=True):
-            if isinstance(entry, RawMMRef):
-                _check_declared(entry, item)
-        counts = [item.num_placeholders for item in resolved]
-        ranges = locate_image_runs(token_ids, [], self.placeholder_token_id, counts=counts)
-        hashes = [engine_hash(item.content_key, version) for item in resolved]
-        sent.extend((h, _recorded(item)) for h, item in zip(hashes, resolved, strict=True))
-        m = self.adapter.vllm_modality
-        slots.extend(ResolvedSlot(m, i, hashes[i], item.item) for i, item in enumerate(resolved))
-        return load("MultiModalFeatures")(
-            mm_hashes={m: hashes},
-            mm_placeholders={m: [{"offset": o, "length": n} for o, n in ranges]},
-            kwargs_data={m: [None] * len(resolved)},
-        )
-
-
-def _recorded(item: ResolvedItem) -> RecordedItem:
-    return RecordedItem(item.num_placeholders)
-
-
-def _check_declared(declared: RawMMRef, item: ResolvedItem) -> None:
-    """A ``RawMMRef``'s declared grid, placeholder count and sha256 must agree with its ref."""
-    from protocol.errors import InvalidRef
-
-    ref = declared.ref
-    if list(item.grid) != list(declared.grid) or item.num_placeholders != declared.num_placeholders:
-        raise PlaceholderMismatch(
-            f"RawMMRef declares grid {declared.grid} / {declared.num_placeholders} placeholders, "
-            f"the image gives {list(item.grid)} / {item.num_placeholders}",
-            ref=ref,
-        )
-    body = parse_ref(ref)
-    if isinstance(body, RawRefBody) and not declared.sha256.startswith(body.mm_hash):
-        raise InvalidRef("RawMMRef sha256 and the ref's mm_hash disagree", ref=ref)
-    if isinstance(body, ContentRef) and declared.sha256 != body.sha256:
-        raise InvalidRef("RawMMRef sha256 and the v2 ref's sha256 disagree", ref=ref)

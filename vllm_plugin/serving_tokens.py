@@ -13,7 +13,7 @@ and changes only ``generate``, only for requests whose ``features`` carry resolv
    cheaply, with ``None`` at those positions (its ``mm_kwargs_from_features`` decodes nothing for
    them; its ``_validate_mm_cache_handles`` checks the client's own items only).
 2. When ``serve_tokens`` calls ``engine_client.generate(engine_input, ...)``, the wrapper puts the
-   resolved items (:class:`ResolvedSlot`, carried from the route by :func:`pending_items`) into
+   resolved items (:class:`ResolvedSlot`, carried from the route by ``request_scope.pending_items``) into
    those positions, and, where the API process's sender cache mirrors an engine-side store, gives
    them to that cache the way vLLM's processor gives its own items (``engine_items.py``): an item
    the engine holds travels as a cache handle (``None``), and the request is sent in the same
@@ -37,15 +37,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Callable, Iterator
-from contextvars import ContextVar
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_plugin import request_scope
 from vllm_plugin.engine_items import EngineItems
 from vllm_plugin.vllm_surface import load, serving_tokens_keywords
 
-__all__ = ["HandOffClient", "ResolvedSlot", "build_serving_tokens", "pending_items"]
+__all__ = ["HandOffClient", "ResolvedSlot", "build_serving_tokens"]
 
 
 @dataclass(frozen=True)
@@ -58,24 +58,6 @@ class ResolvedSlot:
     engine_hash: str
     item: Any
     """vLLM's ``MultiModalKwargsItem``."""
-
-
-_Pending = tuple[tuple[ResolvedSlot, ...], Callable[[], None] | None]
-_PENDING: ContextVar[_Pending] = ContextVar("mmref_pending_items", default=((), None))
-
-
-@contextlib.contextmanager
-def pending_items(
-    slots: tuple[ResolvedSlot, ...], on_output: Callable[[], None] | None = None
-) -> Iterator[None]:
-    """The resolved refs of the request ``serve_tokens`` is about to serve (in this task), and
-    what to call once the engine has answered it (its first output: the engine accepted it and
-    holds its items, streamed or not; never for a request refused before)."""
-    token = _PENDING.set((slots, on_output))
-    try:
-        yield
-    finally:
-        _PENDING.reset(token)
 
 
 class HandOffClient:
@@ -96,14 +78,14 @@ class HandOffClient:
         return getattr(self._client, name)
 
     def generate(self, engine_input: Any, *args: Any, **kwargs: Any) -> AsyncGenerator[Any, None]:
-        """vLLM's ``generate``; for a request with resolved refs (:func:`pending_items`, read when
+        """vLLM's ``generate``; for a request with resolved refs (``request_scope.pending_items``, read when
         ``serve_tokens`` calls this), their items enter ``engine_input`` first.
 
         Raises:
             RuntimeError: the engine input does not have the resolved refs' hashes at their
                 positions with empty slots (a vLLM that builds it differently: a server fault).
         """
-        slots, on_output = _PENDING.get()
+        slots, on_output = request_scope.pending()
         if slots:
             _fill(engine_input, slots)
             generation = self._generate(engine_input, {(s.modality, s.index) for s in slots}, args, kwargs)

@@ -10,7 +10,7 @@ __all__ = ["CHECKED_VLLM", "Kind", "Located", "Side", "Touchpoint", "Variant", "
 
 CHECKED_VLLM = ("0.32.0", "0.33.0")
 """vLLM releases the whole table is checked against (0.32 installed, 0.33 statically); the declared
-range (``vllm_plugin.plugin.SUPPORTED_VLLM``, pyproject.toml) covers exactly their minor series."""
+range (``vllm_plugin.preflight.SUPPORTED_VLLM``, pyproject.toml) covers exactly their minor series."""
 
 Kind = Literal["module", "class", "function", "method", "attribute", "constant", "assigned"]
 """``assigned``: an attribute upstream code assigns on another object (``state.X = ...`` in the

@@ -33,7 +33,7 @@ def _attrs(owner: str, upstream: str, used_in: tuple[str, ...], *names: str) -> 
 # fmt: off
 _ENTRY: tuple[Touchpoint, ...] = (
     # --- plugin.py: the entry point and its contract ----------------------------------------------------
-    row("vllm:__version__", "constant", "vllm/_version.py", _DOOR, "vllm_plugin/plugin.py",
+    row("vllm:__version__", "constant", "vllm/_version.py", _DOOR, "vllm_plugin/preflight.py",
         "tests/test_plugin.py",
         key="vllm.__version__", accessor="vllm_version"),
     row("vllm.plugins:ENDPOINT_PLUGINS_GROUP", "constant", "vllm/plugins/__init__.py", "pyproject.toml",
@@ -256,7 +256,7 @@ _ITEMS: tuple[Touchpoint, ...] = (
         positional=0,
         keywords=("batch_size",)),
     row(f"{_INPUTS}:MultiModalKwargsItem", "class", _INPUTS_FILE, "vllm_plugin/engine_items.py",
-        "vllm_plugin/items.py", "vllm_plugin/serving_features.py", "tests/test_engine_items.py",
+        "vllm_plugin/items.py", "vllm_plugin/resolution.py", "tests/test_engine_items.py",
         positional=1),
     # --- items.py, resolver.py: vLLM's item codec and field layout ---------------------------------------
     row("vllm.v1.serial_utils:MsgpackEncoder", "class", "vllm/v1/serial_utils.py", "vllm_plugin/items.py",
@@ -283,7 +283,7 @@ _ITEMS: tuple[Touchpoint, ...] = (
 )
 
 _ROUTE: tuple[Touchpoint, ...] = (
-    # --- protocol.py, serving.py, serving_features.py, seeds.py: the token-in/token-out schema -----------
+    # --- protocol.py, serving.py, resolution.py, seeds.py: the token-in/token-out schema ----------------
     row(f"{_TIT}.protocol:GenerateRequest", "class", f"{_TIT_FILE}/protocol.py", "vllm_plugin/protocol.py",
         reached_as="subclassed by MMRefGenerateRequest (adds mm_refs)"),
     row(f"{_TIT}.protocol:GenerateRequest.token_ids", "attribute", f"{_TIT_FILE}/protocol.py",
@@ -298,18 +298,18 @@ _ROUTE: tuple[Touchpoint, ...] = (
         "vllm_plugin/seeds.py"),
     row(f"{_TIT}.protocol:GenerateRequest.is_sampling_param_provided", "method", f"{_TIT_FILE}/protocol.py",
         "vllm_plugin/seeds.py", positional=1),
-    row(f"{_TIT}.protocol:MultiModalFeatures", "class", f"{_TIT_FILE}/protocol.py", "vllm_plugin/serving.py",
-        "vllm_plugin/serving_features.py", positional=0,
+    row(f"{_TIT}.protocol:MultiModalFeatures", "class", f"{_TIT_FILE}/protocol.py",
+        "vllm_plugin/resolution.py", positional=0,
         keywords=("mm_hashes", "mm_placeholders", "kwargs_data", "mm_metadata")),
     *_attrs(f"{_TIT}.protocol:MultiModalFeatures", f"{_TIT_FILE}/protocol.py",
-            ("vllm_plugin/serving.py", "vllm_plugin/serving_features.py"),
+            ("vllm_plugin/serving.py", "vllm_plugin/resolution.py"),
             "mm_hashes", "kwargs_data", "mm_metadata"),
     row(f"{_TIT}.protocol:MultiModalFeatures.mm_placeholders", "attribute", f"{_TIT_FILE}/protocol.py",
-        "vllm_plugin/serving_features.py", "vllm_plugin/seeds.py"),
+        "vllm_plugin/resolution.py", "vllm_plugin/seeds.py"),
     row(f"{_TIT}.protocol:PlaceholderRangeInfo.offset", "attribute", f"{_TIT_FILE}/protocol.py",
-        "vllm_plugin/serving_features.py"),
+        "vllm_plugin/resolution.py"),
     row(f"{_TIT}.protocol:PlaceholderRangeInfo.length", "attribute", f"{_TIT_FILE}/protocol.py",
-        "vllm_plugin/serving_features.py", "vllm_plugin/seeds.py"),
+        "vllm_plugin/resolution.py", "vllm_plugin/seeds.py"),
     # --- serving.py, api_router.py, weights.py: the answer --------------------------------------------------
     row(f"{_TIT}.protocol:GenerateResponseBase", "class", f"{_TIT_FILE}/protocol.py",
         "vllm_plugin/serving.py",
@@ -333,7 +333,7 @@ _ROUTE: tuple[Touchpoint, ...] = (
     row("vllm.entrypoints.serve.utils.api_utils:with_cancellation", "function",
         "vllm/entrypoints/serve/utils/api_utils.py", "vllm_plugin/api_router.py", positional=1),
     row("vllm.entrypoints.serve.exception_handling.utils:sanitize_message", "function",
-        "vllm/entrypoints/serve/exception_handling/utils.py", "vllm_plugin/api_router.py", positional=1),
+        "vllm/entrypoints/serve/exception_handling/utils.py", "vllm_plugin/http_edge.py", positional=1),
 )
 
 _CONNECTOR: tuple[Touchpoint, ...] = (

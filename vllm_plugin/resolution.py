@@ -1,0 +1,291 @@
+"""A request's images, checked and resolved into what vLLM's engine gets: a :class:`Resolution`,
+returned by :class:`FeatureForm` for each of the two request forms.
+
+- ``mm_refs`` (prompt order, :meth:`FeatureForm.from_refs`): each ref resolved (``resolver.py``),
+  its placeholder run located in the prompt (``protocol.placeholders.locate_image_runs``);
+- ``features`` (:meth:`FeatureForm.check`): each position a ref (resolved), an inline item (decoded
+  and checked as vLLM will merge it), or a ``null`` slot (the engine's cache, or a content-named
+  handle resolved from the roots), every range as long as its item (docs/ARCHITECTURE.md).
+
+A resolved ref's slot is left ``null`` in the features vLLM reads; its item travels as a
+:class:`~vllm_plugin.serving_tokens.ResolvedSlot` and enters the engine input at the hand-off.
+Every engine hash is bound to the weight version the form was called with (``weights.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from protocol.errors import InvalidRef, InvalidRequest, NotCached, PlaceholderMismatch
+from protocol.placeholders import check_length, check_range, locate_image_runs
+from protocol.refs import ContentRef, RawRefBody, is_ref, parse_ref
+from protocol.structs import RawMMRef
+from vllm_plugin.engine_items import EngineItems, RecordedItem
+from vllm_plugin.items import CheckedItem, decode_item
+from vllm_plugin.resolver import MMRefResolver, ResolvedItem
+from vllm_plugin.serving_tokens import ResolvedSlot
+from vllm_plugin.vllm_surface import load
+from vllm_plugin.weights import ENGINE_HASH_PREFIX, binding_digest, engine_hash, parse_handle
+
+__all__ = ["FeatureForm", "Resolution"]
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """A request's images, resolved and checked, bound to one weight version."""
+
+    features: Any
+    """vLLM's ``MultiModalFeatures`` for the request (resolved refs' slots ``null``), or the
+    request's own where it has none to resolve (None: no images)."""
+    sent: tuple[tuple[str, RecordedItem], ...]
+    """The items the request gives the engine with data, by engine hash (``engine_items.py``)."""
+    slots: tuple[ResolvedSlot, ...]
+    """The resolved refs, by position: their items enter the engine input at the hand-off."""
+    version: str
+    """The weight version its engine hashes are bound to."""
+
+
+class _Position(NamedTuple):
+    """One ``features`` position of the served modality."""
+
+    index: int
+    mm_hash: str
+    slot: str | None
+    metadata: str | None
+    placeholder: Any
+    """vLLM's ``PlaceholderRangeInfo`` (``offset``, ``length``)."""
+
+
+class _Call(NamedTuple):
+    """What every check of one request reads."""
+
+    token_ids: list[int]
+    version: str
+
+
+class FeatureForm:
+    """Resolves and checks the images of generate requests for the served model.
+
+    Args:
+        resolver: resolves refs (and owns the adapter, the settings, the item layout and the pool).
+        engine_items: what the engine may hold, for ``null`` slots.
+        placeholder_token_id: the model's image placeholder token id.
+        ec_transfer: whether the server has an encoder-cache connector (metadata-only items).
+    """
+
+    def __init__(
+        self,
+        resolver: MMRefResolver,
+        engine_items: EngineItems,
+        *,
+        placeholder_token_id: int,
+        ec_transfer: bool,
+    ) -> None:
+        self.resolver = resolver
+        self.adapter = resolver.adapter
+        self.engine_items = engine_items
+        self.placeholder_token_id = placeholder_token_id
+        self.ec_transfer = ec_transfer
+        self.max_refs = resolver.config.max_refs_per_request
+
+    def check_ref_count(self, n: int) -> None:
+        """Bound the refs (and image handles) one request may make the server read.
+
+        Raises:
+            InvalidRequest: more than ``MMREF_MAX_REFS_PER_REQUEST``.
+        """
+        if n > self.max_refs:
+            raise InvalidRequest(
+                f"{n} refs (or image handles) in one request; MMREF_MAX_REFS_PER_REQUEST is {self.max_refs}"
+            )
+
+    async def from_refs(
+        self, mm_refs: list[str | RawMMRef], token_ids: list[int], version: str
+    ) -> Resolution:
+        """The ``mm_refs`` form: every ref resolved, its run located in ``token_ids``.
+
+        Raises:
+            InvalidRequest: too many refs. PlaceholderMismatch: the prompt's runs do not fit the
+            items, or a ``RawMMRef`` declares another grid. InvalidRef: a declared sha256 that is
+            not the ref's. MMRefError subclasses: a ref that cannot be used (``resolver.py``).
+        """
+        self.check_ref_count(len(mm_refs))
+        resolved = await asyncio.gather(
+            *(self.resolver.resolve(e if isinstance(e, str) else e.ref) for e in mm_refs)
+        )
+        for entry, item in zip(mm_refs, resolved, strict=True):
+            if isinstance(entry, RawMMRef):
+                _check_declared(entry, item)
+        counts = [item.num_placeholders for item in resolved]
+        ranges = locate_image_runs(token_ids, [], self.placeholder_token_id, counts=counts)
+        hashes = [engine_hash(item.content_key, version) for item in resolved]
+        m = self.adapter.vllm_modality
+        features = load("MultiModalFeatures")(
+            mm_hashes={m: hashes},
+            mm_placeholders={m: [{"offset": o, "length": n} for o, n in ranges]},
+            kwargs_data={m: [None] * len(resolved)},
+        )
+        sent = tuple((h, _recorded(item)) for h, item in zip(hashes, resolved, strict=True))
+        slots = tuple(ResolvedSlot(m, i, hashes[i], item.item) for i, item in enumerate(resolved))
+        return Resolution(features, sent, slots, version)
+
+    async def check(self, features: Any, token_ids: list[int], version: str) -> Resolution:
+        """The ``features`` form: every position checked, refs and content-named handles resolved.
+
+        Raises:
+            InvalidRequest: another modality, too many reads, a reserved hash on an item the server
+            did not resolve, a metadata-only item without an encoder-cache connector, an inline
+            item that is not the model's. PlaceholderMismatch, NotCached: see :meth:`_null_slot`.
+        """
+        m = self.adapter.vllm_modality
+        other = sorted(set(features.mm_hashes) - {m})
+        if other:
+            raise InvalidRequest(f"features modalities {other[:4]} are not served; this server takes {m!r}")
+        hashes = list(features.mm_hashes.get(m, ()))
+        if not hashes:
+            return Resolution(features, (), (), version)  # no items: vLLM's answer as is
+        positions = _positions(features, m, hashes)
+        self._check_positions(positions)
+        if any(p.slot is None and p.metadata is None for p in positions):
+            await self.engine_items.settle()  # null slots: P0 current first (vLLM >= 0.33)
+        call = _Call(token_ids, version)
+        results = await asyncio.gather(*(self._check_position(call, p) for p in positions))
+        kwargs, metadata = [p.slot for p in positions], [p.metadata for p in positions]
+        sent, slots = [], []
+        for i, result in enumerate(results):
+            if isinstance(result, ResolvedItem):
+                kwargs[i], hashes[i], metadata[i] = None, engine_hash(result.content_key, version), None
+                slots.append(ResolvedSlot(m, i, hashes[i], result.item))
+            if isinstance(result, ResolvedItem | CheckedItem):
+                sent.append((hashes[i], _recorded(result)))
+        checked = load("MultiModalFeatures")(
+            mm_hashes={m: hashes},
+            mm_placeholders={m: [p.placeholder for p in positions]},
+            kwargs_data={m: kwargs} if features.kwargs_data is not None else None,
+            mm_metadata={m: metadata} if features.mm_metadata is not None else None,
+        )
+        return Resolution(checked, tuple(sent), tuple(slots), version)
+
+    def _check_positions(self, positions: list[_Position]) -> None:
+        """The read bound (each ref slot, and each null slot naming an image, costs a read) and the
+        reserved namespace (an inline item may not claim an ``mmref-`` hash)."""
+        reads = [
+            is_ref(p.slot) if p.slot is not None else parse_handle(p.mm_hash) is not None for p in positions
+        ]
+        self.check_ref_count(sum(reads))
+        for p in positions:
+            if not (p.slot is not None and is_ref(p.slot)) and p.mm_hash.startswith(ENGINE_HASH_PREFIX):
+                if p.slot is not None or p.metadata is not None:
+                    raise InvalidRequest(
+                        f"{self._where(p)}: hashes starting with {ENGINE_HASH_PREFIX!r} are reserved for "
+                        "refs this server resolves; send the ref, or a null slot"
+                    )
+
+    async def _check_position(self, call: _Call, p: _Position) -> ResolvedItem | CheckedItem | None:
+        """One ``features`` position: a ref (resolved), an inline item (checked), a ``null`` slot."""
+        if p.slot is not None and is_ref(p.slot):
+            item = await self.resolver.resolve(p.slot)
+            self._check_range(call, p, item.num_placeholders, p.slot)
+            return item
+        if p.slot is None and p.metadata is None:
+            return await self._null_slot(call, p)
+        if p.slot is None and not self.ec_transfer:
+            raise InvalidRequest(
+                f"{self._where(p)}: a metadata-only item needs an encoder-cache connector on the server"
+            )
+        loop = asyncio.get_running_loop()
+        checked = await loop.run_in_executor(self.resolver.pool, self._check_inline, p)
+        check_length(p.placeholder.model_dump(), checked.num_placeholders, self._where(p))
+        return checked
+
+    async def _null_slot(self, call: _Call, p: _Position) -> ResolvedItem | None:
+        """A ``null`` slot: served from the engine's cache (None), or, for a content-named image
+        hash (``weights.parse_handle``) bound to this server's fingerprint, pixel mode and the
+        call's version that the engine does not hold, resolved from the roots as a ref is.
+
+        Raises:
+            NotCached: a content-named hash under another binding (other weights, fingerprint or
+                pixel mode: no item this server computes can be it), or any other hash the engine
+                does not hold.
+            PlaceholderMismatch: the slot's range is not the item's length.
+            MMRefError subclasses: the handle's image cannot be resolved (``resolver.resolve_handle``).
+        """
+        handle = parse_handle(p.mm_hash)
+        if handle is not None:
+            binding = binding_digest(self.adapter.fingerprint, self.resolver.pixel_mode, call.version)
+            if handle.binding != binding:
+                raise NotCached(
+                    f"{self._where(p)}: hash {p.mm_hash[:120]!r} was minted under other weights or another "
+                    f"layout (this server: version {call.version!r}, fingerprint {self.adapter.fingerprint}, "
+                    f"{self.resolver.pixel_mode} pixels); send the ref"
+                )
+        known, recorded = self.engine_items.lookup(p.mm_hash)
+        if not known and handle is not None:
+            item = await self.resolver.resolve_handle(handle.sha256, handle.ext, p.mm_hash)
+            self._check_range(call, p, item.num_placeholders, p.mm_hash)
+            return item
+        if not known:
+            raise NotCached(
+                f"{self._where(p)}: the engine holds no item under hash {p.mm_hash[:80]!r} "
+                f"({self.engine_items.mode.value} cache); send the item or its ref"
+            )
+        if recorded is None:  # a ref's item whose request runs, or one vLLM's own processor sent
+            items = self.engine_items
+            recorded = items.length_of(p.mm_hash) or await items.recorded_by_vllm(p.mm_hash)
+        if recorded is not None:
+            check_length(p.placeholder.model_dump(), recorded.num_placeholders, self._where(p))
+        return None
+
+    def _check_inline(self, p: _Position) -> CheckedItem:
+        """Decode an inline item and its ``mm_metadata`` as vLLM will, merge them as vLLM merges
+        them (``mm_features.merge_mm_kwargs_items``), check the result (worker thread)."""
+        where = self._where(p)
+        item = decode_item(p.slot, InvalidRequest, f"{where} (kwargs_data)") if p.slot is not None else None
+        meta = (
+            decode_item(p.metadata, InvalidRequest, f"{where} (mm_metadata)")
+            if p.metadata is not None
+            else None
+        )
+        merged = load("MultiModalKwargsItem")({**(item or {}), **(meta or {})})
+        if item is None:  # metadata-only (encoder-cache transfer): only its grid and range are checked
+            grid = self.resolver.layout.grid_of(merged, InvalidRequest, where)
+            return CheckedItem(grid, self.adapter.num_placeholders(grid))
+        return self.resolver.layout.check(merged, InvalidRequest, where)
+
+    def _check_range(self, call: _Call, p: _Position, expected: int, ref: str) -> None:
+        check_range(call.token_ids, p.placeholder.model_dump(), self.placeholder_token_id, expected, ref)
+
+    def _where(self, p: _Position) -> str:
+        return f"{self.adapter.vllm_modality} item {p.index}"
+
+
+def _positions(features: Any, modality: str, hashes: list[str]) -> list[_Position]:
+    ranges = list(features.mm_placeholders.get(modality, ()))
+    kwargs = list((features.kwargs_data or {}).get(modality) or [None] * len(hashes))
+    metadata = list((features.mm_metadata or {}).get(modality) or [None] * len(hashes))
+    return [
+        _Position(i, *parts) for i, parts in enumerate(zip(hashes, kwargs, metadata, ranges, strict=True))
+    ]
+
+
+def _recorded(item: ResolvedItem | CheckedItem) -> RecordedItem:
+    """The one place a sent item's record is made (its feature count, for later ``null`` slots)."""
+    return RecordedItem(item.num_placeholders)
+
+
+def _check_declared(declared: RawMMRef, item: ResolvedItem) -> None:
+    """A ``RawMMRef``'s declared grid, placeholder count and sha256 must agree with its ref."""
+    ref = declared.ref
+    if list(item.grid) != list(declared.grid) or item.num_placeholders != declared.num_placeholders:
+        raise PlaceholderMismatch(
+            f"RawMMRef declares grid {declared.grid} / {declared.num_placeholders} placeholders, "
+            f"the image gives {list(item.grid)} / {item.num_placeholders}",
+            ref=ref,
+        )
+    body = parse_ref(ref)
+    if isinstance(body, RawRefBody) and not declared.sha256.startswith(body.mm_hash):
+        raise InvalidRef("RawMMRef sha256 and the ref's mm_hash disagree", ref=ref)
+    if isinstance(body, ContentRef) and declared.sha256 != body.sha256:
+        raise InvalidRef("RawMMRef sha256 and the v2 ref's sha256 disagree", ref=ref)
