@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (
+    FIXTURE_ENV,
     SERVER_ARGS,
     SERVER_CACHE_BUDGET,
     VLLMServer,
@@ -30,11 +31,13 @@ def pytest_runtest_setup(item) -> None:
     Libraries change ``os.environ`` when imported: TRL sets ``VLLM_LOGGING_LEVEL=ERROR``
     (``trl/_compat.py``), OpenCV prepends ``LD_LIBRARY_PATH``, tensordict sets ``LAZY_LEGACY_OP``.
     Inherited by a vLLM server started later, the first silenced every INFO line the log tests
-    read (CI, 10 failures after the TRL tests ran).
+    read (CI, 10 failures after the TRL tests ran). What a live fixture set (``FIXTURE_ENV``: the
+    S3 endpoint's AWS chain) stays: without it obstore fell back to the instance metadata service.
     """
-    if os.environ != SESSION_ENV:
+    wanted = {**SESSION_ENV, **FIXTURE_ENV}
+    if os.environ != wanted:
         os.environ.clear()
-        os.environ.update(SESSION_ENV)
+        os.environ.update(wanted)
 
 
 @pytest.fixture(scope="session")

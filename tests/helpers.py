@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 
 SERVER_CACHE_BUDGET = 8 << 20
 """Resolve-cache budget of the test server: small, so the suite exercises eviction."""
+# Variables a fixture sets in this process for as long as it lives (MotoS3.environment):
+# conftest's per-test reset of os.environ keeps them.
+FIXTURE_ENV: dict[str, str] = {}
+
 SERVER_ARGS = ("--enable-scale-out", "--logprobs-mode", "processed_logprobs")
 """Flags of the session plugin server (and of the stock server it is compared with).
 
@@ -544,10 +548,12 @@ class MotoS3:
 
         saved = {k: os.environ.get(k) for k in self.env()}
         os.environ.update(self.env())
+        FIXTURE_ENV.update(self.env())
         try:
             yield
         finally:
             for k, v in saved.items():
+                FIXTURE_ENV.pop(k, None)
                 if v is None:
                     os.environ.pop(k, None)
                 else:
