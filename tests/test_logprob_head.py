@@ -150,13 +150,18 @@ def test_packed_forward_head_matches_the_plain_head(families, family, monkeypatc
     assert torch.allclose(lp, lp_ref, rtol=1e-6, atol=ATOL) and torch.allclose(ent, ent_ref, atol=ATOL)
     assert float(ent.max()) > 1.0  # a real distribution: random weights, vocab 512
     flat, flat_ref = (torch.cat([g[k].flatten() for k in sorted(g)]) for g in (grads, grads_ref))
-    worst = max(relative(grads[k], grads_ref[k]) for k in grads if grads_ref[k].norm() > 0)
+    # each parameter against its own norm, floored at 1e-4 of the whole gradient: Qwen3.5's
+    # layer-0 delta-rule decay (A_log, dt_bias) has gradients ~1e-5 of the others', where float32
+    # summation order alone moves them by ~1e-4 of themselves (1e-9 absolute)
+    floor = 1e-4 * float(flat_ref.norm())
+    worst = max(
+        float((grads[k] - grads_ref[k]).norm()) / max(float(grads_ref[k].norm()), floor)
+        for k in grads
+    )
     print(
         f"\n{family}: chunked vs plain head, max |d entropy| {(ent - ent_ref).abs().max():.2e}; "
         f"gradients relative {relative(flat, flat_ref):.2e} (worst parameter {worst:.2e})"
     )
-    # as tests/test_forward_qwen35.py: all parameters together; a lone parameter of Qwen3.5's
-    # delta-rule decay (A_log, dt_bias) moves by ~4e-5 with the summation order of float32 sums
     assert relative(flat, flat_ref) <= GRAD_RTOL and worst <= 10 * GRAD_RTOL
 
 
