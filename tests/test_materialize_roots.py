@@ -39,13 +39,8 @@ SLACK_S = 2.0
 @pytest.fixture(scope="module")
 def s3(moto_s3):
     """A fresh bucket; the AWS chain variables of moto set for this process while the module runs."""
-    mp = pytest.MonkeyPatch()
-    for k, v in moto_s3.env().items():
-        mp.setenv(k, v)
-    try:
+    with moto_s3.environment():
         yield moto_s3, moto_s3.make_bucket(f"mmref-mat-{uuid.uuid4().hex[:10]}")
-    finally:
-        mp.undo()
 
 
 def s3_root(url: str, endpoint: str | None = None) -> ObjectRoot:
