@@ -11,8 +11,10 @@ plugin's ``/mmref/v1/weights/hold`` and ``/mmref/v1/weights/release`` (:func:`he
 the server started with ``VLLM_SERVER_DEV_MODE=1`` (vLLM, and the plugin, register these routes
 only then).
 
-:func:`reload_and_version` is vLLM's bare two calls, with no drain and no cache reset: what the
-tests use to show how vLLM's own caches behave (docs/WEIGHT-UPDATES.md).
+:func:`reload_and_version` is vLLM's bare two calls, and :func:`vllm_recipe` vLLM's own recipe
+around them (pause, reload, cache resets, version, resume): what a framework written for vLLM
+sends. On stock vLLM both are unsafe with requests in flight; on a plugin server they pass
+through the plugin's gate (``vllm_plugin/control.py``, docs/WEIGHT-UPDATES.md).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ __all__ = [
     "reload_and_version",
     "reset_stock_caches",
     "save_weights",
+    "vllm_recipe",
     "weight_version",
 ]
 
@@ -93,6 +96,21 @@ def reload_and_version(client: httpx.Client, weights_dir: Path, version: str) ->
     client.post("/collective_rpc", json=rpc).raise_for_status()
     client.post("/update_weight_version", json={"new_version": version}).raise_for_status()
     return time.perf_counter() - t0
+
+
+def vllm_recipe(client: httpx.Client, weights_dir: Path, version: str, mode: str = "keep") -> None:
+    """vLLM's own update recipe: ``POST /pause?mode=MODE``, ``/collective_rpc reload_weights``,
+    ``/reset_encoder_cache``, ``/reset_prefix_cache``, ``/update_weight_version``, ``/resume``.
+
+    Raises:
+        httpx.HTTPStatusError: a call failed.
+    """
+    client.post("/pause", params={"mode": mode}).raise_for_status()
+    rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
+    client.post("/collective_rpc", json=rpc).raise_for_status()
+    reset_stock_caches(client)
+    client.post("/update_weight_version", json={"new_version": version}).raise_for_status()
+    client.post("/resume").raise_for_status()
 
 
 def reset_stock_caches(client: httpx.Client) -> None:

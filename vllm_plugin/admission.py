@@ -52,6 +52,7 @@ from vllm_plugin.http_edge import (
     read_messages,
     refuse,
     replay,
+    route_path,
     with_length,
 )
 from vllm_plugin.seeds import SplitRule
@@ -127,13 +128,17 @@ class Admission:
             if self.admitted == 0:
                 self._idle.set()
 
+    def close(self) -> None:
+        """New requests wait (those admitted run on)."""
+        self._open.clear()
+
     async def drain(self, timeout_s: float | None) -> None:
         """Close the gate and wait until every admitted request has finished.
 
         Raises:
             DrainTimeout: not within ``timeout_s`` (the gate is open again).
         """
-        self._open.clear()
+        self.close()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
@@ -160,7 +165,7 @@ class AdmissionMiddleware:
         if admission is None:
             await self.app(scope, receive, send)
             return
-        route = _route_path(scope)
+        route = route_path(scope)
         plugin = route in PLUGIN_PATHS
         limit = admission.max_body_bytes if plugin else None
         # the body first: a client still sending (or stalled) is not admitted, so it never holds
@@ -186,22 +191,10 @@ class AdmissionMiddleware:
                 await typed(e)
 
 
-def _route_path(scope: Scope) -> str:
-    """The path the app routes on: ``path`` less the ``root_path`` prefix (vLLM's ``--root-path``),
-    as Starlette's own routing computes it (``starlette/_utils.py``, ``get_route_path``)."""
-    path: str = scope.get("path", "")
-    root = scope.get("root_path", "")
-    if not root or not path.startswith(root):
-        return path
-    if path == root:
-        return ""
-    return path[len(root) :] if path[len(root)] == "/" else path
-
-
 def _admission(scope: Scope) -> Admission | None:
     if scope.get("type") != "http" or scope.get("method") != "POST":
         return None
-    if not _route_path(scope).startswith(ENGINE_PREFIXES):
+    if not route_path(scope).startswith(ENGINE_PREFIXES):
         return None
     app = scope.get("app")
     admission = getattr(getattr(app, "state", None), "mmref_admission", None)

@@ -49,6 +49,7 @@ __all__ = [
     "read_messages",
     "refuse",
     "replay",
+    "route_path",
     "version_headers",
     "with_length",
 ]
@@ -253,3 +254,15 @@ def labelled(send: Send, versions: Callable[[], Awaitable[str]]) -> Send:
         await send(message)
 
     return with_version
+
+
+def route_path(scope: Scope) -> str:
+    """The path the app routes on: ``path`` less the ``root_path`` prefix (vLLM's ``--root-path``),
+    as Starlette's own routing computes it (``starlette/_utils.py``, ``get_route_path``)."""
+    path: str = scope.get("path", "")
+    root = scope.get("root_path", "")
+    if not root or not path.startswith(root):
+        return path
+    if path == root:
+        return ""
+    return path[len(root) :] if path[len(root)] == "/" else path

@@ -41,10 +41,12 @@ class MMRefEndpointPlugin:
         version = check_vllm_version()
         from vllm_plugin import api_router, connector
         from vllm_plugin.admission import AdmissionMiddleware
+        from vllm_plugin.control import ControlMiddleware
 
         dev_mode = bool(load("envs.VLLM_SERVER_DEV_MODE"))
         api_router.attach_router(app, dev_mode=dev_mode)
         app.add_middleware(AdmissionMiddleware)
+        app.add_middleware(ControlMiddleware)
         connector.register()  # in this API-server process, where vLLM's chat parser loads it
         chat_refs = connector.enable()
         logger.info("mmref: routes attached (vLLM %s, supported %s)", version, SUPPORTED_VLLM)
@@ -72,6 +74,7 @@ class MMRefEndpointPlugin:
         from vllm_plugin import chat_refs, request_scope
         from vllm_plugin.admission import Admission
         from vllm_plugin.connector import CONNECTOR_NAME
+        from vllm_plugin.control import ControlGate
         from vllm_plugin.startup import build_serving
         from vllm_plugin.updates import WeightUpdates
 
@@ -85,6 +88,8 @@ class MMRefEndpointPlugin:
         state.mmref_serving = serving
         state.mmref_admission = admission
         state.mmref_updates = WeightUpdates(engine_client, admission, serving.weight_version)
+        if load("envs.VLLM_SERVER_DEV_MODE"):  # vLLM's control routes exist: through the gate
+            state.mmref_control = ControlGate(state.mmref_updates, engine_client)
         resolver = serving.resolver
         logger.info(
             "mmref: serving refs for %s (fingerprint %s, %s pixels, backend %s) from asset roots %s "

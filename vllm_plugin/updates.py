@@ -73,8 +73,16 @@ class WeightUpdates:
         """Whether a hold or an update has the server (from its drain to its release)."""
         return self._state != "idle"
 
-    async def hold(self, *, timeout_s: float | None = None) -> dict[str, Any]:
+    async def settled(self) -> None:
+        """Wait until no hold drains and no update runs (the server is held or not)."""
+        while self._state in ("holding", "updating"):
+            await asyncio.sleep(_SETTLE_POLL_S)
+
+    async def hold(self, *, timeout_s: float | None = None, abort: bool = False) -> dict[str, Any]:
         """Close the gate, drain this process's requests, pause the engine once it is idle.
+
+        ``abort``: vLLM aborts the requests in flight first (``pause_generation(mode="abort")``,
+        no cache cleared: they end with ``finish_reason: abort``), as vLLM's ``/pause`` does.
 
         Raises:
             UpdateConflict: the server is already held, or a hold or an update is under way.
@@ -85,6 +93,9 @@ class WeightUpdates:
         self._state, self._held_since = "holding", time.monotonic()
         start, admitted = self._held_since, self.admission.admitted
         try:
+            if abort:
+                self.admission.close()
+                await self.engine.pause_generation(mode="abort", clear_cache=False)
             await self.admission.drain(timeout_s)
             left = None if timeout_s is None else max(0.0, timeout_s - (time.monotonic() - start))
             try:
@@ -99,6 +110,9 @@ class WeightUpdates:
                     ) from None
                 raise
         except BaseException:
+            if abort:  # vLLM's abort paused the engine
+                with contextlib.suppress(Exception):
+                    await self.engine.resume_generation()
             self.admission.open()
             self._state = "idle"
             raise
@@ -122,6 +136,11 @@ class WeightUpdates:
         if version is not None:
             _check_version(version)
         return await self._release(version)
+
+    async def release_after_call(self) -> dict[str, Any]:
+        """Release a hold taken around one call of vLLM's (``control.py``): once more if the
+        first release fails before resuming; its caller has no hold to release again."""
+        return await self._release_twice(None)
 
     async def _release_twice(self, version: str | None) -> dict[str, Any]:
         """:meth:`_release`, once more if it fails before resuming (a transient RPC error): the
@@ -193,6 +212,8 @@ class WeightUpdates:
         released = await self._release_twice(version)
         return {**held, **released, "reload_seconds": round(reload_s, 6)}
 
+
+_SETTLE_POLL_S = 0.01
 
 _NOT_HELD = {
     "idle": "the server is not held for a weight update",
