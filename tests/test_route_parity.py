@@ -9,9 +9,11 @@ text tokens, ``content_parts``, streaming, ``cache_salt``, ``priority``, the lar
 serves, bodies built by the released ``renderers`` client's feature builder (its ``generate()``
 expects ``"token_id:N"`` logprob strings, which vLLM 0.32's route does not return, so only its
 builder is used), and stock's refusals. One deliberate difference: on these CPU servers a seeded
-request sampled at random is refused (``seed_unsupported``) on every route: stock serves it until a
-step prefills it in parts, which kills its engine (``vllm_plugin/seeds.py``; the last test shows it
-on the stock server, which it takes down).
+request sampled at random that other requests could split runs alone (it waits for the requests in
+flight, and new ones wait for it), with stock's answer; one that would split even alone is refused
+(``seed_unsupported``) on every route: stock serves it until a step prefills it in parts, which
+kills its engine (``vllm_plugin/seeds.py``; the last test shows it on the stock server, which it
+takes down).
 """
 
 from __future__ import annotations
@@ -179,38 +181,70 @@ def seeded_bodies(model, **sampling) -> dict[str, dict]:
     }
 
 
+def choices(response) -> list:
+    """The generated part of each choice (token ids or text or message), in order."""
+    keys = ("token_ids", "text", "message")
+    return [{k: c.get(k) for k in keys} for c in response.json()["choices"]]
+
+
 def test_the_seed_rule_on_every_route(stock, server):
     """One rule for the whole server (``seeds.py``, applied by ``admission.py`` on vLLM's routes):
     a greedy seeded request has no generator and gets stock's answer on every route; a seeded
-    request sampled at random is refused on every route of this server (4 sequences of up to 2048
-    tokens share a 2048-token step with chunked prefill on: any prompt can be split), which stock
-    serves while it happens to be prefilled in one step (the control below kills it when not)."""
+    request sampled at random, which other requests could split here (4 sequences of up to 2048
+    tokens share a 2048-token step with chunked prefill on), runs alone and gets stock's answer;
+    one that splits even alone (two sequences of 1500 tokens; a chat of unknown length with
+    ``n=2``) is refused, on every route."""
     with stock.client() as a, server.client() as b:
-        for path, body in seeded_bodies(server.model, seed=7, temperature=0).items():
-            ours, theirs = b.post(path, json=body), a.post(path, json=body)
-            assert ours.status_code == theirs.status_code == 200, (path, ours.text[:300])
-            assert ours.json()["choices"][0].get("token_ids") == theirs.json()["choices"][0].get("token_ids")
-            assert ours.json()["choices"][0].get("text") == theirs.json()["choices"][0].get("text")
-        for path, body in seeded_bodies(server.model, seed=7, temperature=1.0, n=2).items():
-            assert a.post(path, json=body).status_code == 200, path
+        for temperature, n in ((0, 1), (1.0, 1), (1.0, 2)):
+            for path, body in seeded_bodies(server.model, seed=7, temperature=temperature, n=n).items():
+                if n == 2 and path == "/v1/chat/completions":
+                    continue
+                ours, theirs = b.post(path, json=body), a.post(path, json=body)
+                assert ours.status_code == theirs.status_code == 200, (path, ours.text[:300])
+                assert choices(ours) == choices(theirs), (path, temperature, n)
+        prompt, sampling = [5] * 1500, {"max_tokens": 5, "seed": 7, "temperature": 1.0, "n": 2}
+        bodies = {
+            "/v1/completions": {"model": str(server.model), "prompt": prompt, **sampling},
+            "/inference/v1/generate": {"token_ids": prompt, "sampling_params": sampling},
+            "/v1/chat/completions": seeded_bodies(server.model, **sampling)["/v1/chat/completions"],
+        }
+        for path, body in bodies.items():
             refused = b.post(path, json=body)
             assert refusal(refused) == (400, "seed_unsupported"), (path, refused.text[:300])
-            assert "chunked prefill is on" in refused.json()["error"]["message"]
-            unseeded = {k: v for k, v in body.items() if k != "seed"}
-            if "sampling_params" in body:
-                unseeded["sampling_params"] = {
-                    k: v for k, v in body["sampling_params"].items() if k != "seed"
-                }
-            assert b.post(path, json=unseeded).status_code == 200, path
+            assert "1 other requests" in refused.json()["error"]["message"], path
         assert b.get("/health").status_code == 200
+
+
+def test_a_seeded_request_runs_alone(server):
+    """A seeded request sampled at random waits until the request in flight has finished, and a
+    request sent after it waits until it has finished: nothing shares its steps."""
+    long = {"model": str(server.model), "prompt": [3] * 50, "max_tokens": 400, "ignore_eos": True}
+    seeded = {"model": str(server.model), "prompt": [4] * 20, "max_tokens": 3, "seed": 5, "temperature": 1.0}
+    short = {"model": str(server.model), "prompt": [6] * 20, "max_tokens": 3}
+    done: dict[str, float] = {}
+
+    def post(name: str, body: dict) -> int:
+        with server.client() as c:
+            status = c.post("/v1/completions", json=body).status_code
+        done[name] = time.monotonic()
+        return status
+
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(post, "long", long)
+        time.sleep(1.0)  # running
+        alone = pool.submit(post, "seeded", seeded)
+        time.sleep(0.3)
+        after = pool.submit(post, "short", short)
+        assert [f.result(timeout=300) for f in (first, alone, after)] == [200, 200, 200]
+    assert done["long"] < done["seeded"] < done["short"], done
 
 
 def test_the_seed_rule_reads_a_body_as_vllm_does(stock, server):
     """Forms of a seeded request sampled at random that vLLM's request models read as one (a seed
     or temperature as a string, a float or a bool; ``sampling_params`` beside the top-level
-    fields, which vLLM's chat route ignores; the body in UTF-16) are refused like the plain one;
-    stock serves each, seeded (this prompt is short enough to prefill in one step). Unseeded, the
-    UTF-16 body gets stock's answer."""
+    fields, which vLLM's chat route ignores; the body in UTF-16) run alone like the plain one and
+    get stock's answer; with ``n=2`` (a chat's length is unknown: two sequences of up to 2048
+    tokens can split) each is refused like the plain one."""
     chat = seeded_bodies(server.model)["/v1/chat/completions"]
     forms = {
         "seed as a string": {**chat, "seed": "7", "temperature": 1.0},
@@ -222,17 +256,23 @@ def test_the_seed_rule_reads_a_body_as_vllm_does(stock, server):
     utf16 = {"content-type": "application/json"}
     with stock.client() as a, server.client() as b:
         for name, body in forms.items():
-            assert a.post("/v1/chat/completions", json=body).status_code == 200, name
-            refused = b.post("/v1/chat/completions", json=body)
+            ours, theirs = (
+                b.post("/v1/chat/completions", json=body),
+                a.post("/v1/chat/completions", json=body),
+            )
+            assert ours.status_code == theirs.status_code == 200, (name, ours.text[:300])
+            assert choices(ours) == choices(theirs), name
+            refused = b.post("/v1/chat/completions", json={**body, "n": 2})
             assert refusal(refused) == (400, "seed_unsupported"), (name, refused.text[:300])
-        seeded = json.dumps({**chat, "seed": 7, "temperature": 1.0}).encode("utf-16")
+        seeded = json.dumps({**chat, "seed": 7, "temperature": 1.0, "n": 2}).encode("utf-16")
         refused = b.post("/v1/chat/completions", content=seeded, headers=utf16)
         assert refusal(refused) == (400, "seed_unsupported"), refused.text[:300]
-        greedy = json.dumps({**chat, "temperature": 0}).encode("utf-16")
-        ours = b.post("/v1/chat/completions", content=greedy, headers=utf16)
-        theirs = a.post("/v1/chat/completions", content=greedy, headers=utf16)
-        assert ours.status_code == theirs.status_code == 200, ours.text[:300]
-        assert ours.json()["choices"][0]["message"] == theirs.json()["choices"][0]["message"]
+        for sampling in ({"temperature": 0}, {"seed": 7, "temperature": 1.0}):
+            body = json.dumps({**chat, **sampling}).encode("utf-16")
+            ours = b.post("/v1/chat/completions", content=body, headers=utf16)
+            theirs = a.post("/v1/chat/completions", content=body, headers=utf16)
+            assert ours.status_code == theirs.status_code == 200, ours.text[:300]
+            assert ours.json()["choices"][0]["message"] == theirs.json()["choices"][0]["message"]
         assert b.get("/health").status_code == 200
 
 

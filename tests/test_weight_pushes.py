@@ -364,8 +364,9 @@ def test_a_version_is_named_as_set_or_refused(push_server, weight_sets, prompts)
 
 def test_seeded_text_that_cannot_split_is_served_on_every_route(push_server):
     """Without chunked prefill nothing splits a text prompt here: a seeded request sampled at random
-    is served on every route (the same seed twice, the same tokens), while one with an image is
-    still refused (other requests' images can spend the encoder budget of its step)."""
+    is served on every route (the same seed twice, the same tokens); one with an image runs alone
+    (other requests' images could spend the encoder budget of its step), the same seed twice the
+    same tokens; with ``n=2`` its two sequences' images can: refused."""
     prompt = [3, 17, 42, 99, 7]
     sampling = {"max_tokens": 6, "temperature": 1.0, "seed": 11}
     bodies = {
@@ -385,7 +386,10 @@ def test_seeded_text_that_cannot_split_is_served_on_every_route(push_server):
             **sampling,
         }
         for path in ("/v1/chat/completions", f"{ROOT}/v1/chat/completions"):  # both reach vLLM's route
-            refused = c.post(path, json=chat)
+            first, again = c.post(path, json=chat), c.post(path, json=chat)
+            assert first.status_code == again.status_code == 200, (path, first.text[:300])
+            assert first.json()["choices"] == again.json()["choices"], path
+            refused = c.post(path, json={**chat, "n": 2})
             assert refusal(refused) == (400, "seed_unsupported"), (path, refused.text[:300])
             assert "encoder budget" in refused.json()["error"]["message"]
 

@@ -57,7 +57,15 @@ from vllm_plugin.http_edge import (
 )
 from vllm_plugin.seeds import SplitRule
 
-__all__ = ["ENGINE_PREFIXES", "PLUGIN_PATHS", "UNGATED", "Admission", "AdmissionMiddleware", "rule_check"]
+__all__ = [
+    "ENGINE_PREFIXES",
+    "PLUGIN_PATHS",
+    "UNGATED",
+    "Admission",
+    "AdmissionMiddleware",
+    "Ticket",
+    "rule_check",
+]
 
 logger = logging.getLogger("vllm.mmref")
 
@@ -82,6 +90,22 @@ weight update's gate."""
 
 PLUGIN_PATHS = frozenset({"/inference/v1/generate", "/inference/v1/resolve"})
 """The plugin's own routes: they bind and label versions and apply the seed rule themselves."""
+
+_SOLO_POLL_S = 0.005
+"""How often a request waiting behind (or for) a request that runs alone looks again (a seeded
+request on a CPU server: rare)."""
+
+
+class Ticket:
+    """One admitted request's place at the gate (:meth:`Admission.admit`)."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    async def run_alone(self) -> None:
+        """Wait until no other admitted request runs, then keep new ones out until this one ends
+        (a seeded request that splits only beside others: ``seeds.py``). Idempotent."""
+        await self._admission._run_alone(self)
 
 
 class Admission:
@@ -109,24 +133,49 @@ class Admission:
         self._idle.set()
         self.admitted = 0
         """Requests admitted and not finished."""
+        self._solo: Ticket | None = None
+        """The request running alone (nothing else is admitted meanwhile)."""
+        self._solo_waiting = 0
+        """Admitted requests waiting to run alone (new requests wait behind them)."""
 
     @property
     def is_open(self) -> bool:
         return self._open.is_set()
 
     @contextlib.asynccontextmanager
-    async def admit(self) -> AsyncIterator[None]:
-        """Wait while the gate is closed, then count the request until it finishes."""
-        while not self._open.is_set():
-            await self._open.wait()
+    async def admit(self) -> AsyncIterator[Ticket]:
+        """Wait while the gate is closed (or a request runs alone, or waits to), then count the
+        request until it finishes."""
+        while True:
+            while not self._open.is_set():
+                await self._open.wait()
+            if self._solo is None and not self._solo_waiting:
+                break
+            await asyncio.sleep(_SOLO_POLL_S)
         self.admitted += 1  # no suspension point since the gate was seen open
         self._idle.clear()
+        ticket = Ticket(self)
         try:
-            yield
+            yield ticket
         finally:
+            if self._solo is ticket:
+                self._solo = None
             self.admitted -= 1
             if self.admitted == 0:
                 self._idle.set()
+
+    async def _run_alone(self, ticket: Ticket) -> None:
+        """:meth:`Ticket.run_alone`: the admitted requests that are not waiting to run alone
+        themselves finish first (new ones wait at the gate meanwhile), then ``ticket`` runs alone."""
+        if self._solo is ticket:
+            return
+        self._solo_waiting += 1
+        try:
+            while self._solo is not None or self.admitted > self._solo_waiting:
+                await asyncio.sleep(_SOLO_POLL_S)
+            self._solo = ticket
+        finally:
+            self._solo_waiting -= 1
 
     def close(self) -> None:
         """New requests wait (those admitted run on)."""
@@ -174,12 +223,14 @@ class AdmissionMiddleware:
         over = limit is not None and declared_length(scope) > limit
         messages = [] if over else await read_messages(receive, limit)
         gate = contextlib.nullcontext() if route.startswith(UNGATED) else admission.admit()
-        async with gate:
+        async with gate as ticket, _scoped(ticket):
             if plugin:
                 await self.app(scope, replay(messages, receive), send)
                 return
             try:
-                scope, receive = await _inspect(admission, scope, messages, receive)
+                scope, receive, alone = await _inspect(admission, scope, messages, receive)
+                if alone and ticket is not None:
+                    await ticket.run_alone()
             except MMRefError as e:
                 await refuse(scope, send, e)
                 return
@@ -189,6 +240,12 @@ class AdmissionMiddleware:
                 await self.app(scope, receive, typed)
             except MMRefError as e:  # a connector refusal no handler of vLLM answered
                 await typed(e)
+
+
+@contextlib.asynccontextmanager
+async def _scoped(ticket: Ticket | None) -> AsyncIterator[None]:
+    with request_scope.admitted(ticket):
+        yield
 
 
 def _admission(scope: Scope) -> Admission | None:
@@ -203,11 +260,11 @@ def _admission(scope: Scope) -> Admission | None:
 
 async def _inspect(
     admission: Admission, scope: Scope, messages: list[Message], receive: Receive
-) -> tuple[Scope, Receive]:
+) -> tuple[Scope, Receive, bool]:
     """On the body's ``messages``: refuse a seeded request that can be split (CPU servers), a
     reserved uuid; key and pin image refs (``chat_refs``). Returns the scope (its
-    ``content-length`` rewritten with the body) and the ``receive`` that replays the body to
-    vLLM's route.
+    ``content-length`` rewritten with the body), the ``receive`` that replays the body to
+    vLLM's route, and whether the request must run alone (``seeds.py``).
 
     Raises:
         MMRefError: the refusal.
@@ -218,21 +275,20 @@ async def _inspect(
     wide = any(b"\x00" in chunk for chunk in chunks)
     seeded = admission.split_rule is not None and mentions(chunks, (b'"seed"',))
     if not (wide or seeded or mentions(chunks, chat_refs.needles())):  # only then is it joined and parsed
-        return scope, replay(messages, receive)
+        return scope, replay(messages, receive), False
     try:
         body, encode = decode_json(b"".join(chunks))
     except (RequestValidationError, HTTPException):  # not JSON: vLLM's route refuses it with its own error
-        return scope, replay(messages, receive)
-    if admission.split_rule is not None:
-        rule_check(admission.split_rule, body)
+        return scope, replay(messages, receive), False
+    alone = admission.split_rule is not None and rule_check(admission.split_rule, body)
     if await chat_refs.bind_body(body, request_scope.active(), admission.versions) or wide:
         raw = encode(body)
         messages = [{"type": "http.request", "body": raw, "more_body": False}]
         scope = {**scope, "headers": with_length(scope.get("headers", ()), len(raw))}
-    return scope, replay(messages, receive)
+    return scope, replay(messages, receive), alone
 
 
-def rule_check(rule: SplitRule, body: Any) -> None:
+def rule_check(rule: SplitRule, body: Any) -> bool:
     """The seed rule on an OpenAI-style body (``/v1/completions``, ``/v1/chat/completions``,
     ``/v1/responses``...): ``seed``, ``temperature``, ``max_tokens`` /
     ``max_completion_tokens`` / ``max_output_tokens`` at the top level, and the same in a
@@ -240,28 +296,34 @@ def rule_check(rule: SplitRule, body: Any) -> None:
     ``prompt`` of token ids without ``prompt_embeds``, images only as content parts (of a message,
     or of a batch's conversation).
 
+    Returns:
+        Whether it must run alone (:meth:`SplitRule.check`).
+
     Raises:
         SeedUnsupported: see :meth:`SplitRule.check`.
     """
     if not isinstance(body, dict):
-        return
+        return False
     prompt = body.get("prompt")
     ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
     prompt_tokens = len(prompt) if ids and "prompt_embeds" not in body else None
     image_tokens = int(_has_media(body))
     nested = body.get("sampling_params")
+    alone = False
     for params in (body, nested) if isinstance(nested, dict) else (body,):
         max_tokens = next(
             (params[k] for k in ("max_tokens", "max_completion_tokens", "max_output_tokens") if k in params),
             None,
         )
-        rule.check(
+        alone |= rule.check(
             seed=params.get("seed"),
             temperature=params.get("temperature"),
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             image_tokens=image_tokens,
+            n=params.get("n", 1),
         )
+    return alone
 
 
 def _has_media(body: dict[str, Any]) -> bool:

@@ -15,7 +15,10 @@ built with). What those calls need rides here, each with who sets it and who rea
   inside vLLM's parser, answered by the middleware as the plugin's typed 4xx;
 - **pending items** (per request): set by ``serving.MMRefServing.serve`` around vLLM's
   ``serve_tokens`` (:func:`pending_items`); read by ``serving_tokens.HandOffClient.generate``
-  (:func:`pending`), which puts the resolved refs' items into the engine input.
+  (:func:`pending`), which puts the resolved refs' items into the engine input;
+- **the admission ticket** (per request): set by the admission middleware once the gate admitted
+  the request (:func:`admitted`); used by ``serving.MMRefServing.prepare`` (:func:`run_alone`)
+  for a seeded request that must run alone (``seeds.py``).
 
 Context variables follow the request's task (asyncio copies the context into each task), so no
 request sees another's.
@@ -28,8 +31,11 @@ import contextvars
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
+from protocol.errors import SeedUnsupported
+
 if TYPE_CHECKING:
     from protocol.errors import MMRefError
+    from vllm_plugin.admission import Ticket
     from vllm_plugin.chat_refs import ChatImage, ChatRefs
     from vllm_plugin.serving_tokens import ResolvedSlot
 
@@ -37,12 +43,14 @@ __all__ = [
     "Pending",
     "activate",
     "active",
+    "admitted",
     "errors_scope",
     "pending",
     "pending_items",
     "pin",
     "pinned",
     "record_error",
+    "run_alone",
 ]
 
 Pending = tuple[tuple["ResolvedSlot", ...], Callable[[], None] | None]
@@ -52,6 +60,7 @@ _SERVICE: list[ChatRefs] = []
 _PINNED: contextvars.ContextVar[Mapping[str, ChatImage]] = contextvars.ContextVar("mmref_pinned")
 _ERRORS: contextvars.ContextVar[list[MMRefError]] = contextvars.ContextVar("mmref_connector_errors")
 _PENDING: contextvars.ContextVar[Pending] = contextvars.ContextVar("mmref_pending_items", default=((), None))
+_TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("mmref_ticket", default=None)
 
 
 def activate(service: ChatRefs | None) -> None:
@@ -105,3 +114,28 @@ def pending_items(
 def pending() -> Pending:
     """What :func:`pending_items` set for the current request (``((), None)`` outside one)."""
     return _PENDING.get()
+
+
+@contextlib.contextmanager
+def admitted(ticket: Ticket | None) -> Iterator[None]:
+    """The current request's admission ticket, while the middleware runs it (None: not gated)."""
+    token = _TICKET.set(ticket)
+    try:
+        yield
+    finally:
+        _TICKET.reset(token)
+
+
+async def run_alone() -> None:
+    """Wait until the current request is the only one running, and keep others out until it ends
+    (``admission.Ticket.run_alone``).
+
+    Raises:
+        SeedUnsupported: the request was not admitted through the gate (nothing can keep others out).
+    """
+    ticket = _TICKET.get()
+    if ticket is None:
+        raise SeedUnsupported(
+            "a seeded request that must run alone reached the route without the admission gate"
+        )
+    await ticket.run_alone()

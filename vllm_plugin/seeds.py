@@ -27,6 +27,12 @@ under memory pressure is recomputed with its output tokens):
   image), chunked prefill or not: never when ``image tokens + (max_num_seqs - 1) * max_model_len
   <= min(encoder budget, encoder cache)``.
 
+Every clause but the threshold and the hybrid blocks needs *other* requests in the step. So a
+request that splits only beside others is served **alone** where the server has one API process
+(the gate then sees every request): it waits until nothing else runs, and nothing else is admitted
+until it has ended (``admission.Admission.alone``; preempted, it is recomputed alone too). With
+several API processes the gate cannot see the others' requests: such a request is refused.
+
 :class:`SplitRule` decides this from the request's size and the scheduler's settings, on every
 route: the plugin's generate route with its exact token count (``serving.py``), every other route
 through ``admission.py`` (where the prompt is not yet rendered, ``L`` is ``max_model_len``).
@@ -64,10 +70,13 @@ class SplitRule:
     """Block size where a hybrid model's prefix caching splits prefills at blocks, else None."""
     default_temperature: float
     """The temperature of a request that names none (the model's generation config, else 1)."""
+    single_process: bool = True
+    """One API process: a request may run alone (see the module doc)."""
 
     @classmethod
-    def for_engine(cls, vllm_config: Any, *, is_cpu: bool) -> SplitRule | None:
-        """The rule for a running engine's configuration; None where seeds are safe (not CPU)."""
+    def for_engine(cls, vllm_config: Any, *, is_cpu: bool, api_servers: int = 1) -> SplitRule | None:
+        """The rule for a running engine's configuration (``api_servers``: the server's API
+        processes); None where seeds are safe (not CPU)."""
         if not is_cpu:
             return None
         scheduler, cache, model = (
@@ -86,14 +95,23 @@ class SplitRule:
             encoder_budget=min(scheduler.max_num_encoder_input_tokens, scheduler.encoder_cache_size),
             mamba_block=int(cache.block_size) if hybrid_align else None,
             default_temperature=float(model.get_diff_sampling_param().get("temperature", 1.0)),
+            single_process=api_servers <= 1,
         )
 
-    def split_reasons(self, total_tokens: int, image_tokens: int) -> list[str]:
+    def split_reasons(
+        self, total_tokens: int, image_tokens: int, *, alone: bool = False, n: int = 1
+    ) -> list[str]:
         """Why a request of ``total_tokens`` (prompt + output) with ``image_tokens`` placeholder
-        tokens can be prefilled in more than one step here; empty if it cannot."""
+        tokens can be prefilled in more than one step here (``alone``: with no other request
+        running but its own ``n`` sequences); empty if it cannot."""
         total = min(total_tokens, self.max_model_len)
         chunk = min(self.max_model_len, self.long_prefill_threshold or self.max_model_len)
-        others = (self.max_num_seqs - 1) * chunk
+        seqs = min(n, self.max_num_seqs) if alone else self.max_num_seqs
+        if alone:  # the others are its siblings, of its own size
+            chunk, image_chunk = min(chunk, total), image_tokens
+        else:
+            image_chunk = self.max_model_len
+        others = (seqs - 1) * chunk
         reasons = []
         if 0 < self.long_prefill_threshold < total:
             reasons.append(
@@ -101,12 +119,12 @@ class SplitRule:
             )
         if self.chunked_prefill and total + others > self.token_budget:
             reasons.append(
-                f"chunked prefill is on and {total} tokens + {self.max_num_seqs - 1} other requests' chunks "
+                f"chunked prefill is on and {total} tokens + {seqs - 1} other requests' chunks "
                 f"of up to {chunk} exceed --max-num-batched-tokens {self.token_budget}"
             )
         if self.mamba_block is not None and total > self.mamba_block:
             reasons.append(f"the hybrid model's prefix caching prefills at {self.mamba_block}-token blocks")
-        if image_tokens and image_tokens + (self.max_num_seqs - 1) * self.max_model_len > self.encoder_budget:
+        if image_tokens and image_tokens + (seqs - 1) * image_chunk > self.encoder_budget:
             reasons.append(
                 f"other requests' images can spend the step's encoder budget ({self.encoder_budget} tokens) "
                 "before this request's"
@@ -121,8 +139,10 @@ class SplitRule:
         prompt_tokens: int | None,
         max_tokens: Any,
         image_tokens: int,
-    ) -> None:
-        """Refuse a request that would get a seeded generator and can be prefilled in parts.
+        n: Any = 1,
+    ) -> bool:
+        """Whether a request that would get a seeded generator must run alone; refused if it can
+        be prefilled in parts even alone, or may not run alone (several API processes).
 
         Args:
             seed, temperature, max_tokens: the request's values (None: not given), read as vLLM's
@@ -131,34 +151,48 @@ class SplitRule:
             prompt_tokens: the prompt's length in tokens, None where not known yet (taken as
                 ``max_model_len``).
             image_tokens: placeholder tokens of its images (any positive number where unknown).
+            n: the sequences it samples (vLLM's ``n``; read laxly, 1 where vLLM would refuse it).
+
+        Returns:
+            False: nothing splits it (unseeded, greedy, a value vLLM refuses, or a size no step
+            splits); True: it splits only beside other requests: run it alone.
 
         Raises:
             SeedUnsupported: naming the reasons and the settings that lift them.
         """
         seed, temperature = _lax(_SEED, seed), _lax(_TEMPERATURE, temperature)
         if seed is None or seed is _REFUSED or temperature is _REFUSED:
-            return  # unseeded, or a value vLLM refuses
+            return False  # unseeded, or a value vLLM refuses
         temp = self.default_temperature if temperature is None else temperature
         if temp < SAMPLING_EPS:
-            return  # greedy
+            return False  # greedy
         total = self.max_model_len if prompt_tokens is None else prompt_tokens
         if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0:
             total += max_tokens
         else:
             total = self.max_model_len
+        if prompt_tokens is None and image_tokens:
+            image_tokens = total  # not rendered yet: its images may be all of it
         reasons = self.split_reasons(total, image_tokens)
-        if reasons:
-            raise SeedUnsupported(
-                "a seeded request sampled at temperature > 0 is refused on this vLLM CPU server when its "
-                "prefill can be split: a split kills vLLM's engine on CPU (its generator has no offset to "
-                "rewind). Here " + "; ".join(reasons) + ". Drop the seed, sample greedily, or serve "
-                "with settings under which it cannot split (docs/SECURITY.md)."
-            )
+        if not reasons:
+            return False
+        count = _lax(_N, n)
+        count = count if isinstance(count, int) and count > 0 else 1
+        alone = self.split_reasons(total, image_tokens, alone=True, n=count)
+        if self.single_process and not alone:
+            return True
+        raise SeedUnsupported(
+            "a seeded request sampled at temperature > 0 is refused on this vLLM CPU server when its "
+            "prefill can be split: a split kills vLLM's engine on CPU (its generator has no offset to "
+            "rewind). Here " + "; ".join(alone if self.single_process else reasons) + ". Drop the seed, "
+            "sample greedily, or serve with settings under which it cannot split (docs/SECURITY.md)."
+            + ("" if self.single_process else " With several API processes it cannot be run alone.")
+        )
 
-    def check_generate(self, request: Any, placeholder_token_id: int) -> None:
+    def check_generate(self, request: Any, placeholder_token_id: int) -> bool:
         """:meth:`check` for a request of the plugin's generate route, with its exact size: its
         token ids (vLLM renders ``content_parts`` images into more: unknown then) and the
-        placeholder tokens of its images.
+        placeholder tokens of its images. Returns whether it must run alone.
 
         Raises:
             SeedUnsupported: see :meth:`check`.
@@ -174,12 +208,13 @@ class SplitRule:
             ranges = (features.mm_placeholders or {}).values() if features is not None else ()
             image_tokens = sum(int(r.length) for rs in ranges for r in rs)
         provided = request.is_sampling_param_provided("max_tokens")
-        self.check(
+        return self.check(
             seed=sampling.seed,
             temperature=sampling.temperature,
             prompt_tokens=prompt_tokens,
             max_tokens=sampling.max_tokens if provided else None,
             image_tokens=image_tokens,
+            n=getattr(sampling, "n", 1),
         )
 
 
@@ -188,6 +223,8 @@ _SEED: TypeAdapter[int | None] = TypeAdapter(Annotated[int, Field(ge=-(2**63), l
 ``CompletionRequest``...)."""
 _TEMPERATURE: TypeAdapter[float | None] = TypeAdapter(float | None)
 """Their ``temperature: float | None``."""
+_N: TypeAdapter[int | None] = TypeAdapter(int | None)
+"""Their ``n: int | None``."""
 _REFUSED = object()
 
 

@@ -44,7 +44,7 @@ from vllm_plugin.content_parts import bind_content_refs, check_content_parts
 from vllm_plugin.engine_items import EngineItems, RecordedItem
 from vllm_plugin.items import encode_item
 from vllm_plugin.protocol import MMRefGenerateRequest, parse_request
-from vllm_plugin.request_scope import pending_items
+from vllm_plugin.request_scope import pending_items, run_alone
 from vllm_plugin.resolution import FeatureForm, Resolution
 from vllm_plugin.resolver import MMRefResolver
 from vllm_plugin.seeds import SplitRule
@@ -186,8 +186,8 @@ class MMRefServing:
             MMRefError subclasses: a ref that cannot be used (``resolver.py``).
         """
         token_ids = request.token_ids
-        if self.split_rule is not None:
-            self.split_rule.check_generate(request, self.placeholder_token_id)
+        if self.split_rule is not None and self.split_rule.check_generate(request, self.placeholder_token_id):
+            await run_alone()
         version = await self.weight_version()
         if request.content_parts:
             check_content_parts(request.content_parts, self.local_media)

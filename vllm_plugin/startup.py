@@ -81,7 +81,11 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
         ec_transfer=vllm_config.ec_transfer_config is not None,
         max_body_bytes=body_limit,
         weight_version=VersionReader(engine_client.get_weight_version),
-        split_rule=SplitRule.for_engine(vllm_config, is_cpu=load("current_platform").is_cpu()),
+        split_rule=SplitRule.for_engine(
+            vllm_config,
+            is_cpu=load("current_platform").is_cpu(),
+            api_servers=int(getattr(args, "api_server_count", None) or 1),
+        ),
     )
 
 
