@@ -5,7 +5,8 @@ lookup) is the only launch path that honours ``--api-server-count``. Each API pr
 entry point; vLLM then has no receiver cache in the engine (``processor_only``), so a ``null``
 slot can never be served and is refused. ``--allowed-local-media-path`` is passed here (and only
 when asked): a FIFO under it would block vLLM's loader thread for good, and is refused. A body
-over ``MMREF_MAX_BODY_BYTES`` is refused and logged.
+over ``MMREF_MAX_BODY_BYTES`` is refused and logged. A weight-update hold is one state for both
+processes (``vllm_plugin/hold_state.py``): released from either, leased (``MMREF_HOLD_TIMEOUT_S``).
 """
 
 from __future__ import annotations
@@ -15,15 +16,23 @@ import re
 import time
 from collections.abc import Iterator
 
+import httpx
+import msgspec
 import pytest
+from traffic import Traffic
 
-from helpers import VLLMServer, photo_bytes, refusal, start_server, warm_up
+from helpers import VLLMServer, photo_bytes, refusal, rollout_sample, server_mismatch, start_server, warm_up
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
 GREEDY = {"temperature": 0, "max_tokens": 6, "logprobs": 0}
 PAD = 261
 BODY_LIMIT = 4 << 20
+LEASE_S = 8.0
+"""The cli server's hold lease (``MMREF_HOLD_TIMEOUT_S``), short for the lease test."""
+CYCLES_S = 40.0
+"""How long holds and releases cycle under traffic."""
+HEADER = "x-mmref-weight-version"
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +54,11 @@ def cli_server(qwen2_vl_dir, output_root, photo_refs, media, tmp_path_factory) -
         allowed_local_media_path=media,
         extra_args=("--api-server-count", "2"),
         # dev mode: vLLM's /update_weight_version, for the weight version seen by both processes
-        extra_env={"MMREF_MAX_BODY_BYTES": str(BODY_LIMIT), "VLLM_SERVER_DEV_MODE": "1"},
+        extra_env={
+            "MMREF_MAX_BODY_BYTES": str(BODY_LIMIT),
+            "VLLM_SERVER_DEV_MODE": "1",
+            "MMREF_HOLD_TIMEOUT_S": str(LEASE_S),
+        },
     )
     try:
         warm_up(srv)  # answered by whichever API process is up first
@@ -168,3 +181,100 @@ def test_a_body_over_the_limit_is_refused_and_logged(cli_server):
         )  # within: stock's own refusal (too long)
     assert f"request body: limit {BODY_LIMIT} bytes (MMREF_MAX_BODY_BYTES)" in cli_server.log()
     assert f"body limit {BODY_LIMIT} bytes" in cli_server.log()
+
+
+def by_ref(client: httpx.Client, ref, stream: bool) -> tuple[str, httpx.Response]:
+    body = {
+        "token_ids": [1, 259, *[PAD] * ref.num_placeholders, 260, 2],
+        "mm_refs": [ref.ref],
+        "sampling_params": {"temperature": 1.0, "max_tokens": 8, "logprobs": 0},
+        "stream": stream,
+    }
+    return ("stream" if stream else "ref"), client.post("/inference/v1/generate", json=body)
+
+
+def streamed(response: httpx.Response) -> tuple[list[int], list[float], set[str]]:
+    """A streamed plugin-route answer's tokens, logprobs and the versions of its spans."""
+    tokens, logprobs, versions = [], [], set()
+    for line in response.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in msgspec.json.decode(line[6:])["choices"]:
+                tokens += choice["token_ids"]
+                logprobs += [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
+                versions |= {span["version"] for span in choice.get("weight_versions") or ()}
+    return tokens, logprobs, versions
+
+
+def test_holds_released_on_either_process_under_traffic(
+    cli_server, photo_refs, weight_sets, qwen2_vl_adapter, output_root
+):
+    """Holds and releases, each on a new connection (either process takes it), reloading A or B
+    while held, for 40 s under six clients (by ref, streamed and not): no release refused, no hang,
+    every answer a 200 whose header (streamed: and whose spans) names the weights the trainer's
+    recompute matches."""
+    (a_dir, a), (b_dir, b) = weight_sets["A"], weight_sets["B"]
+    refs = [photo_refs[n] for n in ("coffee", "chelsea")]
+    models, cycles = {}, 0
+
+    def send(client: httpx.Client, k: int, i: int) -> tuple[str, httpx.Response]:
+        return by_ref(client, refs[(k + i) % 2], stream=k % 2 == 1)
+
+    def call(path: str, **body) -> dict:
+        with cli_server.client(timeout=120) as c:  # a new connection: either process
+            r = c.post(path, json=body)
+        assert r.status_code == 200, (path, r.text[:300])
+        return r.json()
+
+    call("/mmref/v1/weights/update", weights_path=str(a_dir), version="cycle-0")
+    models["cycle-0"] = a
+    with Traffic(cli_server, 6, send, timeout=120) as load:
+        end = time.monotonic() + CYCLES_S
+        while time.monotonic() < end:
+            cycles += 1
+            weights, models[f"cycle-{cycles}"] = (b_dir, b) if cycles % 2 else (a_dir, a)
+            call("/mmref/v1/weights/hold", timeout_s=60)
+            call("/collective_rpc", method="reload_weights", kwargs={"weights_path": str(weights)})
+            call("/mmref/v1/weights/release", version=f"cycle-{cycles}")
+            time.sleep(0.3)
+    holders = set(re.findall(r"\((ApiServer_\d) pid=\d+\)[^\n]*mmref: weights held", cli_server.log()))
+    releasers = set(re.findall(r"\((ApiServer_\d) pid=\d+\)[^\n]*mmref: weights released", cli_server.log()))
+    print(f"{cycles} cycles; answers {dict(load.counts)}; held by {holders}, released by {releasers}")
+    assert set(load.counts) == {"ref 200", "stream 200"}, load.counts
+    assert len(holders) == len(releasers) == 2, "every call reached one process: the test shows nothing"
+    samples = {True: [], False: []}
+    for route, thread, i, response in load.answers:
+        version = response.headers[HEADER]
+        ref = refs[(thread + i) % 2]
+        prompt = [1, 259, *[PAD] * ref.num_placeholders, 260, 2]
+        if route == "stream":
+            tokens, logprobs, spans = streamed(response)
+            assert spans == {version}, (version, spans)
+        else:
+            choice = response.json()["choices"][0]
+            tokens, logprobs = choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
+        group = samples[models[version] is a]
+        if PAD not in tokens and len(group) < 30:
+            group.append(rollout_sample(prompt, tokens, logprobs, [ref]))
+    assert len(samples[True]) >= 10 and len(samples[False]) >= 10, {k: len(v) for k, v in samples.items()}
+    for under_a, group in samples.items():
+        stats = server_mismatch(group, a if under_a else b, qwen2_vl_adapter, output_root)
+        print(f"under {'A' if under_a else 'B'}: {len(group)} answers {stats}")
+        assert stats.mean_abs <= 1e-4
+
+
+def test_a_hold_nobody_releases_ends_at_its_lease(cli_server):
+    """A hold whose client vanished: generation waits, then the hold is released at its lease
+    (``MMREF_HOLD_TIMEOUT_S``, 8 s here) by whichever process sees it first, logged."""
+    text = {"model": str(cli_server.model), "prompt": [3, 17, 42], "max_tokens": 2}
+    with cli_server.client(timeout=60) as c:
+        c.post("/mmref/v1/weights/hold", json={}).raise_for_status()
+        held_at = time.monotonic()
+    with cli_server.client(timeout=60) as c:
+        assert c.post("/v1/completions", json=text).status_code == 200
+        waited = time.monotonic() - held_at
+    print(f"served {waited:.1f} s after the hold (lease {LEASE_S} s)")
+    assert LEASE_S - 1 <= waited <= LEASE_S + 10
+    assert "was not released within its lease of 8 s" in cli_server.log()
+    with cli_server.client(timeout=60) as c:  # the server is idle again: a new hold works
+        c.post("/mmref/v1/weights/hold", json={}).raise_for_status()
+        c.post("/mmref/v1/weights/release", json={}).raise_for_status()

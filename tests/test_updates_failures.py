@@ -1,13 +1,17 @@
-"""``vllm_plugin.updates.WeightUpdates`` when one of vLLM's calls fails. A real engine cannot be made
-to fail on demand, so the engine here is a recording stand-in (failure injection); the procedure on
-real servers: tests/test_weight_pushes.py, tests/test_weight_updates.py."""
+"""``vllm_plugin.updates.WeightUpdates`` when one of vLLM's calls fails, and its hold shared by two
+API processes' instances (``hold_state.py``) with their lease. A real engine cannot be made to fail
+on demand, so the engine here is a recording stand-in (failure injection); the procedure on real
+servers: tests/test_weight_pushes.py, tests/test_weight_updates.py, tests/test_server_cli.py
+(two API processes)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
+from protocol.errors import UpdateConflict
 from vllm_plugin.admission import Admission
 from vllm_plugin.updates import WeightUpdates
 
@@ -123,3 +127,73 @@ async def _noop(*args, **kwargs) -> None:
 
 async def _always_fails() -> None:
     raise RuntimeError("reset_encoder_cache failed")
+
+
+def _pair(engine: Engine, tmp_path, lease_s: float = 300.0):
+    """Two API processes' ``WeightUpdates`` on one shared record (this process's pid and its
+    parent's stand for the two processes: both alive), each with its own gate and watcher."""
+    from vllm_plugin.hold_state import SharedHold
+
+    async def versions() -> str:
+        return engine.version
+
+    path = tmp_path / "hold.json"
+    out = []
+    for pid in (os.getpid(), os.getppid()):
+        admission = Admission(versions, None)
+        out.append(WeightUpdates(engine, admission, versions, SharedHold(path, pid), lease_s=lease_s))
+    return out
+
+
+def test_a_hold_taken_on_one_process_is_released_on_the_other(tmp_path):
+    """The hold is one state: the other process's gate closes (its watcher), the drain waits for
+    the other process's admitted request, and a release reaching the other process ends the hold
+    and opens both gates."""
+
+    async def run() -> None:
+        engine = Engine()
+        first, second = _pair(engine, tmp_path)
+        watchers = [asyncio.create_task(u.watch()) for u in (first, second)]
+        done = asyncio.Event()
+
+        async def request() -> None:
+            async with second.admission.admit():
+                await done.wait()
+
+        running = asyncio.create_task(request())
+        await asyncio.sleep(0.05)
+        hold = asyncio.create_task(first.hold())
+        await asyncio.sleep(0.2)
+        assert not hold.done() and not second.admission.is_open  # waits for the other's request
+        done.set()
+        answer = await asyncio.wait_for(hold, 5)
+        assert answer["drained_requests"] == 1 and engine.paused and second.held
+        with pytest.raises(UpdateConflict):
+            await second.hold()
+        released = await second.release(version="v1")
+        assert released["weight_version"] == "v1" and not first.held and not engine.paused
+        await asyncio.sleep(0.1)
+        assert first.admission.is_open and second.admission.is_open
+        for task in (*watchers, running):
+            task.cancel()
+
+    asyncio.run(run())
+
+
+def test_a_hold_past_its_lease_is_released_by_a_watcher(tmp_path):
+    async def run() -> None:
+        engine = Engine()
+        first, second = _pair(engine, tmp_path, lease_s=0.3)
+        watchers = [asyncio.create_task(u.watch()) for u in (first, second)]
+        await asyncio.wait_for(first.hold(), 5)  # the other process's watcher acknowledges it
+        await asyncio.sleep(0.1)
+        assert first.held and engine.paused and not second.admission.is_open
+        await asyncio.sleep(0.5)
+        assert not first.held and not engine.paused
+        assert first.admission.is_open and second.admission.is_open
+        await asyncio.wait_for(first.hold(), 5)  # the server is idle: a new hold works
+        await first.release(version=None)
+        for task in watchers:
+            task.cancel()
+
+    asyncio.run(run())

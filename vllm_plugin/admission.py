@@ -6,13 +6,15 @@ pooling and scoring routes; never the control routes: ``/pause``, ``/collective_
 ``/update_weights``, ``/mmref/v1/weights/*``, ``/metrics``...):
 
 - **the gate** (:class:`Admission`): while a weight update holds the server
-  (``updates.py``), new requests wait here, before vLLM reads them; the update first waits until
-  every admitted request has finished (:meth:`Admission.drain`), so nothing this process admitted
-  runs while the weights change, and nothing admitted after it meets the old weights;
+  (``updates.py``, shared by every API process: ``hold_state.py``), new requests wait here, before
+  vLLM reads them; the update first waits until every process's admitted requests have finished
+  (it reads :attr:`Admission.admitted`), so nothing admitted runs while the weights change, and
+  nothing admitted after it meets the old weights;
 - **the seed rule** (``seeds.py``) on vLLM's own routes, on a CPU server: a JSON body naming a
-  ``seed`` is parsed (bodies without the bytes ``"seed"`` are passed on unparsed) and refused with
-  ``seed_unsupported`` when its prefill can be split; the plugin's generate route applies the rule
-  itself, with the exact token count;
+  ``seed`` is parsed (bodies without the bytes ``"seed"`` are passed on unparsed), run alone
+  (:meth:`Ticket.run_alone`) when only other requests could split its prefill, refused with
+  ``seed_unsupported`` when it can be split even alone; the plugin's generate route applies the
+  rule itself, with the exact token count;
 - **refs in image URLs** on vLLM's own routes (``chat_refs.py``): a JSON body mentioning a ref or
   the reserved ``mmref-`` namespace is parsed once; a ``uuid`` in that namespace is refused, and
   every image part whose URL is a ref is read, checked and keyed (its ``uuid`` set, the body
@@ -38,7 +40,7 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from protocol.errors import DrainTimeout, MMRefError
+from protocol.errors import MMRefError
 from vllm_plugin import chat_refs, request_scope
 from vllm_plugin.http_edge import (
     Message,
@@ -180,22 +182,6 @@ class Admission:
     def close(self) -> None:
         """New requests wait (those admitted run on)."""
         self._open.clear()
-
-    async def drain(self, timeout_s: float | None) -> None:
-        """Close the gate and wait until every admitted request has finished.
-
-        Raises:
-            DrainTimeout: not within ``timeout_s`` (the gate is open again).
-        """
-        self.close()
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except TimeoutError:
-            self._open.set()
-            raise DrainTimeout(
-                f"{self.admitted} requests admitted before the update still run after {timeout_s} s; "
-                "nothing was changed"
-            ) from None
 
     def open(self) -> None:
         """Let held requests in."""

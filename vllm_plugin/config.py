@@ -41,5 +41,9 @@ class PluginConfig(RootSettings):
     (:func:`vllm_plugin.startup.default_body_limit`); the server log states the value."""
     max_refs_per_request: int = Field(default=64, ge=1)
     """Most refs one request may carry (each costs a file read and a processor run)."""
+    hold_timeout_s: float = Field(default=300.0, gt=0, le=86400)
+    """A weight-update hold's lease (seconds): a hold (``/mmref/v1/weights/hold``, vLLM's
+    ``/pause`` or ``/sleep``) not released within it is released and logged, so that a lost client
+    never freezes generation (``vllm_plugin/updates.py``)."""
     allowed_families: list[str] | None = None
     """If set (a JSON list, e.g. ``'["qwen2_vl"]'``), the served model's family must be among them."""

@@ -12,6 +12,7 @@ route missing).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from argparse import Namespace
 from typing import Any
@@ -75,6 +76,7 @@ class MMRefEndpointPlugin:
         from vllm_plugin.admission import Admission
         from vllm_plugin.connector import CONNECTOR_NAME
         from vllm_plugin.control import ControlGate
+        from vllm_plugin.hold_state import SharedHold
         from vllm_plugin.startup import build_serving
         from vllm_plugin.updates import WeightUpdates
 
@@ -87,9 +89,15 @@ class MMRefEndpointPlugin:
         await engine_client.get_supported_tasks()
         state.mmref_serving = serving
         state.mmref_admission = admission
-        state.mmref_updates = WeightUpdates(engine_client, admission, serving.weight_version)
-        if load("envs.VLLM_SERVER_DEV_MODE"):  # vLLM's control routes exist: through the gate
-            state.mmref_control = ControlGate(state.mmref_updates, engine_client)
+        dev_mode = bool(load("envs.VLLM_SERVER_DEV_MODE"))  # the update routes exist
+        shared = SharedHold.for_server(args.port) if dev_mode else None
+        updates = WeightUpdates(
+            engine_client, admission, serving.weight_version, shared, lease_s=serving.config.hold_timeout_s
+        )
+        state.mmref_updates = updates
+        if dev_mode:  # vLLM's control routes through the gate; the hold followed across processes
+            state.mmref_control = ControlGate(updates, engine_client)
+            state.mmref_watch = asyncio.get_running_loop().create_task(updates.watch())
         resolver = serving.resolver
         logger.info(
             "mmref: serving refs for %s (fingerprint %s, %s pixels, backend %s) from asset roots %s "

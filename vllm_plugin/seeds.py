@@ -30,7 +30,7 @@ under memory pressure is recomputed with its output tokens):
 Every clause but the threshold and the hybrid blocks needs *other* requests in the step. So a
 request that splits only beside others is served **alone** where the server has one API process
 (the gate then sees every request): it waits until nothing else runs, and nothing else is admitted
-until it has ended (``admission.Admission.alone``; preempted, it is recomputed alone too). With
+until it has ended (``admission.Ticket.run_alone``; preempted, it is recomputed alone too). With
 several API processes the gate cannot see the others' requests: such a request is refused.
 
 :class:`SplitRule` decides this from the request's size and the scheduler's settings, on every
@@ -126,8 +126,10 @@ class SplitRule:
             reasons.append(f"the hybrid model's prefix caching prefills at {self.mamba_block}-token blocks")
         if image_tokens and image_tokens + (seqs - 1) * image_chunk > self.encoder_budget:
             reasons.append(
-                f"other requests' images can spend the step's encoder budget ({self.encoder_budget} tokens) "
-                "before this request's"
+                f"its images may need more than the step's encoder budget ({self.encoder_budget} tokens)"
+                if alone and seqs == 1
+                else f"other requests' images can spend the step's encoder budget ({self.encoder_budget} "
+                "tokens) before this request's"
             )
         return reasons
 
@@ -172,7 +174,7 @@ class SplitRule:
         else:
             total = self.max_model_len
         if prompt_tokens is None and image_tokens:
-            image_tokens = total  # not rendered yet: its images may be all of it
+            image_tokens = min(total, self.max_model_len)  # not rendered yet: may be all of it
         reasons = self.split_reasons(total, image_tokens)
         if not reasons:
             return False
