@@ -100,7 +100,8 @@ def refusal_case(name: str, client, tmp_path, asset_root, max_image_bytes: int, 
         path.write_bytes(b"\x93not a feature file")
         return _prompt(client, [n]), [format_mmfile(ids)], SHORT, None
     if name == "seed_unsupported":
-        return _prompt(client, [n]), [ref.ref], Sampling(max_tokens=4, seed=7), None
+        # split even alone: its two sequences of over 1100 tokens exceed the 2048-token step
+        return _prompt(client, [n]), [ref.ref], Sampling(max_tokens=1100, seed=7, extra={"n": 2}), None
     if name == "store_unavailable":  # a v2 ref whose image is only behind a root that is down for it
         image = photo_bytes("coffee", size=(283, 200))
         lost = client.offloader.adapter.offload(image, AssetStore(tmp_path / "elsewhere"), form="v2")

