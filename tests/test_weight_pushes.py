@@ -136,16 +136,17 @@ def wait_running(client: httpx.Client, timeout: float = 60) -> None:
         time.sleep(0.02)
 
 
-def traffic(server, prompts: list[Prompt]) -> Traffic:
-    """Six client threads: four by ref, two on vLLM's chat route, each cycling the prompts."""
+def traffic(server, prompts: list[Prompt], clients: int = 6, by_refs: int = 4) -> Traffic:
+    """``clients`` client threads: the first ``by_refs`` by ref, the others on vLLM's chat route,
+    each cycling the prompts."""
 
     def send(client: httpx.Client, k: int, i: int) -> tuple[str, httpx.Response]:
         prompt = prompts[(k + i) % len(prompts)]
-        if k >= 4:
+        if k >= by_refs:
             return "chat", by_chat(client, server.model, prompt)
         return "ref", by_ref(client, prompt)
 
-    return Traffic(server, 6, send)
+    return Traffic(server, clients, send)
 
 
 def test_pushes_under_image_traffic_never_fail_mix_or_mislabel(
@@ -447,18 +448,6 @@ RECIPE_S = 60.0
 RECIPE_GAP_S = 0.3
 
 
-def recipe_traffic(server, prompts: list[Prompt]) -> Traffic:
-    """Twelve client threads: eight by ref, four on vLLM's chat route, each cycling the prompts."""
-
-    def send(client: httpx.Client, k: int, i: int) -> tuple[str, httpx.Response]:
-        prompt = prompts[(k + i) % len(prompts)]
-        if k >= 8:
-            return "chat", by_chat(client, server.model, prompt)
-        return "ref", by_ref(client, prompt)
-
-    return Traffic(server, 12, send)
-
-
 def test_vllms_recipe_under_image_traffic_is_served(
     push_server, weight_sets, prompts, qwen2_vl_adapter, output_root
 ):
@@ -471,7 +460,7 @@ def test_vllms_recipe_under_image_traffic_is_served(
     models = {"recipe-0": a}
     with push_server.client(timeout=300) as c:
         push_weights(c, a_dir, "recipe-0")
-        with recipe_traffic(push_server, prompts[0]) as load:
+        with traffic(push_server, prompts[0], clients=12, by_refs=8) as load:
             end, k = time.monotonic() + RECIPE_S, 0
             while time.monotonic() < end:
                 k += 1

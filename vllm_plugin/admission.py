@@ -51,6 +51,7 @@ from vllm_plugin.http_edge import (
     decode_json,
     labelled,
     mentions,
+    post_state,
     read_messages,
     refuse,
     replay,
@@ -131,8 +132,6 @@ class Admission:
         self.max_body_bytes = max_body_bytes
         self._open = asyncio.Event()
         self._open.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
         self.admitted = 0
         """Requests admitted and not finished."""
         self._solo: Ticket | None = None
@@ -155,7 +154,6 @@ class Admission:
                 break
             await asyncio.sleep(_SOLO_POLL_S)
         self.admitted += 1  # no suspension point since the gate was seen open
-        self._idle.clear()
         ticket = Ticket(self)
         try:
             yield ticket
@@ -163,8 +161,6 @@ class Admission:
             if self._solo is ticket:
                 self._solo = None
             self.admitted -= 1
-            if self.admitted == 0:
-                self._idle.set()
 
     async def _run_alone(self, ticket: Ticket) -> None:
         """:meth:`Ticket.run_alone`: the admitted requests that are not waiting to run alone
@@ -235,12 +231,9 @@ async def _scoped(ticket: Ticket | None) -> AsyncIterator[None]:
 
 
 def _admission(scope: Scope) -> Admission | None:
-    if scope.get("type") != "http" or scope.get("method") != "POST":
-        return None
     if not route_path(scope).startswith(ENGINE_PREFIXES):
         return None
-    app = scope.get("app")
-    admission = getattr(getattr(app, "state", None), "mmref_admission", None)
+    admission = post_state(scope, "mmref_admission")
     return admission if isinstance(admission, Admission) else None
 
 

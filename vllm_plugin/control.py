@@ -41,7 +41,7 @@ from urllib.parse import parse_qs
 from fastapi.responses import JSONResponse
 
 from protocol.errors import MMRefError, UpdateConflict
-from vllm_plugin.http_edge import Receive, Scope, Send, refuse, route_path
+from vllm_plugin.http_edge import Receive, Scope, Send, post_state, refuse, route_path
 from vllm_plugin.updates import WeightUpdates
 
 __all__ = ["HELD_ONLY", "UNDER_HOLD", "ControlGate", "ControlMiddleware"]
@@ -229,7 +229,5 @@ def _well_formed(route: str, query: dict[str, list[str]]) -> bool:
 
 
 def _gate(scope: Scope) -> ControlGate | None:
-    if scope.get("type") != "http" or scope.get("method") != "POST":
-        return None
-    gate = getattr(getattr(scope.get("app"), "state", None), "mmref_control", None)
+    gate = post_state(scope, "mmref_control")
     return gate if isinstance(gate, ControlGate) else None

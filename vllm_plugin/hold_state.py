@@ -73,7 +73,7 @@ class SharedHold:
     @contextlib.contextmanager
     def edit(self) -> Iterator[HoldRecord]:
         """The record under the lock, written back on exit; dead processes' entries dropped (a hold
-        whose owner died is void: idle)."""
+        whose owner died while draining, updating or releasing: held, its lease run out)."""
         with open(self.path, "r+") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:

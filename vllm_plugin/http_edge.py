@@ -45,6 +45,7 @@ __all__ = [
     "labelled",
     "mentions",
     "no_engine",
+    "post_state",
     "read_body",
     "read_messages",
     "refuse",
@@ -266,3 +267,11 @@ def route_path(scope: Scope) -> str:
     if path == root:
         return ""
     return path[len(root) :] if path[len(root)] == "/" else path
+
+
+def post_state(scope: Scope, name: str) -> Any:
+    """``app.state.<name>`` for an HTTP ``POST`` (what the plugin's middlewares act on); None for
+    any other request, or where the app has no such attribute."""
+    if scope.get("type") != "http" or scope.get("method") != "POST":
+        return None
+    return getattr(getattr(scope.get("app"), "state", None), name, None)
