@@ -26,7 +26,7 @@ from vllm_compat import (
 )
 
 from helpers import REPO
-from vllm_plugin.vllm_surface import CHECKED_VLLM, SURFACE, vllm_version
+from upstream import CHECKED_VLLM, SURFACE, vllm_version
 
 NEWEST = CHECKED_VLLM[-1]
 

@@ -1,4 +1,4 @@
-"""The door (``vllm_plugin/vllm_surface/``): its table is complete and true to the repository (every
+"""The door (``upstream/``): its table is complete and true to the repository (every
 vLLM and transformers-internal import has a row, every row's files use it), the plugin reaches
 vLLM only through it, and every row imports from the installed vLLM with the project's call shapes
 binding to its signatures (a failure names the row)."""
@@ -24,8 +24,7 @@ from packaging.version import Version
 from vllm_compat import SourceTree, installed_source
 
 from helpers import REPO
-from vllm_plugin.preflight import SUPPORTED_VLLM
-from vllm_plugin.vllm_surface import (
+from upstream import (
     CHECKED_VLLM,
     HF_SURFACE,
     STDLIB_SURFACE,
@@ -39,6 +38,7 @@ from vllm_plugin.vllm_surface import (
     touchpoint,
     vllm_version,
 )
+from vllm_plugin.preflight import SUPPORTED_VLLM
 
 ALL = (*SURFACE, *HF_SURFACE, *STDLIB_SURFACE)
 SCANNED = ("vllm_plugin", "protocol", "trainer_lib", "scripts", "bench", "tests")
@@ -52,7 +52,7 @@ SELF = {
     "tests/test_vllm_compat_checker.py",
 }
 """The checker and its tests (their strings name vLLM modules of fake trees)."""
-DOOR = "vllm_plugin/vllm_surface"
+DOOR = "upstream"
 
 
 # --- the table ---------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def test_keys_are_unique_and_private_names_say_why():
 def test_the_plugins_private_names_are_reached_through_named_door_functions():
     """A private (or version-keyed) name the plugin uses has a function of the door, whose docstring
     names the upstream file."""
-    import vllm_plugin.vllm_surface as door
+    import upstream as door
 
     for tp in (*SURFACE, *STDLIB_SURFACE):
         if (tp.side == "plugin" and (tp.private or tp.since)) or tp.package == "stdlib":
@@ -137,7 +137,7 @@ def _covered(table: tuple[Touchpoint, ...], module: str, name: str) -> bool:
 
 def test_every_vllm_import_of_the_project_is_in_the_table():
     missing = {k: v for k, v in _imports("vllm").items() if not _covered(SURFACE, *k)}
-    assert not missing, f"vLLM names used but not in vllm_plugin/vllm_surface/: {missing}"
+    assert not missing, f"vLLM names used but not in upstream/: {missing}"
 
 
 def test_every_transformers_internal_import_is_in_the_table():
@@ -191,7 +191,7 @@ def test_protocol_takes_nothing_from_the_plugin():
 
 def test_importing_the_plugin_entry_point_imports_no_vllm():
     """vLLM swallows a plugin's import errors: ``plugin.py`` (and the door) import vLLM only when called."""
-    code = "import sys, vllm_plugin.plugin, vllm_plugin.vllm_surface; print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'transformers', 'torch')))"  # noqa: E501
+    code = "import sys, vllm_plugin.plugin, upstream; print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'transformers', 'torch')))"  # noqa: E501
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

@@ -7,6 +7,13 @@ from argparse import Namespace
 from typing import Any
 
 from protocol.errors import UnsupportedFamily
+from upstream import (
+    invalidation_drain,
+    load,
+    mm_fields_config,
+    mm_worker,
+    served_image_processor,
+)
 from vllm_plugin.config import PluginConfig
 from vllm_plugin.engine_items import EngineItems
 from vllm_plugin.items import ItemLayout
@@ -15,13 +22,6 @@ from vllm_plugin.resolver import MMRefResolver
 from vllm_plugin.seeds import SplitRule
 from vllm_plugin.serving import MMRefServing
 from vllm_plugin.serving_tokens import build_serving_tokens
-from vllm_plugin.vllm_surface import (
-    invalidation_drain,
-    load,
-    mm_fields_config,
-    mm_worker,
-    served_image_processor,
-)
 from vllm_plugin.weights import VersionReader
 
 __all__ = [
@@ -115,9 +115,9 @@ def engine_items(renderer: Any, engine_client: Any) -> EngineItems:
     """The route's view of the engine's items, over vLLM's sender cache and its multimodal worker.
 
     vLLM runs every sender-cache operation on the renderer's single multimodal worker thread
-    (the door's :func:`~vllm_plugin.vllm_surface.mm_worker`); the hand-off parks that thread
+    (the door's :func:`~upstream.mm_worker`); the hand-off parks that thread
     (``engine_items.py``) and there applies the cache-miss invalidations vLLM >= 0.33 defers
-    (:func:`~vllm_plugin.vllm_surface.invalidation_drain`). A renderer without such a worker gets
+    (:func:`~upstream.invalidation_drain`). A renderer without such a worker gets
     no hand-off through the sender cache: items then always travel with their data.
     """
     return EngineItems(
