@@ -1,46 +1,22 @@
-"""The upstream table and its door (``upstream/``): the table is complete and true to the
-repository (every vLLM and transformers-internal import, every ``load`` of a name and every read of
-a private vLLM attribute has a row listing its file; every row's files use it), no code outside
-``upstream/`` but the tests imports vLLM, and every row imports from the installed vLLM with the
-project's call shapes binding to its signatures (a failure names the row)."""
+"""The upstream table (``upstream/``) against the repository: the table is complete and true to it
+(every vLLM and transformers-internal import, every ``load`` of a name and every read of a private
+vLLM attribute has a row listing its file; every row's files use it), and no code outside
+``upstream/`` but the tests imports vLLM. The table against vLLM's releases (imported, and read
+statically): ``test_vllm_compat.py``; the door's functions: ``test_upstream_door.py``."""
 
 from __future__ import annotations
 
 import ast
 import functools
-import importlib
 import inspect
 import re
 import subprocess
 import sys
-import textwrap
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
-import pytest
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 from vllm_compat import SourceTree, installed_source
 
 from helpers import REPO
-from upstream import (
-    CHECKED_VLLM,
-    HF_SURFACE,
-    STDLIB_SURFACE,
-    SURFACE,
-    Touchpoint,
-    load,
-    locate,
-    mm_worker,
-    served_image_processor,
-    serving_tokens_keywords,
-    touchpoint,
-    vllm_version,
-)
-from vllm_plugin.preflight import SUPPORTED_VLLM
+from upstream import HF_SURFACE, STDLIB_SURFACE, SURFACE, Touchpoint
 
 ALL = (*SURFACE, *HF_SURFACE, *STDLIB_SURFACE)
 CODE = ("vllm_plugin", "protocol", "trainer_lib", "rollout_client", "integrations", "scripts", "bench")
@@ -55,9 +31,11 @@ SELF = frozenset(
         "scripts/vllm_compat_source.py",
         "tests/test_vllm_surface.py",
         "tests/test_vllm_compat_checker.py",
+        "tests/test_upstream_door.py",
     }
 )
-"""The checker and its tests (their strings name vLLM modules of fake trees)."""
+"""The checker and the table's tests (their strings name vLLM modules of fake trees, and keys as
+test data)."""
 DOOR = "upstream"
 
 
@@ -342,168 +320,3 @@ def test_importing_the_plugin_entry_point_imports_no_vllm():
     code = "import sys, vllm_plugin.plugin, upstream; print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'transformers', 'torch')))"  # noqa: E501
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-
-
-def test_the_declared_range_is_exactly_the_checked_minor_releases():
-    supported = SpecifierSet(SUPPORTED_VLLM)
-    minors = sorted({Version(v).release[:2] for v in CHECKED_VLLM})
-    for major, minor in minors:
-        assert supported.contains(f"{major}.{minor}.0") and supported.contains(f"{major}.{minor}.99")
-    below = (minors[0][0], minors[0][1] - 1)
-    above = (minors[-1][0], minors[-1][1] + 1)
-    assert not supported.contains(f"{below[0]}.{below[1]}.99"), "range reaches below the checked releases"
-    assert not supported.contains(f"{above[0]}.{above[1]}.0"), "range reaches above the checked releases"
-    assert [(a, b + 1) for a, b in minors[:-1]] == minors[1:], "a minor release in the range is unchecked"
-
-
-def test_locate_is_the_version_keyed_branch():
-    assert locate("cli_env_setup", "0.32.0").module == "vllm.entrypoints.serve.utils.api_utils"
-    assert locate("cli_env_setup", "0.33.0").module == "vllm.entrypoints.common.startup"
-    assert locate("cli_env_setup", "0.33.2rc1+cu130").module == "vllm.entrypoints.common.startup"
-    assert "online_derenderer" not in locate("ServingTokens.__init__", "0.32.0").keywords
-    assert "online_derenderer" in locate("ServingTokens.__init__", "0.33.0").keywords
-    drain = touchpoint("renderer._drain_mm_cache_invalidations")
-    assert not drain.exists_in("0.32.0") and drain.exists_in("0.33.1+cu130")
-    with pytest.raises(KeyError, match="no vLLM surface touchpoint 'nope'"):
-        touchpoint("nope")
-
-
-def test_load_imports_through_the_table():
-    assert load("cli_env_setup").__name__ == "cli_env_setup"
-    assert load("ServingTokens.__init__").__qualname__ == "ServingTokens.__init__"
-    with pytest.raises(ValueError, match="assigned"):
-        load("state.online_renderer")
-    with pytest.raises(ValueError, match=r">=0\.33 only"):
-        load("renderer._drain_mm_cache_invalidations", "0.32.0")
-
-
-# --- the installed vLLM, imported ------------------------------------------------------------------
-
-
-def _runtime_problems(tp: Touchpoint) -> list[str]:
-    """Import ``tp`` from the installed release and bind the project's call shape to its signature."""
-    version = vllm_version() if tp.package == "vllm" else None
-    where = tp.at(version)
-    module = importlib.import_module(where.module)
-    if tp.kind == "module":
-        return []
-    parts = where.qualname.split(".")
-    if tp.kind == "assigned":
-        func = getattr(module, parts[0])
-        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
-        ok = any(
-            isinstance(t, ast.Attribute) and t.attr == tp.attr
-            for n in ast.walk(tree)
-            if isinstance(n, ast.Assign)
-            for t in n.targets
-        )
-        return [] if ok else [f"{where.qualname} assigns no .{tp.attr}"]
-    owner: Any = module
-    for part in parts[:-1]:
-        owner = getattr(owner, part)
-    name = parts[-1]
-    if tp.kind == "attribute" and isinstance(owner, type):
-        return [] if _class_has(owner, name) else [f"{owner.__name__} has no attribute {name!r}"]
-    if not hasattr(owner, name):
-        return [f"{where.module} has no {where.qualname}"]
-    if tp.positional is None and not where.keywords:
-        return []
-    return _binding_problems(tp, where.keywords, owner, name)
-
-
-def _binding_problems(tp: Touchpoint, keywords: tuple[str, ...], owner: Any, name: str) -> list[str]:
-    call, drop_self = _callable(owner, name)
-    sig = inspect.signature(call)
-    params = list(sig.parameters.values())[1 if drop_self else 0 :]
-    problems = []
-    for i, want in enumerate(tp.positional_names):
-        if i >= len(params) or params[i].name != want:
-            problems.append(f"positional {i} is not {want!r}: {sig}")
-    for kw in tp.named:
-        param = sig.parameters.get(kw)
-        if param is None or param.kind is param.VAR_KEYWORD:
-            problems.append(f"{kw!r} is not a named parameter: {sig}")
-    args = [None] * ((tp.positional or 0) + (1 if drop_self else 0))
-    try:
-        sig.bind(*args, **dict.fromkeys(keywords))
-    except TypeError as e:
-        problems.append(f"the project's call does not bind to {sig}: {e}")
-    return problems
-
-
-def _callable(owner: Any, name: str) -> tuple[Callable[..., Any], bool]:
-    """What a call of ``owner.name`` runs, and whether its first parameter is ``self``."""
-    if not isinstance(owner, type):
-        return getattr(owner, name), False
-    raw = inspect.getattr_static(owner, name)
-    if isinstance(raw, staticmethod):
-        return raw.__func__, False
-    if isinstance(raw, classmethod) or (name != "__init__" and isinstance(raw, type)):
-        return getattr(owner, name), False
-    if name == "__init__":
-        return owner.__init__, True
-    return raw, True
-
-
-def _class_has(cls: type, name: str) -> bool:
-    """A class attribute, a (dataclass, pydantic) field, or a ``self.name = ...`` in a method."""
-    if hasattr(cls, name):
-        return True
-    for klass in cls.__mro__:
-        if name in getattr(klass, "__annotations__", {}) or name in getattr(klass, "model_fields", {}):
-            return True
-        try:
-            source = inspect.getsource(klass)
-        except (OSError, TypeError):
-            continue
-        if re.search(rf"self\.{re.escape(name)}\s*(:[^=]+)?=", source):
-            return True
-    return False
-
-
-@pytest.mark.parametrize("tp", ALL, ids=[tp.key for tp in ALL])
-def test_each_name_imports_from_the_installed_release(tp):
-    if tp.package == "vllm" and not tp.exists_in(vllm_version()):  # a later release's name: absent here
-        assert _runtime_problems(tp), f"{tp.key} exists in vLLM {vllm_version()}: its `since` is wrong"
-        return
-    problems = _runtime_problems(tp)
-    assert not problems, f"{tp.key} ({tp.module}:{tp.qualname}): " + "; ".join(problems)
-
-
-@pytest.mark.parametrize(
-    "tp",
-    [tp for tp in (*HF_SURFACE, *STDLIB_SURFACE) if tp.kind in ("class", "function", "method")],
-    ids=lambda tp: tp.key,
-)
-def test_transformers_names_are_defined_where_the_table_says(tp):
-    """(vLLM's: by the static check, ``tests/test_vllm_compat.py``, which also sees constants and
-    attributes.)"""
-    obj: Any = importlib.import_module(tp.module)
-    for part in tp.qualname.split("."):
-        obj = getattr(obj, part)
-    path = Path(inspect.getsourcefile(inspect.unwrap(obj)) or "")
-    assert path.as_posix().endswith("/" + tp.upstream), f"{tp.key}: defined in {path}"
-
-
-# --- the door's functions, on stand-ins for vLLM's objects -----------------------------------------------
-
-
-def test_serving_tokens_keywords_follow_the_release():
-    state = SimpleNamespace(online_derenderer="derenderer")
-    assert serving_tokens_keywords(state, "0.32.0") == {}
-    assert serving_tokens_keywords(state, "0.33.0") == {"online_derenderer": "derenderer"}
-    assert serving_tokens_keywords(state) == {}  # the installed 0.32
-
-
-def test_served_image_processor_is_the_infos_own_or_the_hf_processors():
-    qwen_like = SimpleNamespace(get_hf_processor=lambda: SimpleNamespace(image_processor="hf"))
-    kimi_like = SimpleNamespace(image_processor="fused", get_hf_processor=lambda: pytest.fail("not asked"))
-    assert served_image_processor(SimpleNamespace(info=qwen_like)) == "hf"
-    assert served_image_processor(SimpleNamespace(info=kimi_like)) == "fused"
-
-
-def test_mm_worker_is_a_single_thread_executor_or_none():
-    with ThreadPoolExecutor(max_workers=1) as one, ThreadPoolExecutor(max_workers=2) as two:
-        assert mm_worker(SimpleNamespace(_mm_executor=one)) is one
-        assert mm_worker(SimpleNamespace(_mm_executor=two)) is None
-    assert mm_worker(SimpleNamespace()) is None
