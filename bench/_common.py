@@ -250,17 +250,16 @@ def vllm_processor(model_dir: Path, *, device_normalize: bool):
     The same processor a server builds (``MULTIMODAL_REGISTRY.create_processor``), with one
     1024x768 image per prompt as the profiling size.
     """
-    from vllm.config import ModelConfig
-    from vllm.multimodal import MULTIMODAL_REGISTRY
+    from upstream import load
 
-    mc = ModelConfig(
+    mc = load("ModelConfig")(
         model=str(model_dir),
         dtype="float32",
         max_model_len=4096,
         limit_mm_per_prompt={"image": {"count": 1, "width": SIZE[0], "height": SIZE[1]}, "video": 0},
         mm_device_do_normalize=device_normalize,
     )
-    return mc, MULTIMODAL_REGISTRY.create_processor(mc)
+    return mc, load("MULTIMODAL_REGISTRY").create_processor(mc)
 
 
 def wire_bytes(body: dict) -> int:

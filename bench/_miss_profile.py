@@ -40,9 +40,10 @@ def miss_profile(serving, bodies: list[dict], parse_request) -> tuple[float, flo
         request in any other base64 function, top rows)``; each top row is ``(function, self ms
         per request, share)``.
     """
-    from vllm.entrypoints.scale_out.token_in_token_out.mm_features import mm_kwargs_from_features
-
+    from upstream import load
     from vllm_plugin.serving_tokens import _fill
+
+    mm_kwargs_from_features = load("mm_kwargs_from_features")
 
     serving.resolver.pool = _Inline()
 

@@ -32,19 +32,20 @@ def items(model_dir):
 
     from PIL import Image
     from transformers import BatchFeature
-    from vllm.multimodal.inputs import MultiModalKwargsItems
 
     from protocol.adapters import load_adapter
+    from upstream import load, mm_fields_config
     from vllm_plugin.items import ItemLayout, encode_item
 
     adapter = load_adapter(model_dir)
     _, processor = vllm_processor(model_dir, device_normalize=True)
-    layout = ItemLayout(adapter, lambda hf: processor._get_mm_fields_config(hf, {}))
+    layout = ItemLayout(adapter, mm_fields_config(processor))
+    from_hf_inputs = load("MultiModalKwargsItems.from_hf_inputs")
     image = Image.open(io.BytesIO(photo_jpeg("coffee"))).convert("RGB")
     out = {}
     for mode, raw in (("uint8 (device normalization)", True), ("float32 (normalized)", False)):
         tensors = BatchFeature(dict(adapter.process(image, device_normalize=raw).tensors))
-        (item,) = MultiModalKwargsItems.from_hf_inputs(tensors, layout.fields_config(tensors))["image"]
+        (item,) = from_hf_inputs(tensors, layout.fields_config(tensors))["image"]
         out[mode] = (item, encode_item(item))
     return out, layout
 

@@ -43,11 +43,13 @@ SAMPLING = {"temperature": 1.0, "max_tokens": 256, "logprobs": 0}
 
 def main() -> None:
     from transformers import AutoTokenizer
-    from vllm.entrypoints.scale_out.token_in_token_out.mm_features import extract_mm_features
 
     from protocol.adapters import load_adapter, offload_image
     from protocol.placeholders import expand_image_placeholders
     from protocol.refs import parse_ref
+    from upstream import load
+
+    extract_mm_features = load("extract_mm_features")
 
     model = ensure_bench_model()
     adapter = load_adapter(model)

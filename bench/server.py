@@ -59,29 +59,20 @@ MISS_OVERHEAD_TARGET = 0.10
 
 
 def build_resolver(model: Path, *, device_normalize: bool):
-    """The plugin's serving object (its resolver at ``.resolver``), built in process the way
-    ``vllm_plugin.startup.build_serving`` builds it (no engine: ``null`` slots pass, nothing serves)."""
-    from protocol.adapters import adapter_class
+    """The plugin's serving object (its resolver at ``.resolver``), built in process with
+    ``vllm_plugin.startup.build_resolver``, as ``build_serving`` builds it (no engine: ``null``
+    slots pass, nothing serves)."""
     from vllm_plugin.config import PluginConfig
     from vllm_plugin.engine_items import EngineItems
-    from vllm_plugin.items import ItemLayout
-    from vllm_plugin.resolver import MMRefResolver
     from vllm_plugin.serving import MMRefServing
+    from vllm_plugin.startup import build_resolver as plugin_resolver
 
     mc, proc = vllm_processor(model, device_normalize=device_normalize)
-    hf_config = mc.hf_config
-    image_processor = proc.info.get_hf_processor().image_processor
-    adapter = adapter_class(hf_config.model_type)(image_processor, family=hf_config.model_type)
-    resolver = MMRefResolver(
-        adapter,
-        PluginConfig(asset_root=BENCH_OUTPUTS),
-        layout=ItemLayout(adapter, lambda hf_inputs: proc._get_mm_fields_config(hf_inputs, {})),
-        device_normalize=bool(mc.multimodal_config.mm_device_do_normalize),
-    )
+    resolver = plugin_resolver(proc, mc, PluginConfig(asset_root=BENCH_OUTPUTS))
     serving = MMRefServing(
         resolver,
         EngineItems(object()),
-        placeholder_token_id=adapter.placeholder_token_id(hf_config),
+        placeholder_token_id=resolver.adapter.placeholder_token_id(mc.hf_config),
         serving_tokens=None,
         allowed_local_media_path=None,
         ec_transfer=False,
@@ -162,11 +153,11 @@ def _per_request_hit_rows(serving, ref, token_ids: list[int], model: Path) -> li
     """
     import base64 as b64
 
-    from vllm.entrypoints.scale_out.token_in_token_out.mm_features import mm_kwargs_from_features
-    from vllm.multimodal.hasher import MultiModalHasher
-    from vllm.multimodal.media.connector import MediaConnector
-
     from protocol.refs import file_uri_to_path, parse_ref
+    from upstream import load
+
+    mm_kwargs_from_features = load("mm_kwargs_from_features")
+    hash_kwargs = load("MultiModalHasher.hash_kwargs")
 
     sampling = {"temperature": 1.0, "max_tokens": MAX_TOKENS, "logprobs": 0}
     body = {"token_ids": token_ids, "mm_refs": [ref.ref], "sampling_params": sampling}
@@ -177,11 +168,11 @@ def _per_request_hit_rows(serving, ref, token_ids: list[int], model: Path) -> li
 
     jpeg = Path(file_uri_to_path(parse_ref(ref.ref).raw_image_uri)).read_bytes()
     url = "data:image/jpeg;base64," + b64.b64encode(jpeg).decode()
-    connector = MediaConnector()
+    connector = load("MediaConnector")()
 
     def data_url_hit() -> object:
         image = connector.fetch_image(url)
-        return MultiModalHasher.hash_kwargs("blake3", model_id=str(model), image=image)
+        return hash_kwargs("blake3", model_id=str(model), image=image)
 
     empty = lambda: asyncio.run(asyncio.sleep(0))  # noqa: E731 (asyncio.run overhead, subtracted)
     base = timeit(empty, repeat=15).median
@@ -207,12 +198,13 @@ class Breakdown:
 def miss_steps(serving, jpeg: bytes, kwargs: dict) -> dict[str, Callable[[], object]]:
     """Each step of one cache miss for ``jpeg`` (already in the store), as a callable."""
     from transformers import BatchFeature
-    from vllm.multimodal.inputs import MultiModalKwargsItems
 
     from protocol.adapters import offload_image
     from protocol.images import load_image
     from protocol.refs import parse_ref
+    from upstream import load
 
+    from_hf_inputs = load("MultiModalKwargsItems.from_hf_inputs")
     resolver = serving.resolver
     adapter, raw = resolver.adapter, resolver.device_normalize
     ref = offload_image(jpeg, bench_asset_root(), adapter).ref
@@ -229,7 +221,7 @@ def miss_steps(serving, jpeg: bytes, kwargs: dict) -> dict[str, Callable[[], obj
         ],
         "decode (load_image)": lambda: load_image(jpeg),
         "adapter.process (HF processor + wrap)": lambda: adapter.process(image, device_normalize=raw),
-        "vLLM item (from_hf_inputs)": lambda: MultiModalKwargsItems.from_hf_inputs(
+        "vLLM item (from_hf_inputs)": lambda: from_hf_inputs(
             hf_inputs, resolver.layout.fields_config(hf_inputs)
         ),
         "feature ref instead: miss (_resolve_file_sync)": lambda: resolver._resolve_file_sync(

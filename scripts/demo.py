@@ -89,8 +89,9 @@ def greedy_refs_vs_urls(ctx: dict, client, prompt: list[int], images, text: str)
 
 def pixel_check(samples, adapter, output_root, resolved) -> tuple[float, object, float]:
     """The trainer's pixels of the first sample's images vs what ``/inference/v1/resolve`` fed vLLM."""
-    from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
+    from upstream import load
 
+    decode_mm_kwargs_item = load("decode_mm_kwargs_item")
     t0 = time.monotonic()
     raw = materialize(samples, adapter, output_root, device_normalize=resolved["pixel_mode"] == "raw")
     seconds = time.monotonic() - t0

@@ -8,7 +8,7 @@ validation, ``run_server`` or ``run_multi_api_server`` for ``--api-server-count`
 same set-up calls as ``main()``, minus that one lookup. It patches nothing. Where the ``vllm``
 distribution is installed (CUDA wheels), use ``vllm serve`` itself.
 
-Its vLLM names come through the door (``vllm_plugin/vllm_surface``): ``cli_env_setup`` and
+Its vLLM names come through the door (``upstream``): ``cli_env_setup`` and
 ``VLLM_SUBCMD_PARSER_EPILOG`` moved in vLLM 0.33 (``vllm.entrypoints.common.startup``), and the
 door's table says where each lives in the installed release.
 """
@@ -24,7 +24,7 @@ _REPO = str(Path(__file__).resolve().parent.parent)
 if _REPO not in sys.path:  # run as a script: the door is in this repository
     sys.path.insert(0, _REPO)
 
-from vllm_plugin.vllm_surface import load  # noqa: E402
+from upstream import load  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Static check of a vLLM source tree against the project's vLLM surface (``vllm_plugin/vllm_surface/``).
+"""Static check of a vLLM source tree against the project's vLLM surface (``upstream/``).
 
 Reads the source with :mod:`ast` only (never imports it), so it checks releases that cannot be
 installed here (the CUDA-only wheels)::
@@ -8,8 +8,8 @@ installed here (the CUDA-only wheels)::
     python scripts/vllm_compat.py --source DIR|WHEEL # a source tree (holding vllm/) or a wheel
     python scripts/vllm_compat.py --vllm 0.33.0 --no-variants   # the 0.32 form, as the code is today
 
-For every touchpoint of :data:`~vllm_plugin.vllm_surface.SURFACE` it looks the name up at its module
-path for the tree's version (the touchpoint's :class:`~vllm_plugin.vllm_surface.Variant` for that
+For every touchpoint of :data:`~upstream.SURFACE` it looks the name up at its module
+path for the tree's version (the touchpoint's :class:`~upstream.Variant` for that
 version, if any), following ``from X import Y`` re-exports, module-level assignments, class bases
 and ``self.x = ...`` in methods, then checks that the callable takes the positional count and the
 keywords the project passes (``**kwargs`` takes any keyword) and that nothing it requires is left out.
@@ -48,7 +48,7 @@ from vllm_compat_inventory import INVENTORY_BEGIN, INVENTORY_END  # noqa: E402
 from vllm_compat_inventory import generated_inventory as _generated_inventory  # noqa: E402
 from vllm_compat_source import Found, SourceTree  # noqa: E402
 
-from vllm_plugin.vllm_surface import CHECKED_VLLM  # noqa: E402
+from upstream import CHECKED_VLLM  # noqa: E402
 
 __all__ = [
     "CACHE_DIR",

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from vllm_compat_source import EXTERNAL_FIELD_BASES, Found, SourceTree, decorators
 
-from vllm_plugin.vllm_surface import SURFACE, Touchpoint
+from upstream import SURFACE, Touchpoint
 
 __all__ = ["Result", "Signature", "check", "check_touchpoint", "fit", "format_report", "signature_of"]
 
@@ -269,7 +269,7 @@ def check(
 
     Args:
         variants: apply the version's variants (False: every touchpoint in its 0.32 form, i.e. what
-            code that does not route through ``vllm_surface`` meets).
+            code that does not route through ``upstream`` meets).
     """
     version = version or tree.version()
     use = version if variants else None

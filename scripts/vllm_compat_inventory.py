@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from vllm_compat_check import Result, check
 from vllm_compat_source import SourceTree
 
-from vllm_plugin.vllm_surface import HF_SURFACE, STDLIB_SURFACE, Touchpoint
+from upstream import HF_SURFACE, STDLIB_SURFACE, Touchpoint
 
 __all__ = [
     "INVENTORY_BEGIN",

@@ -81,7 +81,7 @@ def oracle(request, model_dir) -> Oracle:
 @pytest.fixture(scope="module")
 def server_adapter(family, default_oracle) -> QwenVLAdapter:
     """Built like the plugin's ``init_state``: wraps vLLM's own image processor."""
-    from vllm_plugin.vllm_surface import served_image_processor
+    from upstream import served_image_processor
 
     return adapter_class(family)(served_image_processor(default_oracle.processor), family=family)
 
@@ -158,7 +158,7 @@ def test_process_matches_vllm(case, family, oracle, trainer_adapter, tokenizer, 
     placeholder = out["mm_placeholders"]["image"][0]
     assert want_pixels.dtype == (torch.uint8 if oracle.normalize else torch.float32)
 
-    from vllm_plugin.vllm_surface import served_image_processor
+    from upstream import served_image_processor
 
     server = adapter_class(family)(served_image_processor(oracle.processor), family=family)
     for adapter in (server, trainer_adapter):

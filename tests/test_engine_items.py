@@ -275,7 +275,7 @@ class _Renderer033:
 
 
 def test_the_door_drains_deferred_invalidations_on_vllm_033_only():
-    from vllm_plugin.vllm_surface import invalidation_drain
+    from upstream import invalidation_drain
 
     class Renderer:  # a stand-in (see _Renderer033): counts its drains
         drains = 0

@@ -1,10 +1,11 @@
-"""The package layout: every module's ``__all__`` exact, and trainer_lib's modules import each
-other without a circle.
+"""The package layout: every module's ``__all__`` exact, trainer_lib's modules import each other
+without a circle, and ``upstream/`` (the table of upstream names) is a leaf below the project.
 
-The ``__all__`` checks cover every module and subpackage of ``protocol/``, ``vllm_plugin/`` and
-``trainer_lib/``, in the spirit of httpx ``tests/test_exported_members.py``: every exported name
-exists, and every public name a module binds at top level is exported (a package re-exports what
-it imports from its own modules). The order is ruff's (RUF022, run by ``scripts/test.sh``).
+The ``__all__`` checks cover every module and subpackage of ``upstream/``, ``protocol/``,
+``vllm_plugin/`` and ``trainer_lib/``, in the spirit of httpx ``tests/test_exported_members.py``:
+every exported name exists, and every public name a module binds at top level is exported (a
+package re-exports what it imports from its own modules). The order is ruff's (RUF022, run by
+``scripts/test.sh``).
 """
 
 from __future__ import annotations
@@ -18,16 +19,28 @@ import pytest
 
 import protocol
 import trainer_lib
+import upstream
 import vllm_plugin
-from helpers import package_modules, public_top_level_names
+from helpers import REPO, package_modules, public_top_level_names
 
 EXPORTING_MODULES = [
-    name for package in (protocol, vllm_plugin, trainer_lib) for name in package_modules(package)
+    name for package in (upstream, protocol, vllm_plugin, trainer_lib) for name in package_modules(package)
 ]
+PROJECT = (
+    *("protocol", "vllm_plugin", "trainer_lib", "rollout_client", "integrations"),
+    *("bench", "scripts", "tests"),
+)
+"""The project's other top-level folders (and the modules bench, scripts and tests import by name)."""
 
 
 def test_module_lists_are_the_expected_ones():
     assert {
+        "upstream",
+        "upstream.door",
+        "upstream.model",
+        "upstream.rows_hf",
+        "upstream.rows_other",
+        "upstream.rows_plugin",
         "protocol",
         "protocol.errors",
         "protocol.refs",
@@ -94,3 +107,22 @@ def test_trainer_lib_imports_no_circle():
     except CycleError as e:
         raise AssertionError(f"import circle in trainer_lib: {' -> '.join(e.args[1])}") from None
     assert set(order) == known
+
+
+def test_upstream_is_a_leaf():
+    """``upstream/`` imports nothing of the project, even lazily inside a function: everyone may
+    import it (the table and its door sit below ``protocol/``, ``trainer_lib/`` and the plugin)."""
+    local = {p.stem for folder in ("bench", "scripts") for p in (REPO / folder).rglob("*.py")}
+    found = {}
+    for name, path in package_modules(upstream).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                roots = [(node.module or "").split(".")[0]] if not node.level else ["<relative>"]
+            else:
+                continue
+            bad = [r for r in roots if r in PROJECT or r in local or r in ("helpers", "<relative>")]
+            if bad:
+                found.setdefault(name, []).extend(f"{r} (line {node.lineno})" for r in bad)
+    assert found == {}, found

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import REPO
 
-PACKAGES = ("protocol", "trainer_lib", "vllm_plugin", "rollout_client", "integrations")
+PACKAGES = ("upstream", "protocol", "trainer_lib", "vllm_plugin", "rollout_client", "integrations")
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +50,7 @@ def test_wheel_metadata_and_contents(wheel):
     assert (
         "protocol/adapters/registry.py" in whl.namelist() and "trainer_lib/planning/plan.py" in whl.namelist()
     )
+    assert "upstream/door.py" in whl.namelist() and "upstream/rows_plugin.py" in whl.namelist()
 
 
 def test_install_script_pins_the_verl_range_integrations_verl_imports_under():

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from vllm_compat import SourceTree, check, check_touchpoint, main
 
-from vllm_plugin.vllm_surface import SURFACE, Touchpoint, Variant
+from upstream import SURFACE, Touchpoint, Variant
 
 
 def _tree(tmp_path: Path, files: dict[str, str], version: str = "9.9.0") -> SourceTree:

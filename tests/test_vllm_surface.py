@@ -1,58 +1,42 @@
-"""The door (``vllm_plugin/vllm_surface/``): its table is complete and true to the repository (every
-vLLM and transformers-internal import has a row, every row's files use it), the plugin reaches
-vLLM only through it, and every row imports from the installed vLLM with the project's call shapes
-binding to its signatures (a failure names the row)."""
+"""The upstream table (``upstream/``) against the repository: the table is complete and true to it
+(every vLLM and transformers-internal import, every ``load`` of a name and every read of a private
+vLLM attribute has a row listing its file; every row's files use it), and no code outside
+``upstream/`` but the tests imports vLLM. The table against vLLM's releases (imported, and read
+statically): ``test_vllm_compat.py``; the door's functions: ``test_upstream_door.py``."""
 
 from __future__ import annotations
 
 import ast
-import importlib
+import functools
 import inspect
 import re
 import subprocess
 import sys
-import textwrap
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
-import pytest
-from packaging.specifiers import SpecifierSet
-from packaging.version import Version
 from vllm_compat import SourceTree, installed_source
 
 from helpers import REPO
-from vllm_plugin.preflight import SUPPORTED_VLLM
-from vllm_plugin.vllm_surface import (
-    CHECKED_VLLM,
-    HF_SURFACE,
-    STDLIB_SURFACE,
-    SURFACE,
-    Touchpoint,
-    load,
-    locate,
-    mm_worker,
-    served_image_processor,
-    serving_tokens_keywords,
-    touchpoint,
-    vllm_version,
-)
+from upstream import HF_SURFACE, STDLIB_SURFACE, SURFACE, Touchpoint
 
 ALL = (*SURFACE, *HF_SURFACE, *STDLIB_SURFACE)
-SCANNED = ("vllm_plugin", "protocol", "trainer_lib", "scripts", "bench", "tests")
+CODE = ("vllm_plugin", "protocol", "trainer_lib", "rollout_client", "integrations", "scripts", "bench")
+"""Every folder of code outside ``upstream/`` and the tests: none imports vLLM."""
+SCANNED = (*CODE, "tests")
 """Where the project's code lives (every vLLM or transformers-internal import must be in a table)."""
-SELF = {
-    "scripts/vllm_compat.py",
-    "scripts/vllm_compat_check.py",
-    "scripts/vllm_compat_inventory.py",
-    "scripts/vllm_compat_source.py",
-    "tests/test_vllm_surface.py",
-    "tests/test_vllm_compat_checker.py",
-}
-"""The checker and its tests (their strings name vLLM modules of fake trees)."""
-DOOR = "vllm_plugin/vllm_surface"
+SELF = frozenset(
+    {
+        "scripts/vllm_compat.py",
+        "scripts/vllm_compat_check.py",
+        "scripts/vllm_compat_inventory.py",
+        "scripts/vllm_compat_source.py",
+        "tests/test_vllm_surface.py",
+        "tests/test_vllm_compat_checker.py",
+        "tests/test_upstream_door.py",
+    }
+)
+"""The checker and the table's tests (their strings name vLLM modules of fake trees, and keys as
+test data)."""
+DOOR = "upstream"
 
 
 # --- the table ---------------------------------------------------------------------------------------
@@ -71,7 +55,7 @@ def test_keys_are_unique_and_private_names_say_why():
 def test_the_plugins_private_names_are_reached_through_named_door_functions():
     """A private (or version-keyed) name the plugin uses has a function of the door, whose docstring
     names the upstream file."""
-    import vllm_plugin.vllm_surface as door
+    import upstream as door
 
     for tp in (*SURFACE, *STDLIB_SURFACE):
         if (tp.side == "plugin" and (tp.private or tp.since)) or tp.package == "stdlib":
@@ -94,7 +78,9 @@ def test_every_user_file_exists_and_mentions_the_name():
     assert not wrong, "\n".join(wrong)
 
 
-def _imports(prefix: str, roots: tuple[str, ...] = SCANNED) -> dict[tuple[str, str], list[str]]:
+def _imports(
+    prefix: str, roots: tuple[str, ...] = SCANNED, skip: frozenset[str] = SELF
+) -> dict[tuple[str, str], list[str]]:
     """``{(module, name): [file:line]}`` for every import from ``prefix`` in the project's code
     (``name`` empty for ``import module``; ``importorskip``/``import_module`` calls too)."""
     found: dict[tuple[str, str], list[str]] = {}
@@ -102,7 +88,7 @@ def _imports(prefix: str, roots: tuple[str, ...] = SCANNED) -> dict[tuple[str, s
         paths = [REPO / root] if root.endswith(".py") else sorted((REPO / root).rglob("*.py"))
         for path in paths:
             rel = str(path.relative_to(REPO))
-            if rel in SELF:
+            if rel in skip:
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 pairs: list[tuple[str, str]] = []
@@ -137,7 +123,7 @@ def _covered(table: tuple[Touchpoint, ...], module: str, name: str) -> bool:
 
 def test_every_vllm_import_of_the_project_is_in_the_table():
     missing = {k: v for k, v in _imports("vllm").items() if not _covered(SURFACE, *k)}
-    assert not missing, f"vLLM names used but not in vllm_plugin/vllm_surface/: {missing}"
+    assert not missing, f"vLLM names used but not in upstream/: {missing}"
 
 
 def test_every_transformers_internal_import_is_in_the_table():
@@ -164,11 +150,151 @@ def test_every_vllm_module_run_by_name_is_in_the_table():
     assert modules <= {tp.module for tp in SURFACE}, modules - {tp.module for tp in SURFACE}
 
 
-def test_the_plugin_imports_vllm_only_through_the_door():
-    """No module of ``vllm_plugin/`` but the door (nor ``scripts/vllm_cli.py``) imports vLLM."""
-    plugin = [str(p.relative_to(REPO)) for p in sorted((REPO / "vllm_plugin").rglob("*.py"))]
-    outside = (*(p for p in plugin if not p.startswith(DOOR)), "scripts/vllm_cli.py")
-    assert _imports("vllm", outside) == {}
+def _files(roots: tuple[str, ...]) -> list[str]:
+    return [str(p.relative_to(REPO)) for root in roots for p in sorted((REPO / root).rglob("*.py"))]
+
+
+def test_nothing_outside_upstream_but_the_tests_imports_vllm():
+    """The library (``protocol/``, ``trainer_lib/``, ``vllm_plugin/``, ``rollout_client/``,
+    ``integrations/``), ``bench/`` and ``scripts/`` (the checker included) reach vLLM through
+    ``upstream`` only: no ``import vllm``, ``from vllm``, ``import_module("vllm...")``."""
+    code = tuple(p for p in _files(CODE) if not p.startswith(DOOR))
+    assert len(code) > 100, "the scan found few files: it is broken"
+    assert _imports("vllm", code, skip=frozenset()) == {}
+
+
+_BY_KEY = ("load", "locate", "touchpoint")
+"""The door's functions that take a row's key."""
+
+
+def _loaded_keys(path: str) -> list[tuple[str, int]]:
+    """``(key, line)`` of every ``load("key")`` (``locate``, ``touchpoint``) call of a file that
+    imports these from ``upstream``."""
+    tree = ast.parse((REPO / path).read_text())
+    names = {
+        a.asname or a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module == DOOR
+        for a in n.names
+        if a.name in _BY_KEY
+    }
+    return [
+        (n.args[0].value, n.lineno)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Name)
+        and n.func.id in names
+        and n.args
+        and isinstance(n.args[0], ast.Constant)
+        and isinstance(n.args[0].value, str)
+    ]
+
+
+def test_every_load_names_a_row_that_lists_its_file():
+    """``load("key")`` anywhere (library, bench, scripts, tests) names a row, and the row's
+    ``used_in`` lists the file: the table is the list of every name the project loads, by file."""
+    by_key = {tp.key: tp for tp in ALL}
+    wrong, seen = [], 0
+    for path in (p for p in _files(SCANNED) if p not in SELF):
+        for key, line in _loaded_keys(path):
+            seen += 1
+            if key not in by_key:
+                wrong.append(f"{path}:{line}: load({key!r}): no such row")
+            elif path not in by_key[key].used_in:
+                wrong.append(f"{path}:{line}: load({key!r}): the row's used_in does not list the file")
+    assert seen > 40, "the scan found few loads: it is broken"
+    assert not wrong, "\n".join(wrong)
+
+
+@functools.cache
+def _vllm_private_names() -> frozenset[str]:
+    """Every private name the installed vLLM's source defines (``def _x``, ``self._x = ...``, a
+    module- or class-level ``_x = ...``), read as text."""
+    assigned = r"\s*(?::[^=\n]+)?=(?!=)"  # `= ...` or `: type = ...`, not `==`
+    pattern = re.compile(rf"def\s+(_\w+)|self\.(_\w+){assigned}|^\s*(_\w+){assigned}", re.M)
+    names = set()
+    for path in (installed_source() / "vllm").rglob("*.py"):
+        for match in pattern.finditer(path.read_text(errors="replace")):
+            names.add(next(g for g in match.groups() if g))
+    return frozenset(n for n in names if not n.endswith("__"))
+
+
+def _defined_names(paths: list[str]) -> set[str]:
+    """The names the project defines itself: defs, classes, assigned names, ``self._x = ...``."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse((REPO / path).read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
+                names.add(node.attr)
+    return names
+
+
+def _private_reads(path: str) -> dict[str, int]:
+    """``{name: line}`` of the private attributes a file reads on other objects (``obj._x``,
+    ``getattr(obj, "_x", ...)``): not on ``self``/``cls``, not on a name imported from outside vLLM."""
+    tree = ast.parse((REPO / path).read_text())
+    foreign = {
+        a.asname or a.name.split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        and ((n.module or "") if isinstance(n, ast.ImportFrom) else "").split(".")[0] != "vllm"
+        for a in n.names
+        if not a.name.startswith("vllm")
+    } | {"self", "cls"}
+    reads: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            obj, name = node.value, node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            obj, name = node.args[0], node.args[1].value
+        else:
+            continue
+        private = name.startswith("_") and not name.endswith("__")
+        if private and not (isinstance(obj, ast.Name) and obj.id in foreign):
+            reads.setdefault(name, node.lineno)
+    return reads
+
+
+def test_every_private_vllm_read_is_a_row_that_lists_its_file():
+    """A read of a private name vLLM defines (``proc._get_mm_fields_config``,
+    ``getattr(renderer, "_mm_executor")``), anywhere, is a private row whose ``used_in`` lists the
+    file; outside ``upstream/`` and the tests it is a vLLM name's only through the door's accessor
+    (so no such read at all). Names the project defines itself are not told apart and pass."""
+    paths = [p for p in _files((DOOR, *SCANNED)) if p not in SELF]
+    vllm_names, own = _vllm_private_names(), _defined_names(paths)
+    rows: dict[str, list[Touchpoint]] = {}
+    for tp in ALL:
+        if tp.private:
+            rows.setdefault(tp.attr or tp.qualname.rsplit(".", 1)[-1], []).append(tp)
+    wrong, seen = [], 0
+    for path in paths:
+        for name, line in _private_reads(path).items():
+            if name not in vllm_names or name in own:
+                continue
+            seen += 1
+            listing = [tp for tp in rows.get(name, ()) if path in tp.used_in]
+            if not listing:
+                wrong.append(f"{path}:{line}: reads {name}, and no private row lists the file")
+            elif not path.startswith((DOOR, "tests/")) and any(tp.package == "vllm" for tp in listing):
+                wrong.append(f"{path}:{line}: reads vLLM's private {name}: call its upstream accessor")
+    assert seen >= 4, "the scan found few private reads (the door has 4): it is broken"
+    assert not wrong, "\n".join(wrong)
 
 
 def test_the_trainer_reaches_transformers_internals_only_through_its_door():
@@ -191,171 +317,6 @@ def test_protocol_takes_nothing_from_the_plugin():
 
 def test_importing_the_plugin_entry_point_imports_no_vllm():
     """vLLM swallows a plugin's import errors: ``plugin.py`` (and the door) import vLLM only when called."""
-    code = "import sys, vllm_plugin.plugin, vllm_plugin.vllm_surface; print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'transformers', 'torch')))"  # noqa: E501
+    code = "import sys, vllm_plugin.plugin, upstream; print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'transformers', 'torch')))"  # noqa: E501
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-
-
-def test_the_declared_range_is_exactly_the_checked_minor_releases():
-    supported = SpecifierSet(SUPPORTED_VLLM)
-    minors = sorted({Version(v).release[:2] for v in CHECKED_VLLM})
-    for major, minor in minors:
-        assert supported.contains(f"{major}.{minor}.0") and supported.contains(f"{major}.{minor}.99")
-    below = (minors[0][0], minors[0][1] - 1)
-    above = (minors[-1][0], minors[-1][1] + 1)
-    assert not supported.contains(f"{below[0]}.{below[1]}.99"), "range reaches below the checked releases"
-    assert not supported.contains(f"{above[0]}.{above[1]}.0"), "range reaches above the checked releases"
-    assert [(a, b + 1) for a, b in minors[:-1]] == minors[1:], "a minor release in the range is unchecked"
-
-
-def test_locate_is_the_version_keyed_branch():
-    assert locate("cli_env_setup", "0.32.0").module == "vllm.entrypoints.serve.utils.api_utils"
-    assert locate("cli_env_setup", "0.33.0").module == "vllm.entrypoints.common.startup"
-    assert locate("cli_env_setup", "0.33.2rc1+cu130").module == "vllm.entrypoints.common.startup"
-    assert "online_derenderer" not in locate("ServingTokens.__init__", "0.32.0").keywords
-    assert "online_derenderer" in locate("ServingTokens.__init__", "0.33.0").keywords
-    drain = touchpoint("renderer._drain_mm_cache_invalidations")
-    assert not drain.exists_in("0.32.0") and drain.exists_in("0.33.1+cu130")
-    with pytest.raises(KeyError, match="no vLLM surface touchpoint 'nope'"):
-        touchpoint("nope")
-
-
-def test_load_imports_through_the_table():
-    assert load("cli_env_setup").__name__ == "cli_env_setup"
-    assert load("ServingTokens.__init__").__qualname__ == "ServingTokens.__init__"
-    with pytest.raises(ValueError, match="assigned"):
-        load("state.online_renderer")
-    with pytest.raises(ValueError, match=r">=0\.33 only"):
-        load("renderer._drain_mm_cache_invalidations", "0.32.0")
-
-
-# --- the installed vLLM, imported ------------------------------------------------------------------
-
-
-def _runtime_problems(tp: Touchpoint) -> list[str]:
-    """Import ``tp`` from the installed release and bind the project's call shape to its signature."""
-    version = vllm_version() if tp.package == "vllm" else None
-    where = tp.at(version)
-    module = importlib.import_module(where.module)
-    if tp.kind == "module":
-        return []
-    parts = where.qualname.split(".")
-    if tp.kind == "assigned":
-        func = getattr(module, parts[0])
-        tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
-        ok = any(
-            isinstance(t, ast.Attribute) and t.attr == tp.attr
-            for n in ast.walk(tree)
-            if isinstance(n, ast.Assign)
-            for t in n.targets
-        )
-        return [] if ok else [f"{where.qualname} assigns no .{tp.attr}"]
-    owner: Any = module
-    for part in parts[:-1]:
-        owner = getattr(owner, part)
-    name = parts[-1]
-    if tp.kind == "attribute" and isinstance(owner, type):
-        return [] if _class_has(owner, name) else [f"{owner.__name__} has no attribute {name!r}"]
-    if not hasattr(owner, name):
-        return [f"{where.module} has no {where.qualname}"]
-    if tp.positional is None and not where.keywords:
-        return []
-    return _binding_problems(tp, where.keywords, owner, name)
-
-
-def _binding_problems(tp: Touchpoint, keywords: tuple[str, ...], owner: Any, name: str) -> list[str]:
-    call, drop_self = _callable(owner, name)
-    sig = inspect.signature(call)
-    params = list(sig.parameters.values())[1 if drop_self else 0 :]
-    problems = []
-    for i, want in enumerate(tp.positional_names):
-        if i >= len(params) or params[i].name != want:
-            problems.append(f"positional {i} is not {want!r}: {sig}")
-    for kw in tp.named:
-        param = sig.parameters.get(kw)
-        if param is None or param.kind is param.VAR_KEYWORD:
-            problems.append(f"{kw!r} is not a named parameter: {sig}")
-    args = [None] * ((tp.positional or 0) + (1 if drop_self else 0))
-    try:
-        sig.bind(*args, **dict.fromkeys(keywords))
-    except TypeError as e:
-        problems.append(f"the project's call does not bind to {sig}: {e}")
-    return problems
-
-
-def _callable(owner: Any, name: str) -> tuple[Callable[..., Any], bool]:
-    """What a call of ``owner.name`` runs, and whether its first parameter is ``self``."""
-    if not isinstance(owner, type):
-        return getattr(owner, name), False
-    raw = inspect.getattr_static(owner, name)
-    if isinstance(raw, staticmethod):
-        return raw.__func__, False
-    if isinstance(raw, classmethod) or (name != "__init__" and isinstance(raw, type)):
-        return getattr(owner, name), False
-    if name == "__init__":
-        return owner.__init__, True
-    return raw, True
-
-
-def _class_has(cls: type, name: str) -> bool:
-    """A class attribute, a (dataclass, pydantic) field, or a ``self.name = ...`` in a method."""
-    if hasattr(cls, name):
-        return True
-    for klass in cls.__mro__:
-        if name in getattr(klass, "__annotations__", {}) or name in getattr(klass, "model_fields", {}):
-            return True
-        try:
-            source = inspect.getsource(klass)
-        except (OSError, TypeError):
-            continue
-        if re.search(rf"self\.{re.escape(name)}\s*(:[^=]+)?=", source):
-            return True
-    return False
-
-
-@pytest.mark.parametrize("tp", ALL, ids=[tp.key for tp in ALL])
-def test_each_name_imports_from_the_installed_release(tp):
-    if tp.package == "vllm" and not tp.exists_in(vllm_version()):  # a later release's name: absent here
-        assert _runtime_problems(tp), f"{tp.key} exists in vLLM {vllm_version()}: its `since` is wrong"
-        return
-    problems = _runtime_problems(tp)
-    assert not problems, f"{tp.key} ({tp.module}:{tp.qualname}): " + "; ".join(problems)
-
-
-@pytest.mark.parametrize(
-    "tp",
-    [tp for tp in (*HF_SURFACE, *STDLIB_SURFACE) if tp.kind in ("class", "function", "method")],
-    ids=lambda tp: tp.key,
-)
-def test_transformers_names_are_defined_where_the_table_says(tp):
-    """(vLLM's: by the static check, ``tests/test_vllm_compat.py``, which also sees constants and
-    attributes.)"""
-    obj: Any = importlib.import_module(tp.module)
-    for part in tp.qualname.split("."):
-        obj = getattr(obj, part)
-    path = Path(inspect.getsourcefile(inspect.unwrap(obj)) or "")
-    assert path.as_posix().endswith("/" + tp.upstream), f"{tp.key}: defined in {path}"
-
-
-# --- the door's functions, on stand-ins for vLLM's objects -----------------------------------------------
-
-
-def test_serving_tokens_keywords_follow_the_release():
-    state = SimpleNamespace(online_derenderer="derenderer")
-    assert serving_tokens_keywords(state, "0.32.0") == {}
-    assert serving_tokens_keywords(state, "0.33.0") == {"online_derenderer": "derenderer"}
-    assert serving_tokens_keywords(state) == {}  # the installed 0.32
-
-
-def test_served_image_processor_is_the_infos_own_or_the_hf_processors():
-    qwen_like = SimpleNamespace(get_hf_processor=lambda: SimpleNamespace(image_processor="hf"))
-    kimi_like = SimpleNamespace(image_processor="fused", get_hf_processor=lambda: pytest.fail("not asked"))
-    assert served_image_processor(SimpleNamespace(info=qwen_like)) == "hf"
-    assert served_image_processor(SimpleNamespace(info=kimi_like)) == "fused"
-
-
-def test_mm_worker_is_a_single_thread_executor_or_none():
-    with ThreadPoolExecutor(max_workers=1) as one, ThreadPoolExecutor(max_workers=2) as two:
-        assert mm_worker(SimpleNamespace(_mm_executor=one)) is one
-        assert mm_worker(SimpleNamespace(_mm_executor=two)) is None
-    assert mm_worker(SimpleNamespace()) is None

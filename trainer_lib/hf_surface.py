@@ -3,7 +3,7 @@ API (``from_pretrained``, ``forward``, ``config``), one function each, naming th
 and what the trainer relies on; the private ones say why no public name serves.
 
 The trainer imports these names only from here (``tests/test_vllm_surface.py`` checks it); their
-rows (``HF_SURFACE`` in ``vllm_plugin/vllm_surface/``, the project's one list of upstream names)
+rows (``HF_SURFACE`` in ``upstream/``, the project's one list of upstream names)
 are imported and signature-checked against the installed transformers. transformers is imported
 when a function is called, not at import.
 """

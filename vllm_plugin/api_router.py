@@ -24,10 +24,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from protocol.errors import InvalidRequest, MMRefError
+from upstream import load
 from vllm_plugin.http_edge import error_response, no_engine, read_body, version_headers
 from vllm_plugin.serving import MMRefServing
 from vllm_plugin.updates import WeightUpdates
-from vllm_plugin.vllm_surface import load
 
 __all__ = [
     "WeightsRequest",

@@ -47,10 +47,10 @@ from protocol.errors import AssetOutsideRoot, InvalidRef, InvalidRequest
 from protocol.images import load_image
 from protocol.refs import IMAGE_EXTS, FileRef, is_ref, parse_ref
 from protocol.store import check_sha256
+from upstream import load
 from vllm_plugin import request_scope
 from vllm_plugin.cache import ByteBudgetLRU
 from vllm_plugin.resolver import ExtRecorder
-from vllm_plugin.vllm_surface import load
 from vllm_plugin.weights import NAMESPACE, ContentKey, engine_hash
 
 if TYPE_CHECKING:

@@ -23,8 +23,8 @@ from typing import Any
 
 from protocol.errors import MMRefError
 from protocol.refs import is_ref
+from upstream import load
 from vllm_plugin import chat_refs, request_scope
-from vllm_plugin.vllm_surface import load
 
 __all__ = ["CONNECTOR_NAME", "enable", "register"]
 

@@ -76,7 +76,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from vllm_plugin.vllm_surface import load
+from upstream import load
 from vllm_plugin.weights import NAMESPACE
 
 __all__ = ["IN_STEP_MARKER", "SEEN_HASHES", "CacheMode", "EngineItems", "RecordedItem", "Release"]

@@ -29,9 +29,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from protocol.errors import AssetTooLarge, HashMismatch, InvalidRequest, MMRefError
+from upstream import load
 from vllm_plugin import metrics
 from vllm_plugin.protocol import error_body
-from vllm_plugin.vllm_surface import load
 from vllm_plugin.weights import WEIGHT_VERSION_HEADER, version_header
 
 __all__ = [

@@ -29,7 +29,7 @@ from typing import Any
 
 from protocol.adapters import ImageAdapter
 from protocol.errors import MMRefError
-from vllm_plugin.vllm_surface import load
+from upstream import load
 
 __all__ = ["CheckedItem", "ItemLayout", "PixelRange", "decode_item", "encode_item"]
 

@@ -2,7 +2,7 @@
 
 Loaded by the stock vLLM API server when ``VLLM_PLUGINS`` names ``mmref``. vLLM logs and swallows
 a plugin that fails to import or to instantiate, so this module imports nothing from vLLM (its
-vLLM names come through ``vllm_plugin/vllm_surface``, the door, when called). The settings and the
+vLLM names come through ``upstream``, the door, when called). The settings and the
 supported vLLM range are checked before the engine starts by ``preflight.py`` (a
 ``vllm.general_plugins`` entry point), and again here: the version in
 :meth:`MMRefEndpointPlugin.attach_router`, the settings in ``init_state`` (a launch path that
@@ -17,8 +17,8 @@ import logging
 from argparse import Namespace
 from typing import Any
 
+from upstream import load
 from vllm_plugin.preflight import SUPPORTED_VLLM, check_vllm_version
-from vllm_plugin.vllm_surface import load
 
 __all__ = ["MMRefEndpointPlugin"]
 

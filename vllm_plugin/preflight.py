@@ -35,7 +35,7 @@ logger = logging.getLogger("vllm.mmref")  # a child of vLLM's configured logger
 SUPPORTED_VLLM = ">=0.32.0,<0.34"
 """vLLM releases this plugin supports (the ``serve``/``serve-cuda`` extras of pyproject.toml say
 the same; a test keeps them equal): exactly the releases the door's table is checked against
-(``vllm_surface.CHECKED_VLLM``: 0.32 installed and run, 0.33 statically from its wheel,
+(``upstream.CHECKED_VLLM``: 0.32 installed and run, 0.33 statically from its wheel,
 docs/VLLM-SURFACE.md)."""
 
 
@@ -49,7 +49,7 @@ def check_vllm_version(version: str | None = None) -> str:
     from packaging.version import InvalidVersion, Version
 
     if version is None:
-        from vllm_plugin.vllm_surface import vllm_version
+        from upstream import vllm_version
 
         version = vllm_version()
     try:  # local tags and dev/rc suffixes do not matter: 0.33.1+cu130 and 0.33.0rc1 are 0.33.x
@@ -85,7 +85,7 @@ def refuse_insecure_serialization() -> None:
     Raises:
         RuntimeError: naming the setting.
     """
-    from vllm_plugin.vllm_surface import load
+    from upstream import load
 
     if load("envs.VLLM_ALLOW_INSECURE_SERIALIZATION"):
         raise RuntimeError(
@@ -101,7 +101,7 @@ def check_settings() -> None:
     Ends the process with ``os._exit`` after flushing: Python's own shutdown of torch and vLLM
     would add ~1.7 s (measured) to a server that has nothing to clean up.
     """
-    from vllm_plugin.vllm_surface import load
+    from upstream import load
 
     if "mmref" not in (load("envs.VLLM_PLUGINS") or ()) or multiprocessing.parent_process() is not None:
         return

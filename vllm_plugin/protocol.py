@@ -23,7 +23,7 @@ from pydantic import PlainSerializer, PlainValidator, ValidationError, model_val
 
 from protocol.errors import InvalidRef, InvalidRequest, MMRefError
 from protocol.structs import RawMMRef
-from vllm_plugin.vllm_surface import load
+from upstream import load
 
 __all__ = ["ERROR_TYPES", "MMRefEntry", "MMRefGenerateRequest", "error_body", "parse_request"]
 

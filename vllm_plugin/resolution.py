@@ -22,11 +22,11 @@ from protocol.errors import InvalidRef, InvalidRequest, NotCached, PlaceholderMi
 from protocol.placeholders import check_length, check_range, locate_image_runs
 from protocol.refs import ContentRef, RawRefBody, is_ref, parse_ref
 from protocol.structs import RawMMRef
+from upstream import load
 from vllm_plugin.engine_items import EngineItems, RecordedItem
 from vllm_plugin.items import CheckedItem, decode_item
 from vllm_plugin.resolver import MMRefResolver, ResolvedItem
 from vllm_plugin.serving_tokens import ResolvedSlot
-from vllm_plugin.vllm_surface import load
 from vllm_plugin.weights import ENGINE_HASH_PREFIX, binding_digest, engine_hash, parse_handle
 
 __all__ = ["FeatureForm", "Resolution"]

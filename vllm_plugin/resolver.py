@@ -39,11 +39,11 @@ from protocol.features import read_feature_item
 from protocol.images import sniff_media_type
 from protocol.refs import ContentRef, FileRef, RawRefBody, parse_ref
 from protocol.roots import AssetRoots
+from upstream import load
 from vllm_plugin import metrics
 from vllm_plugin.cache import ByteBudgetLRU
 from vllm_plugin.config import PluginConfig
 from vllm_plugin.items import ItemLayout, decode_item
-from vllm_plugin.vllm_surface import load
 from vllm_plugin.weights import ContentKey
 
 __all__ = ["ExtRecorder", "MMRefResolver", "ResolvedItem"]

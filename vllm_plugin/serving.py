@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from protocol.errors import PlaceholderMismatch
+from upstream import load
 from vllm_plugin.content_parts import bind_content_refs, check_content_parts
 from vllm_plugin.engine_items import EngineItems, RecordedItem
 from vllm_plugin.items import encode_item
@@ -48,7 +49,6 @@ from vllm_plugin.request_scope import pending_items, run_alone
 from vllm_plugin.resolution import FeatureForm, Resolution
 from vllm_plugin.resolver import MMRefResolver
 from vllm_plugin.seeds import SplitRule
-from vllm_plugin.vllm_surface import load
 from vllm_plugin.weights import (
     served_by,
     version_salt,

@@ -41,9 +41,9 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from upstream import load, serving_tokens_keywords
 from vllm_plugin import request_scope
 from vllm_plugin.engine_items import EngineItems
-from vllm_plugin.vllm_surface import load, serving_tokens_keywords
 
 __all__ = ["HandOffClient", "ResolvedSlot", "build_serving_tokens"]
 

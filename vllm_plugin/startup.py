@@ -7,6 +7,13 @@ from argparse import Namespace
 from typing import Any
 
 from protocol.errors import UnsupportedFamily
+from upstream import (
+    invalidation_drain,
+    load,
+    mm_fields_config,
+    mm_worker,
+    served_image_processor,
+)
 from vllm_plugin.config import PluginConfig
 from vllm_plugin.engine_items import EngineItems
 from vllm_plugin.items import ItemLayout
@@ -15,16 +22,10 @@ from vllm_plugin.resolver import MMRefResolver
 from vllm_plugin.seeds import SplitRule
 from vllm_plugin.serving import MMRefServing
 from vllm_plugin.serving_tokens import build_serving_tokens
-from vllm_plugin.vllm_surface import (
-    invalidation_drain,
-    load,
-    mm_fields_config,
-    mm_worker,
-    served_image_processor,
-)
 from vllm_plugin.weights import VersionReader
 
 __all__ = [
+    "build_resolver",
     "build_serving",
     "default_body_limit",
     "engine_items",
@@ -41,8 +42,6 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
     Raises:
         SettingError, UnsupportedFamily, RuntimeError: see ``plugin.init_state``.
     """
-    from protocol.adapters import adapter_class
-
     config = PluginConfig()
     vllm_config = engine_client.vllm_config
     model_config = vllm_config.model_config
@@ -53,29 +52,17 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
             f"served model type {model_type!r} is not in MMREF_ALLOWED_FAMILIES {config.allowed_families}"
         )
     renderer = engine_client.renderer
-    mm_processor = renderer.get_mm_processor()
-    adapter_cls = adapter_class(model_type)
-    adapter = adapter_cls(served_image_processor(mm_processor), family=model_type)
-    layout = ItemLayout(adapter, mm_fields_config(mm_processor))
-    resolver = MMRefResolver(
-        adapter,
-        config,
-        layout=layout,
-        device_normalize=bool(model_config.multimodal_config.mm_device_do_normalize),
-        # a processor that must run on one thread (Kimi K2.5's numba kernel) runs on vLLM's own
-        # single multimodal worker, as vLLM's processing of chat images does
-        pool=mm_worker(renderer) if adapter.serial_processing else None,
-    )
+    resolver = build_resolver(renderer.get_mm_processor(), model_config, config, renderer=renderer)
     items = engine_items(renderer, engine_client)
     body_limit = config.max_body_bytes or default_body_limit(
         max_model_len=model_config.max_model_len,
-        bytes_per_placeholder=layout.float32_bytes_per_placeholder,
+        bytes_per_placeholder=resolver.layout.float32_bytes_per_placeholder,
         max_image_bytes=config.max_image_bytes,
     )
     return MMRefServing(
         resolver,
         items,
-        placeholder_token_id=adapter.placeholder_token_id(model_config.hf_config),
+        placeholder_token_id=resolver.adapter.placeholder_token_id(model_config.hf_config),
         serving_tokens=build_serving_tokens(engine_client, items, state, args),
         allowed_local_media_path=model_config.allowed_local_media_path or None,
         ec_transfer=vllm_config.ec_transfer_config is not None,
@@ -86,6 +73,39 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
             is_cpu=load("current_platform").is_cpu(),
             api_servers=int(getattr(args, "api_server_count", None) or 1),
         ),
+    )
+
+
+def build_resolver(
+    mm_processor: Any, model_config: Any, config: PluginConfig, *, renderer: Any = None
+) -> MMRefResolver:
+    """The resolver for the served model: the adapter around the image processor vLLM serves with
+    (:func:`~upstream.served_image_processor`), the item layout from vLLM's field config
+    (:func:`~upstream.mm_fields_config`), the pixel mode of ``model_config``. A processor that must
+    run on one thread (Kimi K2.5's numba kernel) runs on ``renderer``'s single multimodal worker
+    (:func:`~upstream.mm_worker`), as vLLM's processing of chat images does; without a renderer
+    (the benches: vLLM's engine-free processor) it runs in the resolver's own pool.
+
+    Args:
+        mm_processor: vLLM's multimodal processor (``renderer.get_mm_processor()`` or
+            ``MULTIMODAL_REGISTRY.create_processor(model_config)``).
+        model_config: vLLM's ``ModelConfig``.
+        config: the plugin's settings.
+        renderer: the engine's renderer, or None.
+
+    Raises:
+        UnsupportedFamily: the served model type has no adapter.
+    """
+    from protocol.adapters import adapter_class
+
+    model_type = model_config.hf_config.model_type
+    adapter = adapter_class(model_type)(served_image_processor(mm_processor), family=model_type)
+    return MMRefResolver(
+        adapter,
+        config,
+        layout=ItemLayout(adapter, mm_fields_config(mm_processor)),
+        device_normalize=bool(model_config.multimodal_config.mm_device_do_normalize),
+        pool=mm_worker(renderer) if renderer is not None and adapter.serial_processing else None,
     )
 
 
@@ -115,9 +135,9 @@ def engine_items(renderer: Any, engine_client: Any) -> EngineItems:
     """The route's view of the engine's items, over vLLM's sender cache and its multimodal worker.
 
     vLLM runs every sender-cache operation on the renderer's single multimodal worker thread
-    (the door's :func:`~vllm_plugin.vllm_surface.mm_worker`); the hand-off parks that thread
+    (the door's :func:`~upstream.mm_worker`); the hand-off parks that thread
     (``engine_items.py``) and there applies the cache-miss invalidations vLLM >= 0.33 defers
-    (:func:`~vllm_plugin.vllm_surface.invalidation_drain`). A renderer without such a worker gets
+    (:func:`~upstream.invalidation_drain`). A renderer without such a worker gets
     no hand-off through the sender cache: items then always travel with their data.
     """
     return EngineItems(

@@ -38,6 +38,7 @@ from typing import Any, ClassVar, NamedTuple
 from PIL import Image
 
 from protocol.adapters.base import ImageAdapter, ProcessedImage
+from upstream import load
 
 __all__ = ["KimiK25Adapter"]
 
@@ -181,6 +182,8 @@ class KimiK25Adapter(ImageAdapter):
     @classmethod
     def load_image_processor(cls, model_dir: Any, *, backend: str | None = None) -> Any:
         """vLLM's ``KimiK25FusedVisionProcessor`` from a model folder, as vLLM loads it (needs vLLM, numba).
+        Both vLLM names come through the upstream table (``upstream.load``), in the installed
+        release's form.
 
         Raises:
             ImportError: vLLM or numba is missing (vLLM would then run the checkpoint's remote
@@ -189,9 +192,7 @@ class KimiK25Adapter(ImageAdapter):
         """
         if backend is not None:
             raise ValueError(f"kimi_k25 has one processor backend; backend={backend!r} is not an option")
-        from vllm.transformers_utils.processors.kimi_k25_vision_fused import KimiK25FusedVisionProcessor
-        from vllm.utils.import_utils import is_numba_available
-
-        if not is_numba_available():
+        if not load("is_numba_available")():
             raise ImportError("numba is required: without it vLLM uses the remote KimiK25VisionProcessor")
-        return KimiK25FusedVisionProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        processor = load("KimiK25FusedVisionProcessor")
+        return processor.from_pretrained(str(model_dir), local_files_only=True)

@@ -3,11 +3,11 @@ read as an attribute of an object vLLM hands it). Files only in ``used_in``: lin
 
 from __future__ import annotations
 
-from vllm_plugin.vllm_surface.model import Touchpoint, Variant, row
+from upstream.model import Touchpoint, Variant, row
 
 __all__ = ["PLUGIN"]
 
-_DOOR = "vllm_plugin/vllm_surface/door.py"
+_DOOR = "upstream/door.py"
 _TIT = "vllm.entrypoints.scale_out.token_in_token_out"
 _TIT_FILE = "vllm/entrypoints/scale_out/token_in_token_out"
 _LLM, _LLM_FILE = "vllm.v1.engine.async_llm:AsyncLLM", "vllm/v1/engine/async_llm.py"
@@ -105,7 +105,8 @@ _ENTRY: tuple[Touchpoint, ...] = (
     row("vllm.renderers.base:BaseRenderer.get_mm_processor", "method", "vllm/renderers/base.py",
         "vllm_plugin/startup.py", reached_as="engine_client.renderer.get_mm_processor()", positional=0),
     row("vllm.multimodal.processing:BaseMultiModalProcessor.info", "attribute",
-        "vllm/multimodal/processing/processor.py", _DOOR, reached_as="mm_processor.info"),
+        "vllm/multimodal/processing/processor.py", _DOOR, "vllm_plugin/startup.py",
+        reached_as="mm_processor.info", accessor="served_image_processor"),
     row("vllm.multimodal.processing:BaseProcessingInfo.get_hf_processor", "method",
         "vllm/multimodal/processing/context.py", _DOOR, "vllm_plugin/startup.py",
         reached_as="mm_processor.info.get_hf_processor().image_processor", accessor="served_image_processor",
@@ -114,7 +115,8 @@ _ENTRY: tuple[Touchpoint, ...] = (
         "vllm/model_executor/models/kimi_k25.py", _DOOR, "vllm_plugin/startup.py",
         reached_as="getattr(mm_processor.info, 'image_processor', None)", accessor="served_image_processor"),
     row("vllm.multimodal.processing:BaseMultiModalProcessor._get_mm_fields_config", "method",
-        "vllm/multimodal/processing/processor.py", _DOOR, "vllm_plugin/startup.py", "tests/test_items.py",
+        "vllm/multimodal/processing/processor.py", _DOOR, "vllm_plugin/startup.py", "bench/item_check.py",
+        "tests/test_items.py",
         reached_as="mm_processor._get_mm_fields_config(hf_inputs, {})", accessor="mm_fields_config",
         positional=2,
         positional_names=("hf_inputs", "hf_processor_mm_kwargs"), private=True,
@@ -160,10 +162,11 @@ _TOKENS: tuple[Touchpoint, ...] = (
         reached_as="getattr(app.state, 'serving_tokens', None)", attr="serving_tokens", optional=True),
     *(row("vllm.entrypoints.launchers.api_server.app_state:init_app_state", "assigned",
           "vllm/entrypoints/launchers/api_server/app_state.py", *users, reached_as=f"app.state.{attr}",
-          attr=attr)
-      for attr, users in (("openai_serving_models", ("vllm_plugin/serving_tokens.py",)),
-                          ("online_renderer", ("vllm_plugin/serving_tokens.py",)),
-                          ("online_derenderer", (_DOOR,)))),
+          attr=attr, accessor=accessor)
+      for attr, users, accessor in (
+          ("openai_serving_models", ("vllm_plugin/serving_tokens.py",), ""),
+          ("online_renderer", ("vllm_plugin/serving_tokens.py",), ""),
+          ("online_derenderer", (_DOOR, "vllm_plugin/serving_tokens.py"), "serving_tokens_keywords"))),
     *(row(f"vllm.entrypoints.launchers.cli_args:BaseFrontendArgs.{name}", "attribute",
           "vllm/entrypoints/launchers/cli_args.py", "vllm_plugin/serving_tokens.py", key=f"args.{name}",
           reached_as=f"args.{name}", variants=_CLI_ARGS_033)
@@ -270,7 +273,8 @@ _ITEMS: tuple[Touchpoint, ...] = (
         "vllm_plugin/items.py",
         positional=1),
     row(f"{_INPUTS}:MultiModalKwargsItems.from_hf_inputs", "method", _INPUTS_FILE, "vllm_plugin/items.py",
-        "vllm_plugin/resolver.py", "bench/server.py", "tests/test_items.py", positional=2),
+        "vllm_plugin/resolver.py", "bench/server.py", "bench/item_check.py", "tests/test_items.py",
+        positional=2),
     row(f"{_INPUTS}:MultiModalFlatField", "class", _INPUTS_FILE, "vllm_plugin/items.py"),
     *_attrs(f"{_INPUTS}:MultiModalFlatField", _INPUTS_FILE, ("vllm_plugin/items.py",), "dim", "slices"),
     row(f"{_INPUTS}:BaseMultiModalField.reduce_data", "method", _INPUTS_FILE, "vllm_plugin/items.py",

@@ -17,7 +17,8 @@ Kind = Literal["module", "class", "function", "method", "attribute", "constant",
 function ``qualname``); the project reads it there (``app.state.X``)."""
 
 Side = Literal["plugin", "protocol", "scripts", "bench", "tests", "trainer"]
-"""Which part of the project uses a touchpoint (the folder of its first user)."""
+"""Which part of the project uses a touchpoint (the folder of its first user outside ``upstream/``,
+whose accessors only pass a name on)."""
 
 
 def _in(versions: str, version: str) -> bool:
@@ -52,7 +53,7 @@ class Touchpoint:
     """One vLLM (or transformers, or stdlib) name the project relies on.
 
     Attributes:
-        key: short unique name, for :func:`~vllm_plugin.vllm_surface.load`.
+        key: short unique name, for :func:`~upstream.load`.
         module: the module the project imports it from (vLLM 0.32).
         qualname: the name within the module (``Class.method``); ``""`` for the module itself.
         kind: what it is (see :data:`Kind`).
@@ -167,15 +168,28 @@ _SIDES: dict[str, Side] = {
 }
 
 
+def _side(key: str, used_in: tuple[str, ...]) -> Side:
+    """The folder of the first user outside ``upstream/``."""
+    for where in used_in:
+        folder = where.split("/", 1)[0]
+        if folder != "upstream":
+            return _SIDES[folder]
+    raise ValueError(f"{key}: used in upstream/ only; list the files that call its accessor")
+
+
 def row(ref: str, kind: Kind, upstream: str, *used_in: str, **fields: Any) -> Touchpoint:
     """A table row: ``ref`` is ``module:qualname``; the key defaults to the qualname (the module
     for a module, ``state.<attr>`` for an ``assigned`` one), the package to the module's root
-    package, the side to the first user's folder."""
+    package, the side to the folder of the first user outside ``upstream/``.
+
+    Raises:
+        ValueError: no ``side`` and no user outside ``upstream/`` (an accessor nobody calls).
+    """
     module, _, qualname = ref.partition(":")
     root = module.split(".", 1)[0]
     package = root if root in ("vllm", "transformers") else "stdlib"
     attr = fields.get("attr", "")
     key = fields.pop("key", None) or (f"state.{attr}" if attr else qualname or module)
-    side = fields.pop("side", None) or _SIDES[used_in[0].split("/", 1)[0]]
+    side = fields.pop("side", None) or _side(key, used_in)
     users = tuple(dict.fromkeys(used_in))
     return Touchpoint(key, module, qualname, kind, upstream, users, side, package=package, **fields)

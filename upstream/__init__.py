@@ -1,5 +1,10 @@
-"""The door: every vLLM name the plugin uses passes through here, and every vLLM (and
-transformers-internal) name the project relies on is a row of one table.
+"""The upstream table and its door, below the whole project: every vLLM (and transformers-internal,
+and private standard-library) name the project relies on is a row of one table, and every module
+outside this package reaches vLLM only through it.
+
+A leaf: it imports nothing of the project (``protocol/``, ``trainer_lib/``, ``vllm_plugin/``,
+``bench/`` and ``scripts/`` all import it; ``tests/test_layout.py`` checks), and nothing from vLLM
+(or transformers) at import time.
 
 - **The table** (:data:`SURFACE`, :data:`HF_SURFACE`, :data:`STDLIB_SURFACE`): one
   :class:`Touchpoint` per name (a module, class, function, method, attribute or module constant)
@@ -7,26 +12,26 @@ transformers-internal) name the project relies on is a row of one table.
   keyword names it passes), whether it is private (and why no public name serves), the upstream
   file that defines it, and the files that use it; a :class:`Variant` gives its form from a later
   release on, ``since`` the releases a name exists in. Rows: ``rows_plugin.py`` (``vllm_plugin/``),
-  ``rows_other.py`` (``protocol/``, scripts, bench, tests, transformers, stdlib).
-- **The door** (``door.py``): plugin modules import vLLM only through :func:`load` (a row's name,
-  in the installed release's form) and the functions for what is reached other than by import:
-  the private names (:func:`mm_fields_config`, :func:`mm_worker`, :func:`invalidation_drain`) and
+  ``rows_other.py`` (``protocol/``, scripts, bench, tests; stdlib), ``rows_hf.py`` (transformers).
+- **The door** (``door.py``): code outside this package imports vLLM only through :func:`load` (a
+  row's name, in the installed release's form) and the functions for what is reached other than
+  by import: the private names (:func:`mm_fields_config`, :func:`mm_worker`,
+  :func:`invalidation_drain`), the reads that differ by model (:func:`served_image_processor`) and
   the version-keyed branches (:func:`invalidation_drain`, :func:`serving_tokens_keywords`,
-  :func:`locate`). No other plugin module spells a vLLM path or tests a vLLM version.
+  :func:`locate`). No other module of the library, bench or scripts spells a vLLM import or tests
+  a vLLM version (``tests/test_vllm_surface.py``).
 
 Checked two ways: ``tests/test_vllm_compat.py`` imports every name from the installed vLLM and
 binds the project's call shapes to its signatures; ``scripts/vllm_compat.py`` checks the same
 table statically (``ast`` only) against any vLLM source tree or wheel, e.g. the newest release,
 which cannot be installed here (docs/VLLM-SURFACE.md).
-
-This package imports nothing from vLLM (or transformers) at import time.
 """
 
 from __future__ import annotations
 
-from vllm_plugin.vllm_surface import rows_other as _other
-from vllm_plugin.vllm_surface import rows_plugin as _plugin
-from vllm_plugin.vllm_surface.door import (
+from upstream import rows_other as _other
+from upstream import rows_plugin as _plugin
+from upstream.door import (
     invalidation_drain,
     load,
     locate,
@@ -37,8 +42,9 @@ from vllm_plugin.vllm_surface.door import (
     touchpoint,
     vllm_version,
 )
-from vllm_plugin.vllm_surface.model import CHECKED_VLLM, Kind, Located, Side, Touchpoint, Variant
-from vllm_plugin.vllm_surface.rows_other import HF_SURFACE, STDLIB_SURFACE
+from upstream.model import CHECKED_VLLM, Kind, Located, Side, Touchpoint, Variant
+from upstream.rows_hf import HF_SURFACE
+from upstream.rows_other import STDLIB_SURFACE
 
 __all__ = [
     "CHECKED_VLLM",

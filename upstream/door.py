@@ -13,12 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any
 
-from vllm_plugin.vllm_surface.model import Located, Touchpoint
+from upstream.model import Located, Touchpoint
 
 
 @cache
 def _index() -> dict[str, Touchpoint]:
-    from vllm_plugin.vllm_surface import HF_SURFACE, STDLIB_SURFACE, SURFACE
+    from upstream import HF_SURFACE, STDLIB_SURFACE, SURFACE
 
     return {tp.key: tp for tp in (*SURFACE, *HF_SURFACE, *STDLIB_SURFACE)}
 
@@ -32,7 +32,7 @@ def touchpoint(key: str) -> Touchpoint:
     try:
         return _index()[key]
     except KeyError:
-        raise KeyError(f"no vLLM surface touchpoint {key!r} (vllm_plugin/vllm_surface/)") from None
+        raise KeyError(f"no vLLM surface touchpoint {key!r} (upstream/)") from None
 
 
 def vllm_version() -> str:
