@@ -4,8 +4,8 @@ Three kinds travel in ``GenerateRequest.features.kwargs_data[modality][i]`` slot
 (where upstream vLLM puts a base64 msgpack item, or ``None``):
 
 - ``mmraw:v2:<sha256><ext>:<family>:<grid>[:<fingerprint>]`` (:class:`ContentRef`): an image
-  (or a video: ``.mp4``/``.mov``, :data:`VIDEO_EXTS`) named by its content, not by a place; every reader finds it under its own asset roots
-  (:mod:`protocol.roots`). ~130 characters.
+  (or a video: ``.mp4``/``.mov``, :data:`VIDEO_EXTS`) named by its content, not by a place;
+  every reader finds it under its own asset roots (:mod:`protocol.roots`). ~130 characters.
 - ``mmraw:<base64url(JSON)>`` (no padding) or the compact form ``mmraw:{...}`` (v1,
   :class:`RawRefBody`). JSON = ``{"family", "modality", "mm_hash", "payload", "fingerprint"?,
   "raw_image_uri"}``. ``mm_hash`` is ``sha256(file bytes)[:32]``; ``payload`` is adapter-owned
@@ -42,8 +42,6 @@ __all__ = [
     "FAMILY_RE",
     "FINGERPRINT_RE",
     "IMAGE_EXTS",
-    "STORE_EXTS",
-    "VIDEO_EXTS",
     "MAX_CONTENT_REF_CHARS",
     "MAX_GRID_VALUE",
     "MAX_REF_CHARS",
@@ -53,6 +51,8 @@ __all__ = [
     "MM_HASH_RE",
     "RUN_ID_RE",
     "SHA256_RE",
+    "STORE_EXTS",
+    "VIDEO_EXTS",
     "ContentRef",
     "FileRef",
     "RawRefBody",

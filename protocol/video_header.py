@@ -80,7 +80,9 @@ def read_video_header(data: bytes, *, ref: str | None = None) -> VideoHeader:
         raise VideoUnreadable("the file has no moov box (no track is declared)", ref=ref)
     if any(kind == b"mvex" for kind, _ in _boxes(moov, ref)):
         raise VideoUnreadable("fragmented MP4 (moov/mvex) is not supported: no frame count declared", ref=ref)
-    tracks = [t for t in (_video_track(body, ref) for kind, body in _boxes(moov, ref) if kind == b"trak") if t]
+    tracks = [
+        t for t in (_video_track(body, ref) for kind, body in _boxes(moov, ref) if kind == b"trak") if t
+    ]
     if not tracks:
         raise VideoUnreadable("the file has no video track", ref=ref)
     return VideoHeader(
@@ -113,7 +115,8 @@ def _boxes(body: memoryview, ref: str | None) -> Iterator[tuple[bytes, memoryvie
             size = end - pos
         if size < head or pos + size > end:
             raise VideoUnreadable(
-                f"box {kind!r} at byte {pos} declares {size} bytes, {end - pos} remain (truncated file)", ref=ref
+                f"box {kind!r} at byte {pos} declares {size} bytes, {end - pos} remain (truncated file)",
+                ref=ref,
             )
         yield bytes(kind), body[pos + head : pos + size]
         pos += size
@@ -139,7 +142,9 @@ def _video_track(trak: memoryview, ref: str | None) -> VideoHeader | None:
     try:
         tkhd, mdhd = _find(trak, (b"tkhd",), ref), _find(trak, (b"mdia", b"mdhd"), ref)
         stbl = _find(trak, (b"mdia", b"minf", b"stbl"), ref)
-        stsd, stsz = (_find(stbl, (b"stsd",), ref), _find(stbl, (b"stsz",), ref)) if stbl is not None else (None, None)
+        stsd, stsz = (
+            (_find(stbl, (b"stsd",), ref), _find(stbl, (b"stsz",), ref)) if stbl is not None else (None, None)
+        )
         if tkhd is None or mdhd is None or stsd is None or stsz is None:
             raise VideoUnreadable("a video track lacks tkhd, mdhd, stsd or stsz", ref=ref)
         # tkhd: version 0 -> width at 76, version 1 -> 88 (16.16 fixed point, then height)

@@ -34,6 +34,7 @@ from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
 from protocol.video_header import read_video_header
 
 __all__ = [
+    "DEFAULT_VIDEO_LIMITS",
     "DecodedVideo",
     "LoaderName",
     "VideoLimits",
@@ -59,6 +60,10 @@ class VideoLimits:
     """Declared duration, seconds."""
     max_decoded_bytes: int = 1 << 30
     """Bytes of the sampled RGB frames (``frames x height x width x 3``), before they are decoded."""
+
+
+DEFAULT_VIDEO_LIMITS = VideoLimits()
+"""The limits every party applies unless configured otherwise."""
 
 
 @dataclass(frozen=True)
@@ -145,12 +150,16 @@ def _qwen2_vl_indices(s: VideoSampling, total: int, fps: float) -> list[int]:
 
     if fps <= 0:
         raise VideoUnreadable("Qwen2-VL video sampling needs a known source fps; the container gives 0")
-    max_frames = math.floor(min(min(s.max_frames, 768), total) / s.temporal_patch_size) * s.temporal_patch_size
+    max_frames = (
+        math.floor(min(min(s.max_frames, 768), total) / s.temporal_patch_size) * s.temporal_patch_size
+    )
     n = total / fps * min(s.fps, 30)
     n = min(max(n, s.min_frames), max_frames, total)
     n = math.floor(n / s.temporal_patch_size) * s.temporal_patch_size
     if n < 1:  # vLLM divides by zero here (a 1-frame clip)
-        raise VideoUnreadable(f"a {total}-frame video gives no Qwen2-VL temporal patch of {s.temporal_patch_size}")
+        raise VideoUnreadable(
+            f"a {total}-frame video gives no Qwen2-VL temporal patch of {s.temporal_patch_size}"
+        )
     indices = torch.arange(0, total, total / n).int()
     return torch.clamp(indices, max=total - 1).tolist()
 
@@ -165,7 +174,11 @@ def _qwen3_vl_indices(s: VideoSampling, total: int, fps: float) -> list[int]:
 
 
 def load_video(
-    data: bytes, sampling: VideoSampling, *, limits: VideoLimits = VideoLimits(), ref: str | None = None
+    data: bytes,
+    sampling: VideoSampling,
+    *,
+    limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
+    ref: str | None = None,
 ) -> DecodedVideo:
     """Decode the frames ``sampling`` takes from ``data``, as vLLM's loader does.
 
@@ -203,7 +216,9 @@ def _check_limits(
     if frames > limits.max_frames:
         raise AssetTooLarge(f"video declares {frames} frames, limit {limits.max_frames}", ref=ref)
     if not duration_s <= limits.max_duration_s:
-        raise AssetTooLarge(f"video declares {duration_s:.1f} s, limit {limits.max_duration_s:.1f} s", ref=ref)
+        raise AssetTooLarge(
+            f"video declares {duration_s:.1f} s, limit {limits.max_duration_s:.1f} s", ref=ref
+        )
 
 
 def _decode(data: bytes, sampling: VideoSampling, limits: VideoLimits, ref: str | None) -> DecodedVideo:
@@ -222,7 +237,8 @@ def _decode(data: bytes, sampling: VideoSampling, limits: VideoLimits, ref: str 
         indices = sample_indices(sampling, total, fps)
         if len(indices) * width * height * 3 > limits.max_decoded_bytes:
             raise AssetTooLarge(
-                f"{len(indices)} sampled {width}x{height} frames exceed {limits.max_decoded_bytes} bytes", ref=ref
+                f"{len(indices)} sampled {width}x{height} frames exceed {limits.max_decoded_bytes} bytes",
+                ref=ref,
             )
         frames = _read(cap, indices, width, height, ref)
     finally:
