@@ -233,6 +233,8 @@ def _decode(data: bytes, sampling: VideoSampling, limits: VideoLimits, ref: str 
         width, height = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
         total, fps = _frame_count(cap), float(cap.get(cv2.CAP_PROP_FPS))
         duration = total / fps if fps > 0 else 0.0
+        if fps <= 0 and sampling.loader == "qwen3_vl":  # Qwen3VLVideoBackend._prepare_source
+            fps = 24.0
         _check_limits(width, height, total, duration, limits, ref)
         indices = sample_indices(sampling, total, fps)
         if len(indices) * width * height * 3 > limits.max_decoded_bytes:

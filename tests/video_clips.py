@@ -44,10 +44,11 @@ def clip_bytes(
         return Path(path).read_bytes()
 
 
-def with_box_field(data: bytes, box: bytes, offset: int, fmt: str, value: int) -> bytes:
-    """``data`` with one big-endian field of the first ``box`` (4CC) rewritten: ``offset`` bytes
-    after its 8-byte header (a crafted header: e.g. ``stsz`` frame count, ``tkhd`` width)."""
+def with_box_field(data: bytes, box: bytes, offset: int, fmt: str, values: tuple[int, ...]) -> bytes:
+    """``data`` with big-endian fields of the first ``box`` (4CC) rewritten (``struct`` format
+    ``fmt``): ``offset`` bytes after its 8-byte header (a crafted header: e.g. ``stsz`` frame count,
+    ``tkhd`` width and height)."""
     at = data.index(box) + 4 + offset  # data.index finds the type; the header starts 4 bytes before
     out = bytearray(data)
-    struct.pack_into(fmt, out, at, value)
+    struct.pack_into(fmt, out, at, *values)
     return bytes(out)

@@ -67,6 +67,9 @@ class ProcessedVideo:
     """The sampled frame indices (what Qwen3-VL's prompt timestamps are computed from)."""
     fps: float
     """The source's frame rate, as the decoder reports it."""
+    timestamps: tuple[float, ...] | None = None
+    """Qwen3-VL: seconds of each temporal patch (the mean of its first and last frame's time), the
+    text before each placeholder run (``<0.3 seconds>``) and vLLM's item field ``timestamps``."""
     sha256: str | None = None
     """Full hex sha256 of the file's bytes."""
 

@@ -92,6 +92,16 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
 """Families whose videos this version resolves (Qwen2-VL and the MoE variants: not yet)."""
 
 
+def _timestamps(video: DecodedVideo, temporal_patch_size: int) -> tuple[float, ...]:
+    """Qwen3-VL's per-patch timestamps: transformers' ``Qwen3VLProcessor._calculate_timestamps``
+    (a method that reads nothing of its instance) on the sampled indices at the source fps, as
+    vLLM's ``Qwen3VLProcessingInfo._get_video_second_idx`` calls its copy of it."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    fps = video.fps if video.fps > 0 else 24.0  # vLLM's Qwen3-VL loader: an unknown fps is 24
+    return tuple(Qwen3VLProcessor._calculate_timestamps(None, list(video.indices), fps, temporal_patch_size))
+
+
 class VideoMixin:
     """Video support for an adapter class (mixed into :class:`~protocol.adapters.QwenVLAdapter`).
 
@@ -311,6 +321,7 @@ class VideoMixin:
             num_placeholders=self.video_num_placeholders(grid),
             frames_indices=video.indices,
             fps=video.fps,
+            timestamps=_timestamps(video, int(vp.temporal_patch_size)) if spec.per_frame_runs else None,
         )
 
     def offload_video(
