@@ -24,6 +24,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -349,7 +350,7 @@ class VideoMixin:
             raise ValueError(f"form must be 'v1' or 'v2', got {form!r}")
         if form == "v1" and not isinstance(store, AssetStore):
             raise ValueError("v1 refs name a local file: offload them to an AssetStore, or use form='v2'")
-        data = video if isinstance(video, bytes) else open(os.fspath(video), "rb").read()
+        data = video if isinstance(video, bytes) else Path(video).read_bytes()
         media_type = (sniff_video_type(data) or ("", ""))[0]
         processed = self.process_video(load_video(data, self.video_sampling, limits=limits))  # type: ignore[arg-type]
         ref, sha256 = self._stored_video_ref(data, store, processed.grid, form)
