@@ -17,6 +17,7 @@ not know this module::
     ├── FingerprintMismatch(MMRefError, ValueError)          409    fingerprint_mismatch
     ├── AssetTooLarge(MMRefError, ValueError)                413    asset_too_large
     ├── ImageUnreadable(MMRefError, ValueError)              422    image_unreadable
+    ├── VideoUnreadable(MMRefError, ValueError)              422    video_unreadable
     ├── CorruptFeature(MMRefError, ValueError)               422    corrupt_feature
     ├── GridMismatch(MMRefError, ValueError)                 422    grid_mismatch
     ├── PlaceholderMismatch(MMRefError, ValueError)          422    placeholder_mismatch
@@ -50,6 +51,7 @@ __all__ = [
     "StoreUnavailable",
     "UnsupportedFamily",
     "UpdateConflict",
+    "VideoUnreadable",
     "all_error_types",
     "error_from_body",
 ]
@@ -150,6 +152,15 @@ class ImageUnreadable(MMRefError, ValueError):
     http_status = 422
 
 
+class VideoUnreadable(MMRefError, ValueError):
+    """The bytes are not a decodable video (truncated, corrupt, a container or codec outside the
+    allow-list, no video track, zero frames, a sampled frame that does not decode), or the
+    family's video processor refuses its frames (``protocol/videos.py``)."""
+
+    code = "video_unreadable"
+    http_status = 422
+
+
 class CorruptFeature(MMRefError, ValueError):
     """A feature file (``mmfile`` ref) is truncated, not a v1 envelope, disagrees with its ref,
     or its payload does not decode to an item of the served family."""
@@ -230,6 +241,7 @@ def all_error_types() -> list[type[MMRefError]]:
         FingerprintMismatch,
         AssetTooLarge,
         ImageUnreadable,
+        VideoUnreadable,
         CorruptFeature,
         GridMismatch,
         PlaceholderMismatch,

@@ -32,6 +32,7 @@ __all__ = [
     "expand_image_placeholders",
     "grid_placeholder_count",
     "locate_image_runs",
+    "video_token_runs",
 ]
 
 
@@ -83,6 +84,31 @@ def grid_placeholder_count(
         raise PlaceholderMismatch(
             f"{where}grid {list(grid)} gives no placeholder count ({e})", ref=ref
         ) from e
+
+
+def video_token_runs(grid: Sequence[int], merge_size: int, *, per_frame: bool) -> list[int]:
+    """The ``<|video_pad|>`` runs of one video with ``video_grid_thw`` ``grid = [t, h, w]``, in
+    prompt order: ``t*h*w // merge_size**2`` tokens in all (vLLM's ``get_replacement_qwen2vl``).
+
+    Qwen2-VL / Qwen2.5-VL place them as one run (``per_frame=False``); Qwen3-VL as ``t`` runs of
+    ``h*w // merge_size**2``, one per temporal patch, each after its timestamp text
+    (``<t.t seconds><|vision_start|>...<|vision_end|>``: vLLM ``Qwen3VLMultiModalProcessor.get_video_repl``).
+
+    Example::
+
+        video_token_runs([2, 10, 8], 2, per_frame=False) == [40]
+        video_token_runs([2, 10, 8], 2, per_frame=True) == [20, 20]
+
+    Raises:
+        PlaceholderMismatch: a grid that is not three positive ints, or a frame whose patches do
+            not merge into whole tokens.
+    """
+    values = [int(g) for g in grid]
+    if len(values) != 3 or min(values) < 1 or (values[1] * values[2]) % merge_size**2:
+        raise PlaceholderMismatch(f"video grid {values} gives no placeholder count (merge size {merge_size})")
+    t, h, w = values
+    per = h * w // merge_size**2
+    return [per] * t if per_frame else [t * per]
 
 
 def check_no_typed_images(mm_token_type_ids: Sequence[int] | None, *, sample: int | None = None) -> None:

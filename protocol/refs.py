@@ -4,8 +4,8 @@ Three kinds travel in ``GenerateRequest.features.kwargs_data[modality][i]`` slot
 (where upstream vLLM puts a base64 msgpack item, or ``None``):
 
 - ``mmraw:v2:<sha256><ext>:<family>:<grid>[:<fingerprint>]`` (:class:`ContentRef`): an image
-  named by its content, not by a place; every reader finds it under its own asset roots
-  (:mod:`protocol.roots`). ~130 characters.
+  (or a video: ``.mp4``/``.mov``, :data:`VIDEO_EXTS`) named by its content, not by a place;
+  every reader finds it under its own asset roots (:mod:`protocol.roots`). ~130 characters.
 - ``mmraw:<base64url(JSON)>`` (no padding) or the compact form ``mmraw:{...}`` (v1,
   :class:`RawRefBody`). JSON = ``{"family", "modality", "mm_hash", "payload", "fingerprint"?,
   "raw_image_uri"}``. ``mm_hash`` is ``sha256(file bytes)[:32]``; ``payload`` is adapter-owned
@@ -51,9 +51,12 @@ __all__ = [
     "MM_HASH_RE",
     "RUN_ID_RE",
     "SHA256_RE",
+    "STORE_EXTS",
+    "VIDEO_EXTS",
     "ContentRef",
     "FileRef",
     "RawRefBody",
+    "asset_key",
     "file_uri_to_path",
     "format_content_ref",
     "format_mmfile",
@@ -68,6 +71,7 @@ FINGERPRINT_RE = re.compile(r"^[a-f0-9]{16,64}$")
 MM_HASH_RE = re.compile(r"^[a-f0-9]{16,128}$")
 FAMILY_RE = re.compile(r"^[a-z0-9_]{1,32}$")
 _MODALITIES = ("image",)
+"""Modalities of an ``mmfile:v1:`` ref (processed items: images only)."""
 MAX_REF_CHARS = 8192
 """Longest ref string accepted (a real mmraw ref is ~300 characters)."""
 
@@ -79,12 +83,17 @@ MMRAW_V2_PREFIX = "mmraw:v2:"
 SHA256_RE = re.compile(r"^[a-f0-9]{64}$")
 IMAGE_EXTS = (".jpg", ".png", ".webp", ".gif", ".img")
 """Store file extensions, as :func:`protocol.images.sniff_media_type` gives them (BMP, TIFF: ``.img``)."""
+VIDEO_EXTS = (".mp4", ".mov")
+"""Video store extensions, as :func:`protocol.video_header.sniff_video_type` gives them (ISO-BMFF
+containers: MP4, QuickTime); stored under ``videos/`` (docs/PROTOCOL.md §2)."""
+STORE_EXTS = IMAGE_EXTS + VIDEO_EXTS
+"""Every extension a content-named ref may carry."""
 MAX_GRID_VALUE = (1 << 20) - 1
 """Largest grid entry a ref may carry (then bounded by the processor's limits)."""
 MAX_CONTENT_REF_CHARS = 256
 """Longest ``mmraw:v2:`` ref (the grammar allows at most 9 + 69 + 33 + 32 + 65 = 208 characters)."""
 _V2_RE = re.compile(
-    r"mmraw:v2:(?P<sha256>[a-f0-9]{64})(?P<ext>\.jpg|\.png|\.webp|\.gif|\.img)"
+    r"mmraw:v2:(?P<sha256>[a-f0-9]{64})(?P<ext>\.jpg|\.png|\.webp|\.gif|\.img|\.mp4|\.mov)"
     r":(?P<family>[a-z0-9_]{1,32})"
     r":(?P<grid>[1-9][0-9]{0,6}(?:\.[1-9][0-9]{0,6}){0,3})"
     r"(?::(?P<fingerprint>[a-f0-9]{16,64}))?"
@@ -93,17 +102,20 @@ _V2_RE = re.compile(
 
 
 class RawRefBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
-    """The JSON body of an ``mmraw:`` ref: where the raw image is and what it should give."""
+    """The JSON body of an ``mmraw:`` ref: where the raw image (or video) is and what it should give."""
 
     family: str
     """Adapter family, e.g. ``"qwen2_vl"`` (``^[a-z0-9_]{1,32}$``)."""
-    modality: Literal["image"]
+    modality: Literal["image", "video"]
+    """``"video"``: the file is a clip, resolved through the family's video processor; the
+    payload then holds ``video_grid_thw`` (``protocol/adapters/video.py``)."""
     mm_hash: str
     """``sha256(file bytes)[:32]``, lowercase hex; re-checked against the file."""
     payload: dict[str, Any]
     """Adapter-owned expectations, e.g. Qwen ``{"image_grid_thw": [t, h, w]}`` (patches)."""
     raw_image_uri: str
-    """Absolute ``file://`` URI of the raw image under the asset root."""
+    """Absolute ``file://`` URI of the raw file under the asset root (a video's too: the field
+    keeps its name for wire compatibility)."""
     fingerprint: str | None = None
     """Layout fingerprint the ref was made for; ``None`` skips the check."""
 
@@ -115,7 +127,7 @@ class RawRefBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 class ContentRef(msgspec.Struct, frozen=True, kw_only=True):
-    """A parsed ``mmraw:v2:`` ref: an image named by its content (docs/PROTOCOL.md §1).
+    """A parsed ``mmraw:v2:`` ref: an image or a video named by its content (docs/PROTOCOL.md §1).
 
     No host, path or bucket: every reader resolves it against its own configured asset roots
     (:class:`protocol.roots.AssetRoots`) at :attr:`key`, and checks the bytes against the full
@@ -129,7 +141,7 @@ class ContentRef(msgspec.Struct, frozen=True, kw_only=True):
     sha256: str
     """Full lowercase hex sha256 of the raw file bytes (64 characters)."""
     ext: str
-    """Store extension, one of :data:`IMAGE_EXTS`."""
+    """Store extension, one of :data:`STORE_EXTS` (a video's: :data:`VIDEO_EXTS`)."""
     family: str
     """Adapter family, e.g. ``"qwen2_vl"`` (``^[a-z0-9_]{1,32}$``)."""
     grid: tuple[int, ...]
@@ -139,8 +151,8 @@ class ContentRef(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         _check(SHA256_RE, self.sha256, "sha256")
-        if self.ext not in IMAGE_EXTS:
-            raise ValueError(f"ext {self.ext[:16]!r} is not one of {IMAGE_EXTS}")
+        if self.ext not in STORE_EXTS:
+            raise ValueError(f"ext {self.ext[:16]!r} is not one of {STORE_EXTS}")
         _check(FAMILY_RE, self.family, "family")
         if not 1 <= len(self.grid) <= 4 or not all(
             type(g) is int and 1 <= g <= MAX_GRID_VALUE for g in self.grid
@@ -150,8 +162,9 @@ class ContentRef(msgspec.Struct, frozen=True, kw_only=True):
             _check(FINGERPRINT_RE, self.fingerprint, "fingerprint")
 
     @property
-    def modality(self) -> Literal["image"]:
-        return "image"
+    def modality(self) -> Literal["image", "video"]:
+        """``"video"`` for a :data:`VIDEO_EXTS` extension, else ``"image"``."""
+        return "video" if self.ext in VIDEO_EXTS else "image"
 
     @property
     def mm_hash(self) -> str:
@@ -160,8 +173,9 @@ class ContentRef(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def key(self) -> str:
-        """The store key, relative to an asset root: ``images/<sha256[:16]><ext>``."""
-        return image_key(self.sha256, self.ext)
+        """The store key, relative to an asset root: ``images/<sha256[:16]><ext>`` (a video:
+        ``videos/...``, :func:`asset_key`)."""
+        return asset_key(self.sha256, self.ext)
 
 
 def image_key(sha256: str, ext: str) -> str:
@@ -176,6 +190,19 @@ def image_key(sha256: str, ext: str) -> str:
     if ext not in IMAGE_EXTS:
         raise ValueError(f"ext {ext[:16]!r} is not one of {IMAGE_EXTS}")
     return f"images/{sha256[:16]}{ext}"
+
+
+def asset_key(sha256: str, ext: str) -> str:
+    """The store key of an image (:func:`image_key`) or a video: ``videos/<sha256[:16]><ext>``
+    for an extension of :data:`VIDEO_EXTS`.
+
+    Raises:
+        ValueError: ``sha256`` is not 64 lowercase hex or ``ext`` not one of :data:`STORE_EXTS`.
+    """
+    if ext in VIDEO_EXTS:
+        _check(SHA256_RE, sha256, "sha256")
+        return f"videos/{sha256[:16]}{ext}"
+    return image_key(sha256, ext)
 
 
 class FileRef(msgspec.Struct, frozen=True, kw_only=True):
@@ -249,7 +276,7 @@ def _parse_v2(ref: str) -> ContentRef:
     m = _V2_RE.fullmatch(ref)  # explicit ranges ([0-9], not \d): ASCII digits only
     if m is None:
         raise InvalidRef(
-            "mmraw:v2 ref must be mmraw:v2:<sha256 64 hex><.jpg|.png|.webp|.gif|.img>:<family>"
+            "mmraw:v2 ref must be mmraw:v2:<sha256 64 hex><.jpg|.png|.webp|.gif|.img|.mp4|.mov>:<family>"
             ":<grid as 1-4 ints joined by '.'>[:<fingerprint 16-64 hex>]",
             ref=ref,
         )

@@ -48,7 +48,7 @@ from protocol.errors import (
 )
 from protocol.images import sniff_media_type
 from protocol.read_cache import ReadCache
-from protocol.refs import ContentRef, RawRefBody, file_uri_to_path, image_key
+from protocol.refs import ContentRef, RawRefBody, asset_key, file_uri_to_path
 from protocol.root_stores import (
     OBJECT_SCHEMES,
     AssetRoot,
@@ -58,6 +58,7 @@ from protocol.root_stores import (
     open_root,
 )
 from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore, atomic_write, check_sha256
+from protocol.video_header import sniff_video_type
 
 __all__ = [
     "OBJECT_SCHEMES",
@@ -79,13 +80,14 @@ ROOTS_ENV = "MMREF_ASSET_ROOTS"
 _log = logging.getLogger(__name__)
 
 _V1_TAIL_RE = re.compile(
-    r"(?:/(?P<run>run_[A-Za-z0-9_.-]+)/assets)?/images/(?P<name>[a-f0-9]{16}(?:\.jpg|\.png|\.webp|\.gif|\.img))\Z"
+    r"(?:/(?P<run>run_[A-Za-z0-9_.-]+)/assets)?/(?P<dir>images|videos)/"
+    r"(?P<name>[a-f0-9]{16}(?:\.jpg|\.png|\.webp|\.gif|\.img|\.mp4|\.mov))\Z"
 )
 
 
 @dataclass(frozen=True)
 class StoredContent:
-    """An image written to (or found in) a root by :func:`put_content`."""
+    """An image or a video written to (or found in) a root by :func:`put_content`."""
 
     sha256: str
     """Full lowercase hex sha256 of the bytes."""
@@ -94,7 +96,7 @@ class StoredContent:
     media_type: str
     nbytes: int
     key: str
-    """``images/<sha256[:16]><ext>``, relative to the root."""
+    """``images/<sha256[:16]><ext>`` (a video: ``videos/...``), relative to the root."""
     root: str
     """The root written to (its URL or path: never a credential)."""
     written: bool
@@ -118,17 +120,19 @@ def parse_roots_spec(value: str) -> list[str]:
 
 def put_content(target: AssetStore | AssetRoot | AssetRoots, data: bytes) -> StoredContent:
     """Store raw image bytes at ``images/<sha256[:16]><ext>`` of ``target`` (an
-    :class:`AssetRoots` writes to its first root); idempotent and safe when writers race.
+    :class:`AssetRoots` writes to its first root); idempotent and safe when writers race. An
+    MP4/QuickTime file (:func:`protocol.video_header.sniff_video_type`) goes to
+    ``videos/<sha256[:16]><ext>`` (nothing decoded: offloading checks a video first).
 
     Raises:
-        ImageUnreadable: the bytes are not an allowed image format.
+        ImageUnreadable: the bytes are neither a video container nor an allowed image format.
         HashMismatch: an object store holds another object under the key (see :meth:`ObjectRoot.put`).
         StoreUnavailable: the object store could not be asked.
         ValueError: an :class:`AssetRoots` without roots.
     """
-    media_type, ext = sniff_media_type(data)
+    media_type, ext = sniff_video_type(data) or sniff_media_type(data)
     digest = hashlib.sha256(data).hexdigest()
-    key = image_key(digest, ext)
+    key = asset_key(digest, ext)
     if isinstance(target, AssetRoots):
         if not target.roots:
             raise ValueError("no asset roots to write to")
@@ -257,7 +261,7 @@ class AssetRoots:
             StoreUnavailable, HashMismatch, AssetNotFound, AssetTooLarge, AssetOutsideRoot: see
                 :meth:`read_image`.
         """
-        key = image_key(sha256, ext)
+        key = asset_key(sha256, ext)
         if self.cache is not None:
             cached = self.cache.get(sha256, max_bytes=max_bytes)
             if cached is not None:
@@ -270,7 +274,7 @@ class AssetRoots:
         m = _V1_TAIL_RE.search(path)
         if m is None or not m["name"].startswith(mm_hash[:16]):
             return []
-        key = f"images/{m['name']}"
+        key = f"{m['dir']}/{m['name']}"
         out: list[tuple[AssetRoot, str]] = []
         if self.legacy is not None:
             legacy = LocalRoot(self.legacy.root)

@@ -3,6 +3,7 @@
 Layout under an absolute ``<asset_root>`` (``<output_root>/run_<RUN_ID>/assets``)::
 
     images/<sha256(file bytes)[:16]><ext>     raw bytes as received; .jpg .png .webp .gif, else .img
+    videos/<sha256(file bytes)[:16]><ext>     a video's bytes as received; .mp4 .mov
     mm_features/v1/vllm-mmitem/<fingerprint>/<modality>/<mm_hash[:2]>/<mm_hash>.msgpack
 
 Writers are idempotent and atomic (:func:`atomic_write`): a file that already holds the very
@@ -33,12 +34,15 @@ from protocol.errors import (
     InvalidRef,
     MMRefError,
     StoreUnavailable,
+    VideoUnreadable,
 )
 from protocol.images import sniff_media_type
-from protocol.refs import MM_HASH_RE, ContentRef, RawRefBody, file_uri_to_path
+from protocol.refs import MM_HASH_RE, ContentRef, RawRefBody, asset_key, file_uri_to_path
+from protocol.video_header import sniff_video_type
 
 __all__ = [
     "DEFAULT_MAX_IMAGE_BYTES",
+    "DEFAULT_MAX_VIDEO_BYTES",
     "TEMP_PREFIX",
     "AssetStore",
     "ImageSource",
@@ -51,6 +55,8 @@ __all__ = [
 
 DEFAULT_MAX_IMAGE_BYTES = 64 * 1024 * 1024
 """Largest image file read (bytes); larger files raise :class:`AssetTooLarge`."""
+DEFAULT_MAX_VIDEO_BYTES = 256 * 1024 * 1024
+"""Largest video file read (bytes); larger files raise :class:`AssetTooLarge` before a byte is read."""
 TEMP_PREFIX = ".tmp-"
 """Name prefix of a writer's temp file (in the target's folder, renamed over the target when whole)."""
 _GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ENXIO, errno.ENODEV})
@@ -84,7 +90,7 @@ def check_sha256(data: bytes, mm_hash: str, *, ref: str | None = None) -> str:
 
 @dataclass(frozen=True)
 class StoredImage:
-    """An image written to (or found in) the store."""
+    """An image (or a video: :meth:`AssetStore.put_video`) written to (or found in) the store."""
 
     sha256: str
     """Full lowercase hex sha256 of the file bytes."""
@@ -197,6 +203,22 @@ class AssetStore:
         path = self.images_dir / f"{digest[:16]}{ext}"
         atomic_write(path, data)
         return StoredImage(sha256=digest, path=path, media_type=media_type, nbytes=len(data))
+
+    def put_video(self, video: bytes | os.PathLike[str] | str) -> StoredImage:
+        """Store a video's bytes (or a file's bytes) under ``videos/``; idempotent and atomic.
+        Nothing is decoded (offloading reads the header and decodes first).
+
+        Raises:
+            VideoUnreadable: not an MP4/QuickTime file (no ``ftyp`` box).
+        """
+        data = video if isinstance(video, bytes) else Path(video).read_bytes()
+        sniffed = sniff_video_type(data)
+        if sniffed is None:
+            raise VideoUnreadable(f"not an MP4/QuickTime file ({len(data)} bytes): no ftyp box")
+        digest = hashlib.sha256(data).hexdigest()
+        path = self.root / asset_key(digest, sniffed[1])
+        atomic_write(path, data)
+        return StoredImage(sha256=digest, path=path, media_type=sniffed[0], nbytes=len(data))
 
     def confine(
         self, path: str | os.PathLike[str], *, ref: str | None = None, name: str | None = None

@@ -34,7 +34,7 @@ _PosInt = Annotated[int, Meta(ge=1)]
 
 
 class RawMMRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One image of a prompt, by reference.
+    """One image (or video) of a prompt, by reference.
 
     Example (Qwen2-VL, a 1024x768 JPEG)::
 
@@ -44,7 +44,9 @@ class RawMMRef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     ref: str
     """An ``mmraw:`` or ``mmfile:v1:`` ref string (:mod:`protocol.refs`)."""
-    modality: Literal["image"] = "image"
+    modality: Literal["image", "video"] = "image"
+    """``"video"``: a clip (``media_type`` ``video/mp4``...), ``grid`` its ``video_grid_thw``
+    ``[t, h, w]`` and ``num_placeholders`` its ``<|video_pad|>`` tokens (issue 44)."""
     sha256: str
     """Full lowercase hex sha256 of the raw image file."""
     media_type: str

@@ -188,7 +188,7 @@ def test_missing_required_field_is_rejected(encode, field):
     [
         {"family": 1},
         {"family": None},
-        {"modality": "video"},
+        {"modality": "audio"},  # "video" is a modality since issue 44 (test_video_modality_parses)
         {"modality": ["image"]},
         {"mm_hash": 123},
         {"mm_hash": None},
@@ -208,6 +208,13 @@ def test_wrong_types_are_rejected(override):
         parse_ref(mmraw_json(d))
     with pytest.raises(InvalidRef):
         parse_ref(mmraw_b64(d))
+
+
+def test_video_modality_parses():
+    """Issue 44: a v1 body may name a video (its payload is the video adapter's to check)."""
+    d = body_dict(modality="video", payload={"video_grid_thw": [2, 8, 12]})
+    for encode in (mmraw_json, mmraw_b64):
+        assert parse_ref(encode(d)).modality == "video"
 
 
 @pytest.mark.parametrize(

@@ -112,6 +112,13 @@ def test_raw_mm_ref_accepts_mmfile_refs_and_defaults_modality():
     assert decoded.modality == "image" and decoded.ref == MMFILE
 
 
+def test_raw_mm_ref_accepts_video_modality():
+    """Issue 44: a video by reference; an image-only reader still decodes it (wire compatible)."""
+    d = raw_ref_dict(modality="video", media_type="video/mp4", grid=[2, 8, 12], num_placeholders=48)
+    decoded = msgspec.json.decode(msgspec.json.encode(d), type=RawMMRef)
+    assert decoded.modality == "video" and decoded.grid == [2, 8, 12]
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -120,7 +127,7 @@ def test_raw_mm_ref_accepts_mmfile_refs_and_defaults_modality():
         {"ref": "data:image/png;base64,AAAA"},
         {"ref": "https://example.com/a.jpg"},
         {"ref": 5},
-        {"modality": "video"},
+        {"modality": "audio"},  # "video" is a modality since issue 44 (test below)
         {"sha256": SHA256.upper()},
         {"sha256": SHA256[:63]},
         {"sha256": SHA256[:32]},

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import msgspec
 import torch
 
-from protocol.adapters import ImageAdapter, ProcessedImage
+from protocol.adapters import ImageAdapter, ProcessedImage, ProcessedVideo
 from protocol.errors import AssetNotFound, AssetTooLarge, HashMismatch, ImageUnreadable, MMRefError
 from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
 from protocol.refs import ContentRef, RawRefBody
@@ -41,6 +41,7 @@ from protocol.structs import TrainingSample
 from trainer_lib import metrics
 from trainer_lib.collate import FeatureWriter
 from trainer_lib.config import MaterializeConfig
+from trainer_lib.materialize_video import add_videos, materialize_videos, video_refs
 from trainer_lib.micro_batch import PackedMicroBatch, SampleSlot, replace_loss_mask
 from trainer_lib.pool import run_on_pool
 from trainer_lib.sources import checked_refs, describe_source, image_source
@@ -57,7 +58,7 @@ __all__ = [
 ]
 
 MissingPolicy = Literal["placeholder_zero_loss", "error"]
-Resolved = dict[str, ProcessedImage | MMRefError]
+Resolved = dict[str, ProcessedImage | ProcessedVideo | MMRefError]
 """Refs already resolved in this step (ref string -> processed image, or the replaceable error
 that stood for it): pass one dict to every :func:`materialize` / :func:`materialize_micro_batch`
 call of a step and each distinct image is read, decoded and processed once per step."""
@@ -109,6 +110,12 @@ class MaterializedBatch:
     image_index: torch.Tensor | None = None
     """int64 ``[N_slots]`` with ``dedup=True``: the distinct image each slot shows; None with
     ``dedup=False`` or without images."""
+    video_index: torch.Tensor | None = None
+    """Videos (issue 44): ``features`` then also holds ``pixel_values_videos``, ``video_grid_thw``
+    (Qwen2.5-VL: ``second_per_grid_ts``), each distinct video once with ``dedup``; this maps each
+    video slot to its row (None without videos or with ``dedup=False``)."""
+    videos_per_sample: list[int] | None = None
+    """Per sample, its video refs (None: no sample has one; ``images_per_sample`` counts images)."""
 
 
 def materialize(
@@ -188,6 +195,12 @@ def materialize(
     written = {ref for ref, r in done.items() if not isinstance(r, MMRefError)}
     batch = _assemble(samples, per_sample, results, grids, adapter, writer=writer, written=written)
     batch.stats.processed = len(written)
+    if any(video_refs(s) for s in samples):  # issue 44: the same pool, policy and step cache
+        replace = policy == "placeholder_zero_loss"
+        kwargs = {"max_workers": max_workers, "dedup": dedup, "device_normalize": device_normalize}
+        add_videos(
+            batch, materialize_videos(samples, adapter, source, replace=replace, resolved=resolved, **kwargs)
+        )
     metrics.IMAGES_MATERIALIZED.inc(batch.stats.processed)
     if batch.stats.placeholders:
         _warn_replaced(batch.stats, len(samples), describe_source(source))

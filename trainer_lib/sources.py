@@ -19,7 +19,7 @@ from protocol.placeholders import check_no_typed_images, check_placeholder_count
 from protocol.refs import ContentRef, FileRef, RawRefBody, parse_ref
 from protocol.roots import AssetRoots, LocalRoot
 from protocol.store import AssetStore, ImageSource
-from protocol.structs import TrainingSample
+from protocol.structs import RawMMRef, TrainingSample
 
 __all__ = ["checked_refs", "describe_source", "image_source", "raw_body"]
 
@@ -57,7 +57,8 @@ def describe_source(source: ImageSource) -> list[str]:
 def checked_refs(
     samples: Sequence[TrainingSample], adapter: ImageAdapter, placeholder_token_id: int | None
 ) -> tuple[list[list[str]], dict[str, RawRefBody | ContentRef], dict[str, tuple[int, ...]]]:
-    """Before any file is read: each sample's ref strings, every distinct ref's parsed body
+    """Before any file is read: each sample's image ref strings (videos are
+    :mod:`trainer_lib.materialize_video`'s), every distinct ref's parsed body
     (first-seen order) and its grid (family, fingerprint and payload checked, the grid bounded by
     ``adapter.check_ref``); every sample checked against them.
 
@@ -67,7 +68,7 @@ def checked_refs(
         PlaceholderMismatch: a count other than the grid's, or (with ``placeholder_token_id``) a
             prompt whose image runs do not fit the refs.
     """
-    per_sample = [[r.ref for r in s.mm_refs.items] if s.mm_refs else [] for s in samples]
+    per_sample = [[r.ref for r in _images(s)] for s in samples]
     bodies = {ref: raw_body(ref) for refs in per_sample for ref in refs}
     grids = {ref: adapter.check_ref(body, ref=ref) for ref, body in bodies.items()}
     for i, sample in enumerate(samples):
@@ -86,7 +87,7 @@ def _check_sample(
     the prompt's image runs fit the refs (:func:`protocol.placeholders.locate_image_runs`), as
     packing checks them (:func:`~trainer_lib.planning.packing.analyze_entry`): a sample without
     refs may hold the placeholder id as text (a stray placeholder) but no image-typed token."""
-    refs = sample.mm_refs.items if sample.mm_refs else []
+    refs = _images(sample)
     for r in refs:
         if tuple(r.grid) != grids[r.ref]:
             raise GridMismatch(
@@ -100,6 +101,11 @@ def _check_sample(
         check_no_typed_images(type_ids, sample=index)
         return
     locate_image_runs(sample.input_ids, refs, placeholder_token_id, mm_token_type_ids=type_ids, sample=index)
+
+
+def _images(sample: TrainingSample) -> list[RawMMRef]:
+    """The sample's image refs (its videos: :mod:`trainer_lib.materialize_video`)."""
+    return [r for r in sample.mm_refs.items if r.modality == "image"] if sample.mm_refs else []
 
 
 def raw_body(ref: str) -> RawRefBody | ContentRef:

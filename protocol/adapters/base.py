@@ -238,9 +238,11 @@ class ImageAdapter(ABC):
         Raises:
             UnsupportedFamily: the ref is for another family.
             FingerprintMismatch: the ref names a fingerprint other than this adapter's.
-            InvalidRef: the payload does not parse (v1), or a v2 grid of the wrong length.
+            InvalidRef: a video ref, the payload does not parse (v1), or a v2 grid of the wrong length.
             GridMismatch: a grid larger than the processor can produce.
         """
+        if body.modality != "image":  # a video ref: VideoMixin.check_video_ref
+            raise InvalidRef(f"a {body.modality} ref where an image is expected", ref=ref)
         if body.family != self.family:
             raise UnsupportedFamily(
                 f"ref family {body.family!r} is not the adapter's family {self.family!r}", ref=ref

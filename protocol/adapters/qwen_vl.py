@@ -1,4 +1,5 @@
-"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: one adapter, transformers' ``Qwen2VLImageProcessor``.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: one adapter, transformers' ``Qwen2VLImageProcessor``
+(videos: :class:`~protocol.adapters.video.VideoMixin`, the model's video processor).
 
 All three families use transformers' ``Qwen2VLImageProcessor`` (torchvision backend)
 or ``Qwen2VLImageProcessorPil`` (PIL backend) with different configs (Qwen2/2.5: patch
@@ -20,6 +21,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from protocol.adapters.base import ImageAdapter, ProcessedImage
+from protocol.adapters.video import VideoMixin
 
 __all__ = ["MAX_RATIO", "QwenVLAdapter"]
 
@@ -43,7 +45,7 @@ _PIXEL_FIELDS = (
 )
 
 
-class QwenVLAdapter(ImageAdapter):
+class QwenVLAdapter(VideoMixin, ImageAdapter):
     """Adapter for ``qwen2_vl``, ``qwen2_5_vl`` and ``qwen3_vl``."""
 
     model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -92,13 +94,19 @@ class QwenVLAdapter(ImageAdapter):
         where it forces a side up to one factor (``patch * merge``) at an aspect ratio of up to
         :data:`MAX_RATIO`, or rounds up to reach min pixels (``size["shortest_edge"]``)."""
         p = self.image_processor
+        side, most = self.side_limits(p.size["shortest_edge"], p.size["longest_edge"], p)
+        return (1, side, side), most
+
+    @staticmethod
+    def side_limits(lo: int, hi: int, p: Any) -> tuple[int, int]:
+        """``(patches per side, patches per frame)`` at most, for min/max pixels ``lo``/``hi`` and
+        processor ``p``'s patch and merge sizes (see :meth:`grid_limits`)."""
         f = p.patch_size * p.merge_size
-        lo, hi = p.size["shortest_edge"], p.size["longest_edge"]
         long_px = max(hi // f, math.isqrt(MAX_RATIO * hi) + 1, math.isqrt(MAX_RATIO * lo) + 1 + f)
         forced = f * (math.isqrt(MAX_RATIO * hi) + 1)  # one side forced up to f
         rounded_up = lo + f * (long_px + math.isqrt(lo) + 1) + f * f  # ceil() of both sides
         most_px = max(hi, forced, rounded_up)
-        return (1, long_px // p.patch_size, long_px // p.patch_size), most_px // p.patch_size**2
+        return long_px // p.patch_size, most_px // p.patch_size**2
 
     def process(self, image: Image.Image, *, device_normalize: bool = False) -> ProcessedImage:
         kwargs: dict[str, Any] = {"return_tensors": "pt"}

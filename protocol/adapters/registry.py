@@ -13,6 +13,7 @@ from protocol.adapters.kimi_vl import KimiVLAdapter
 from protocol.adapters.qwen3_5 import Qwen35Adapter
 from protocol.adapters.qwen3_vl_moe import Qwen3VLMoeAdapter
 from protocol.adapters.qwen_vl import QwenVLAdapter
+from protocol.adapters.video import VIDEO_FAMILIES, VideoMixin
 from protocol.errors import UnsupportedFamily
 
 __all__ = ["ADAPTERS", "adapter_class", "load_adapter", "supported_families"]
@@ -67,6 +68,9 @@ def load_adapter(
         image_processor: use this processor instance instead of loading one (the server
             passes vLLM's own).
 
+    A family of :data:`~protocol.adapters.video.VIDEO_FAMILIES` also gets the folder's video
+    processor (``attach_video``: vLLM's loader defaults).
+
     Raises:
         UnsupportedFamily: the model type has no adapter.
         FileNotFoundError: no ``config.json`` in ``model``.
@@ -77,4 +81,7 @@ def load_adapter(
     cls = adapter_class(model_type)
     if image_processor is None:
         image_processor = cls.load_image_processor(model, backend=backend)
-    return cls(image_processor, family=model_type, device=device)
+    adapter = cls(image_processor, family=model_type, device=device)
+    if isinstance(adapter, VideoMixin) and model_type in VIDEO_FAMILIES:  # issue 44
+        adapter.attach_video(adapter.load_video_processor(model))
+    return adapter

@@ -1,4 +1,4 @@
-"""The values an adapter returns: one image processed, one image read and decoded."""
+"""The values an adapter returns: one image processed, one image read and decoded, one video processed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-__all__ = ["ProcessedImage", "RawImage"]
+__all__ = ["ProcessedImage", "ProcessedVideo", "RawImage"]
 
 
 @dataclass(frozen=True)
@@ -46,3 +46,34 @@ class RawImage:
     """Full hex sha256 of :attr:`data`."""
     grid: tuple[int, ...]
     """The grid the ref claims (checked against the processor's limits)."""
+
+
+@dataclass(frozen=True)
+class ProcessedVideo:
+    """One video's processed features, exactly as the model consumes them (issue 44).
+
+    ``tensors`` maps the family's HF field names to this one video's tensors: Qwen-VL
+    ``pixel_values_videos`` ``[t*h*w, C*T*P*P]`` (float32, or uint8 with ``device_normalize``) and
+    ``video_grid_thw`` int64 ``[1, 3]``; Qwen2.5-VL also ``second_per_grid_ts`` float32 ``[1]``
+    (seconds per temporal patch: ``temporal_patch_size / sampled fps``).
+    """
+
+    tensors: Mapping[str, torch.Tensor]
+    grid: tuple[int, ...]
+    """``video_grid_thw`` ``(t, h, w)``."""
+    num_placeholders: int
+    """``<|video_pad|>`` tokens in all (:func:`protocol.placeholders.video_token_runs` gives the runs)."""
+    frames_indices: tuple[int, ...]
+    """The sampled frame indices (what Qwen3-VL's prompt timestamps are computed from)."""
+    fps: float
+    """The source's frame rate, as the decoder reports it."""
+    timestamps: tuple[float, ...] | None = None
+    """Qwen3-VL: seconds of each temporal patch (the mean of its first and last frame's time), the
+    text before each placeholder run (``<0.3 seconds>``) and vLLM's item field ``timestamps``."""
+    sha256: str | None = None
+    """Full hex sha256 of the file's bytes."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
