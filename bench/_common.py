@@ -244,7 +244,7 @@ def bench_asset_root(output_root: Path = BENCH_OUTPUTS) -> Path:
     return root
 
 
-def vllm_processor(model_dir: Path, *, device_normalize: bool):
+def vllm_processor(model_dir: Path, *, raw_pixels: bool):
     """vLLM's engine-free multimodal processor for ``model_dir``: ``(ModelConfig, processor)``.
 
     The same processor a server builds (``MULTIMODAL_REGISTRY.create_processor``), with one
@@ -257,7 +257,7 @@ def vllm_processor(model_dir: Path, *, device_normalize: bool):
         dtype="float32",
         max_model_len=4096,
         limit_mm_per_prompt={"image": {"count": 1, "width": SIZE[0], "height": SIZE[1]}, "video": 0},
-        mm_device_do_normalize=device_normalize,
+        mm_device_do_normalize=raw_pixels,
     )
     return mc, load("MULTIMODAL_REGISTRY").create_processor(mc)
 

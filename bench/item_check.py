@@ -38,13 +38,13 @@ def items(model_dir):
     from vllm_plugin.items import ItemLayout, encode_item
 
     adapter = load_adapter(model_dir)
-    _, processor = vllm_processor(model_dir, device_normalize=True)
+    _, processor = vllm_processor(model_dir, raw_pixels=True)
     layout = ItemLayout(adapter, mm_fields_config(processor))
     from_hf_inputs = load("MultiModalKwargsItems.from_hf_inputs")
     image = Image.open(io.BytesIO(photo_jpeg("coffee"))).convert("RGB")
     out = {}
     for mode, raw in (("uint8 (device normalization)", True), ("float32 (normalized)", False)):
-        tensors = BatchFeature(dict(adapter.process(image, device_normalize=raw).tensors))
+        tensors = BatchFeature(dict(adapter.process(image, raw_pixels=raw).tensors))
         (item,) = from_hf_inputs(tensors, layout.fields_config(tensors))["image"]
         out[mode] = (item, encode_item(item))
     return out, layout

@@ -60,9 +60,7 @@ def main() -> None:
     chat_ids = list(
         tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)["input_ids"]
     )
-    processors = {
-        mode: vllm_processor(model, device_normalize=mode == "raw") for mode in ("raw", "normalized")
-    }
+    processors = {mode: vllm_processor(model, raw_pixels=mode == "raw") for mode in ("raw", "normalized")}
 
     print_facts(adapter.backend)
     per_photo = []

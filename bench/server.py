@@ -58,7 +58,7 @@ MISS_OVERHEAD_TARGET = 0.10
 # --- (a) and (b): in process --------------------------------------------------------------------
 
 
-def build_resolver(model: Path, *, device_normalize: bool):
+def build_resolver(model: Path, *, raw_pixels: bool):
     """The plugin's serving object (its resolver at ``.resolver``), built in process with
     ``vllm_plugin.startup.build_resolver``, as ``build_serving`` builds it (no engine: ``null``
     slots pass, nothing serves)."""
@@ -67,7 +67,7 @@ def build_resolver(model: Path, *, device_normalize: bool):
     from vllm_plugin.serving import MMRefServing
     from vllm_plugin.startup import build_resolver as plugin_resolver
 
-    mc, proc = vllm_processor(model, device_normalize=device_normalize)
+    mc, proc = vllm_processor(model, raw_pixels=raw_pixels)
     resolver = plugin_resolver(proc, mc, PluginConfig(asset_root=BENCH_OUTPUTS))
     serving = MMRefServing(
         resolver,
@@ -99,7 +99,7 @@ def part_a(model: Path) -> list[tuple]:
     from protocol.adapters import offload_image
     from protocol.placeholders import expand_image_placeholders
 
-    serving, _, _ = build_resolver(model, device_normalize=True)
+    serving, _, _ = build_resolver(model, raw_pixels=True)
     resolver = serving.resolver
     refs = [offload_image(jpeg, bench_asset_root(), resolver.adapter) for jpeg in unique_photos(8)]
     n = 20000
@@ -206,11 +206,11 @@ def miss_steps(serving, jpeg: bytes, kwargs: dict) -> dict[str, Callable[[], obj
 
     from_hf_inputs = load("MultiModalKwargsItems.from_hf_inputs")
     resolver = serving.resolver
-    adapter, raw = resolver.adapter, resolver.device_normalize
+    adapter, raw = resolver.adapter, resolver.raw_pixels
     ref = offload_image(jpeg, bench_asset_root(), adapter).ref
     body = parse_ref(ref)
     image = load_image(jpeg)
-    hf_inputs = BatchFeature(dict(adapter.process(image, device_normalize=raw).tensors))
+    hf_inputs = BatchFeature(dict(adapter.process(image, raw_pixels=raw).tensors))
     mmfile = feature_ref(resolver, resolver._resolve_raw_sync(body, ref))
     return {
         "bare HF processor call": lambda: adapter.image_processor(images=[image], **kwargs),
@@ -220,7 +220,7 @@ def miss_steps(serving, jpeg: bytes, kwargs: dict) -> dict[str, Callable[[], obj
             0
         ],
         "decode (load_image)": lambda: load_image(jpeg),
-        "adapter.process (HF processor + wrap)": lambda: adapter.process(image, device_normalize=raw),
+        "adapter.process (HF processor + wrap)": lambda: adapter.process(image, raw_pixels=raw),
         "vLLM item (from_hf_inputs)": lambda: from_hf_inputs(
             hf_inputs, resolver.layout.fields_config(hf_inputs)
         ),
@@ -247,7 +247,7 @@ def part_b(model: Path, photos: int, repeat: int) -> tuple[list[tuple], list[tup
 
     targets, breakdown_rows = [], []
     for mode in ("raw", "normalized"):
-        serving, _, _ = build_resolver(model, device_normalize=mode == "raw")
+        serving, _, _ = build_resolver(model, raw_pixels=mode == "raw")
         kwargs = {"return_tensors": "pt", "device": "cpu"}
         if mode == "raw":  # what vLLM's merge_mm_processor_kwargs passes with mm_device_do_normalize
             kwargs.update(do_rescale=False, do_normalize=False)
@@ -293,7 +293,7 @@ def part_b_profile(model: Path, photos: int) -> tuple[list[tuple], list[tuple]]:
     from protocol.placeholders import expand_image_placeholders
     from vllm_plugin.protocol import parse_request
 
-    serving, _, _ = build_resolver(model, device_normalize=True)
+    serving, _, _ = build_resolver(model, raw_pixels=True)
     pad = serving.placeholder_token_id
     refs = [offload_image(jpeg, bench_asset_root(), serving.adapter) for jpeg in unique_photos(photos)]
     bodies = [

@@ -186,7 +186,7 @@ class MicroBatch(msgspec.Struct, kw_only=True, array_like=True, gc=False, omit_d
     is_padding: list[bool] | None = None
     """Per packed sample: a zero-loss pad kept out of metrics."""
     synthetic_grids: list[list[_PosInt]] | None = None
-    """Grids of the zero-feature pad images (no ref: ``adapter.synthesize_placeholder(grid)``),
+    """Grids of the zero-feature pad images (no ref: ``adapter.zero_features(grid)``),
     in pack order; they follow every ref'd image. Counted in ``images_per_sample``."""
     run_id: str = ""
     lora_id: str | None = None

@@ -93,7 +93,7 @@ def pixel_check(samples, adapter, output_root, resolved) -> tuple[float, object,
 
     decode_mm_kwargs_item = load("decode_mm_kwargs_item")
     t0 = time.monotonic()
-    raw = materialize(samples, adapter, output_root, device_normalize=resolved["pixel_mode"] == "raw")
+    raw = materialize(samples, adapter, output_root, raw_pixels=resolved["pixel_mode"] == "raw")
     seconds = time.monotonic() - t0
     served = torch.cat(
         [decode_mm_kwargs_item(s)["pixel_values"].data for s in resolved["features"]["kwargs_data"]["image"]]

@@ -231,7 +231,7 @@ def check_against_vllm(
     assert want_pixels.dtype == (torch.uint8 if oracle.normalize else torch.float32)
 
     for adapter in adapters:
-        got = adapter.process(image, device_normalize=oracle.normalize)
+        got = adapter.process(image, raw_pixels=oracle.normalize)
         pixels = got.tensors["pixel_values"]
         assert pixels.dtype == want_pixels.dtype
         assert pixels.shape == want_pixels.shape
@@ -286,7 +286,7 @@ def test_k25_three_images_in_one_prompt(k25_default, k25_trainer, k25_dir, tmp_p
     placeholders = out["mm_placeholders"]["vision_chunk"]
     for i, image in enumerate(images):
         item = out["mm_kwargs"]["vision_chunk"][i]
-        got = k25_trainer.process(image, device_normalize=True)
+        got = k25_trainer.process(image, raw_pixels=True)
         assert torch.equal(got.tensors["pixel_values"], item["pixel_values"].data)
         assert refs[i].grid == item["grid_thws"].data.tolist()
         assert refs[i].num_placeholders == placeholders[i].length
@@ -341,7 +341,7 @@ def test_vl_vllm_defaults(vl_oracle, vl_server):
     assert vl_oracle.normalize is False
     assert vl_server.vllm_modality == "image"
     with pytest.raises(NotImplementedError, match="mm_device_do_normalize"):
-        vl_server.process(Image.new("RGB", (28, 28)), device_normalize=True)
+        vl_server.process(Image.new("RGB", (28, 28)), raw_pixels=True)
 
 
 @pytest.mark.parametrize("case", IMAGE_CASES, ids=CASE_IDS)
@@ -527,10 +527,10 @@ def test_golden_vl(vl_trainer, case):
 
 @pytest.mark.parametrize("family", ["kimi_k25", "kimi_vl"])
 @pytest.mark.parametrize("case", IMAGE_CASES[:8:2], ids=CASE_IDS[:8:2])
-def test_synthesize_placeholder_matches_process(family, case, k25_trainer, vl_trainer):
+def test_zero_features_matches_process(family, case, k25_trainer, vl_trainer):
     adapter = k25_trainer if family == "kimi_k25" else vl_trainer
     processed = adapter.process(load_image(image_bytes(*case)))
-    synthetic = adapter.synthesize_placeholder(processed.grid)
+    synthetic = adapter.zero_features(processed.grid)
     assert set(synthetic.tensors) == set(processed.tensors) == {"pixel_values", adapter.grid_field}
     for name, tensor in processed.tensors.items():
         assert synthetic.tensors[name].shape == tensor.shape, name

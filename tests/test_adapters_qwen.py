@@ -201,7 +201,7 @@ def chat_ids(tokenizer, n_images: int, text: str = "Describe these.") -> list[in
 # --- equality with vLLM's processor ------------------------------------------------------------
 
 
-def test_vllm_default_is_device_normalize(default_oracle):
+def test_vllm_default_is_raw_pixels(default_oracle):
     """These families default to raw pixels in vLLM (the double-normalization pitfall)."""
     assert default_oracle.normalize is True
 
@@ -226,7 +226,7 @@ def test_process_matches_vllm(case, family, oracle, trainer_adapter, tokenizer, 
 
     server = adapter_class(family)(oracle.image_processor, family=family)
     for adapter in (server, trainer_adapter):
-        got = adapter.process(image, device_normalize=oracle.normalize)
+        got = adapter.process(image, raw_pixels=oracle.normalize)
         pixels = got.tensors["pixel_values"]
         assert pixels.dtype == want_pixels.dtype
         assert pixels.shape == want_pixels.shape
@@ -260,7 +260,7 @@ def test_four_images_in_one_prompt_match_vllm(oracle, trainer_adapter, tokenizer
 
     for i, image in enumerate(images):
         item = out["mm_kwargs"]["image"][i]
-        got = trainer_adapter.process(image, device_normalize=oracle.normalize)
+        got = trainer_adapter.process(image, raw_pixels=oracle.normalize)
         assert torch.equal(got.tensors["pixel_values"], item["pixel_values"].data), names[i]
         assert refs[i].grid == item["image_grid_thw"].data.tolist()
         assert refs[i].num_placeholders == placeholders[i].length
@@ -449,9 +449,9 @@ def test_fingerprint_differs_for_pixel_field(family, trainer_adapter, field, val
 
 
 @pytest.mark.parametrize("case", IMAGE_CASES[:7], ids=CASE_IDS[:7])
-def test_synthesize_placeholder_matches_process(trainer_adapter, case):
+def test_zero_features_matches_process(trainer_adapter, case):
     processed = trainer_adapter.process(load_image(image_bytes(*case)))
-    synthetic = trainer_adapter.synthesize_placeholder(processed.grid)
+    synthetic = trainer_adapter.zero_features(processed.grid)
     assert set(synthetic.tensors) == set(processed.tensors)
     for name, tensor in processed.tensors.items():
         assert synthetic.tensors[name].shape == tensor.shape, name

@@ -162,7 +162,7 @@ def test_process_matches_vllm(case, family, oracle, trainer_adapter, tokenizer, 
 
     server = adapter_class(family)(served_image_processor(oracle.processor), family=family)
     for adapter in (server, trainer_adapter):
-        got = adapter.process(image, device_normalize=oracle.normalize)
+        got = adapter.process(image, raw_pixels=oracle.normalize)
         pixels = got.tensors["pixel_values"]
         assert pixels.dtype == want_pixels.dtype and pixels.shape == want_pixels.shape
         assert torch.equal(pixels, want_pixels)
@@ -188,7 +188,7 @@ def test_two_images_in_one_prompt_match_vllm(
     out = default_oracle.run(prompt, images)
     refs = [offload_image(d, tmp_path, trainer_adapter) for d in datas]
     for i, image in enumerate(images):
-        got = trainer_adapter.process(image, device_normalize=True)
+        got = trainer_adapter.process(image, raw_pixels=True)
         assert torch.equal(got.tensors["pixel_values"], out["mm_kwargs"]["image"][i]["pixel_values"].data)
     expanded = expand_image_placeholders(prompt, refs, image_token_id)
     assert expanded == list(out["prompt_token_ids"])
@@ -261,9 +261,9 @@ def test_num_placeholders_equals_vllm_token_count(server_adapter, default_oracle
 
 
 @pytest.mark.parametrize("case", IMAGE_CASES[:4], ids=CASE_IDS[:4])
-def test_synthesize_placeholder_matches_process(trainer_adapter, case):
+def test_zero_features_matches_process(trainer_adapter, case):
     processed = trainer_adapter.process(load_image(image_bytes(*case)))
-    synthetic = trainer_adapter.synthesize_placeholder(processed.grid)
+    synthetic = trainer_adapter.zero_features(processed.grid)
     for name, tensor in processed.tensors.items():
         assert synthetic.tensors[name].shape == tensor.shape and synthetic.tensors[name].dtype == tensor.dtype
     assert not synthetic.tensors["pixel_values"].any()

@@ -42,11 +42,11 @@ def test_written_from_threads_in_any_order_equals_collate(adapter):
         assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
 
 
-def test_zero_features_beside_device_normalize_pixels_promote_as_cat(qwen2_vl_adapter):
+def test_zero_features_beside_raw_pixels_promote_as_cat(qwen2_vl_adapter):
     """uint8 pixels (vLLM's ``mm_device_do_normalize`` layout) then float32 zero features, as
     ``materialize`` puts them (failed refs last): float32 out, as ``torch.cat`` gives."""
-    raw = images(qwen2_vl_adapter, device_normalize=True)[:2]
-    zeros = qwen2_vl_adapter.synthesize_placeholder((1, 4, 6))
+    raw = images(qwen2_vl_adapter, raw_pixels=True)[:2]
+    zeros = qwen2_vl_adapter.zero_features((1, 4, 6))
     items = [*raw, zeros]
     assert raw[0].tensors["pixel_values"].dtype == torch.uint8
     writer = FeatureWriter(qwen2_vl_adapter, {k: item.grid for k, item in enumerate(items)})
@@ -69,7 +69,7 @@ def test_refusals(qwen2_vl_adapter):
         writer.put(
             1, type(b)(tensors={"pixel_values": b.tensors["pixel_values"]}, grid=b.grid, num_placeholders=0)
         )
-    raw = images(qwen2_vl_adapter, device_normalize=True)[1]  # uint8 outputs, then float32 pixels
+    raw = images(qwen2_vl_adapter, raw_pixels=True)[1]  # uint8 outputs, then float32 pixels
     narrow = FeatureWriter(qwen2_vl_adapter, {0: raw.grid, 1: b.grid})
     narrow.put(0, raw)
     with pytest.raises(ValueError, match="would be cast"):

@@ -367,7 +367,7 @@ def test_the_trainer_rematerializes_the_chat_routes_pixels(
         input_ids=ids, loss_mask=[True] * n, advantages=[0.0] * n, inference_logprobs=[0.0] * n,
         mm_refs=MMRefs(items=refs),
     )  # fmt: skip
-    batch = materialize([sample], qwen2_vl_adapter, output_root, device_normalize=served.dtype == torch.uint8)
+    batch = materialize([sample], qwen2_vl_adapter, output_root, raw_pixels=served.dtype == torch.uint8)
     assert batch.features["pixel_values"].dtype == served.dtype
     assert (batch.features["pixel_values"].double() - served.double()).abs().max().item() == 0
     assert torch.equal(

@@ -457,7 +457,7 @@ def test_the_trainer_materializes_what_each_replica_fed(fleet, qwen2_vl_adapter)
         assert r.status_code == 200, r.text[:300]
         item = decode_item(r.json()["features"]["kwargs_data"]["image"][0], InvalidRequest, "served item")
         raw = r.json()["pixel_mode"] == "raw"
-        batch = materialize([sample], qwen2_vl_adapter, fleet.trainer_mount, device_normalize=raw)
+        batch = materialize([sample], qwen2_vl_adapter, fleet.trainer_mount, raw_pixels=raw)
         assert batch.stats.processed == 1
         assert batch.features["pixel_values"].dtype == item["pixel_values"].data.dtype
         assert (batch.features["pixel_values"].double() - item["pixel_values"].data.double()).abs().max() == 0

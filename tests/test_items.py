@@ -44,7 +44,7 @@ def photo_item(qwen2_vl_adapter, layout):
     from vllm.multimodal.inputs import MultiModalKwargsItems
 
     image = Image.fromarray(photo_array("coffee")).resize((200, 140))
-    tensors = BatchFeature(dict(qwen2_vl_adapter.process(image, device_normalize=True).tensors))
+    tensors = BatchFeature(dict(qwen2_vl_adapter.process(image, raw_pixels=True).tensors))
     (item,) = MultiModalKwargsItems.from_hf_inputs(tensors, layout.fields_config(tensors))["image"]
     return item
 

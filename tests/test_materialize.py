@@ -338,10 +338,10 @@ def test_materialize_micro_batch_takes_every_materialize_setting(store, qwen2_vl
     m = materialize_micro_batch(mb, spec, MaterializeConfig())
     assert m.stats.placeholders == 0 and m.packed.num_loss_tokens == 2
     raw_spec = PackingSpec(
-        placeholder_token_id=TOK, pad_token_id=0, adapter=qwen2_vl_adapter, device_normalize=True
+        placeholder_token_id=TOK, pad_token_id=0, adapter=qwen2_vl_adapter, raw_pixels=True
     )
     raw = materialize_micro_batch(mb, raw_spec, MaterializeConfig()).features["pixel_values"]
-    want = materialize([s], qwen2_vl_adapter, root, device_normalize=True).features["pixel_values"]
+    want = materialize([s], qwen2_vl_adapter, root, raw_pixels=True).features["pixel_values"]
     assert torch.equal(raw, want) and not torch.equal(raw, m.features["pixel_values"])
 
 
@@ -390,7 +390,7 @@ def test_a_claimed_grid_is_bounded_before_any_stand_in_is_sized(store, qwen2_vl_
 
 def test_a_synthetic_grid_is_bounded_before_its_zeros_are_sized(store, qwen2_vl_adapter):
     """Synthetic pad images (a balance setting, or synthetic_grids off the wire) are bounded by the
-    adapter's grid limits before synthesize_placeholder sizes zeros for them."""
+    adapter's grid limits before zero_features sizes zeros for them."""
     from trainer_lib.planning.packing import PackEntry, build_micro_batch, rebuild_micro_batch
     from trainer_lib.planning.padding import make_pad_sample
     from trainer_lib.planning.plan import plan_step

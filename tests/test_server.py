@@ -147,7 +147,7 @@ def test_trainer_rematerializes_bit_identical_pixels(
         input_ids=ids, loss_mask=[True] * n, advantages=[0.0] * n, inference_logprobs=[0.0] * n,
         mm_refs=MMRefs(items=refs),
     )  # fmt: skip
-    batch = materialize([sample], qwen2_vl_adapter, output_root, device_normalize=body["pixel_mode"] == "raw")
+    batch = materialize([sample], qwen2_vl_adapter, output_root, raw_pixels=body["pixel_mode"] == "raw")
     assert batch.features["pixel_values"].dtype == served_pixels.dtype
     assert (batch.features["pixel_values"].double() - served_pixels.double()).abs().max().item() == 0
     assert torch.equal(batch.features["image_grid_thw"], served_grid)

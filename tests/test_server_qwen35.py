@@ -166,7 +166,7 @@ def test_trainer_pixels_are_the_servers(served):
         mm_refs=MMRefs(items=refs),
     )  # fmt: skip
     root = Path(served.server.asset_root)
-    batch = materialize([sample], served.adapter, root, device_normalize=True)
+    batch = materialize([sample], served.adapter, root, raw_pixels=True)
     assert batch.features["pixel_values"].dtype == served_pixels.dtype == torch.uint8
     assert torch.equal(batch.features["pixel_values"], served_pixels)
     assert torch.equal(batch.features["image_grid_thw"], served_grid)

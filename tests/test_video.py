@@ -154,7 +154,7 @@ def test_clip_by_ref_equals_vllm_processor(family, form, normalize, tmp_path):
     assert body.modality == "video" and body.fingerprint == trainer_adapter(family).video_fingerprint
     for adapter in (server_adapter(family, normalize), trainer_adapter(family)):
         assert adapter.video_fingerprint == trainer_adapter(family).video_fingerprint
-        got = adapter.resolve_video(body, AssetStore(tmp_path), ref=ref.ref, device_normalize=normalize)
+        got = adapter.resolve_video(body, AssetStore(tmp_path), ref=ref.ref, raw_pixels=normalize)
         assert set(got.tensors) | ({"timestamps"} if got.timestamps else set()) == set(want.keys())
         if got.timestamps is not None:  # Qwen3-VL's item carries them as a list
             assert list(got.timestamps) == want["timestamps"].data

@@ -19,7 +19,7 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
 - :func:`plan_step`, :class:`StepPlan`, :class:`RankLoad` — a whole step (:mod:`trainer_lib.planning.plan`).
 - :func:`build_position_ids`, :func:`cu_seqlens` — MRoPE positions, sample boundaries
   (:mod:`trainer_lib.positions`).
-- :func:`packed_inputs`, :func:`check_placeholder_alignment` — model inputs and the tripwire
+- :func:`packed_inputs`, :func:`check_placeholders_match_features` — model inputs and the tripwire
   (:mod:`trainer_lib.model_inputs`).
 - :func:`prepare_model_for_packing`, :func:`check_packable` — which attention backends and
   linear-attention paths keep samples apart (:mod:`trainer_lib.prepare`), installing the varlen
@@ -59,7 +59,7 @@ from trainer_lib.mismatch import (
     logprob_mismatch,
     recompute_logprobs,
 )
-from trainer_lib.model_inputs import PackedInputs, check_placeholder_alignment, packed_inputs
+from trainer_lib.model_inputs import PackedInputs, check_placeholders_match_features, packed_inputs
 from trainer_lib.packed_call import CU_SEQLENS_KWARG, PackingUnsupported
 from trainer_lib.planning.cost import CostModel
 from trainer_lib.planning.packing import PackEntry, pack_samples, rebuild_micro_batch
@@ -103,7 +103,7 @@ __all__ = [
     "build_position_ids",
     "check_all_ranks",
     "check_packable",
-    "check_placeholder_alignment",
+    "check_placeholders_match_features",
     "check_sampling_temperature",
     "cu_seqlens",
     "deal_mini_batch",

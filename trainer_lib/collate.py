@@ -30,7 +30,7 @@ class FeatureWriter:
 
     The tensors are allocated at the first :meth:`put`, with its dtypes and device (one
     processor, one layout); a later image of another dtype (float32 zero features beside uint8
-    ``device_normalize`` pixels) is cast on copy, exactly for zeros, and :meth:`features`
+    ``raw_pixels`` pixels) is cast on copy, exactly for zeros, and :meth:`features`
     returns the promoted dtype, as ``torch.cat`` does.
     """
 

@@ -125,7 +125,7 @@ def materialize(
     *,
     policy: MissingPolicy = "placeholder_zero_loss",
     max_workers: int = 2,
-    device_normalize: bool = False,
+    raw_pixels: bool = False,
     placeholder_token_id: int | None = None,
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
@@ -145,7 +145,7 @@ def materialize(
         policy: ``"placeholder_zero_loss"`` or ``"error"`` for missing/unreadable images.
         max_workers: threads reading and processing distinct images (at least 1): a pool the
             process keeps across calls, one per size (:mod:`trainer_lib.pool`).
-        device_normalize: vLLM's raw (un-normalized) pixels instead of the normalized pixels an HF
+        raw_pixels: vLLM's raw (un-normalized) pixels instead of the normalized pixels an HF
             model takes (to compare with a server running ``mm_device_do_normalize``).
         placeholder_token_id: if given, each sample's image runs are located and split by its
             refs' counts (:func:`protocol.placeholders.locate_image_runs`, as packing does): a
@@ -183,7 +183,7 @@ def materialize(
         store=source,
         roots=describe_source(source),
         replace=policy == "placeholder_zero_loss",
-        device_normalize=device_normalize,
+        raw_pixels=raw_pixels,
         max_bytes=max_image_bytes,
         max_pixels=max_image_pixels,
     )
@@ -197,7 +197,7 @@ def materialize(
     batch.stats.processed = len(written)
     if any(video_refs(s) for s in samples):  # issue 44: the same pool, policy and step cache
         replace = policy == "placeholder_zero_loss"
-        kwargs = {"max_workers": max_workers, "dedup": dedup, "device_normalize": device_normalize}
+        kwargs = {"max_workers": max_workers, "dedup": dedup, "raw_pixels": raw_pixels}
         add_videos(
             batch, materialize_videos(samples, adapter, source, replace=replace, resolved=resolved, **kwargs)
         )
@@ -280,7 +280,7 @@ def _assemble(
         failed = [ref for ref in refs if isinstance(results[ref], MMRefError)]
         for ref in failed:
             if ref not in placeholders:
-                placeholders[ref] = adapter.synthesize_placeholder(grids[ref])
+                placeholders[ref] = adapter.zero_features(grids[ref])
         if writer is None:
             items += [_item(ref, results, placeholders) for ref in refs]
         if failed:
@@ -336,9 +336,9 @@ def materialize_micro_batch(
     """Features for every image of the micro-batch, in pack order.
 
     Real images go through :func:`materialize` with ``spec.adapter``, the pixel mode
-    ``spec.device_normalize`` and the settings of ``config`` (asset root, missing-image policy,
+    ``spec.raw_pixels`` and the settings of ``config`` (asset root, missing-image policy,
     workers, limits); synthetic pad images (``ImageSpan.ref is None``) are
-    ``adapter.synthesize_placeholder(grid)``, the grid bounded by ``adapter.check_grid`` first.
+    ``adapter.zero_features(grid)``, the grid bounded by ``adapter.check_grid`` first.
     ``dedup=True`` (default): each distinct image's features once plus ``image_index``;
     :func:`~trainer_lib.packed_logprobs` then runs the vision tower once per distinct image of the
     micro-batch and indexes its embeddings per image (gradients accumulate into that one forward).
@@ -362,14 +362,12 @@ def materialize_micro_batch(
         [s.sample for s in real_slots],
         adapter,
         **config.materialize_kwargs(),
-        device_normalize=spec.device_normalize,
+        raw_pixels=spec.raw_pixels,
         dedup=dedup,
         resolved=resolved,
     )
     synthetic = [  # a grid from the wire is bounded before anything is sized by it
-        adapter.synthesize_placeholder(adapter.check_grid(im.grid)).tensors
-        for im in packed.images
-        if im.ref is None
+        adapter.zero_features(adapter.check_grid(im.grid)).tensors for im in packed.images if im.ref is None
     ]
     parts: list[Mapping[str, torch.Tensor]] = ([batch.features] if batch.features else []) + synthetic
     if len(parts) > 1:  # real and pad images: one concatenation

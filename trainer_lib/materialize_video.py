@@ -82,7 +82,7 @@ def materialize_videos(
     Args:
         replace: zero stand-ins for a missing or unreadable video (``placeholder_zero_loss``).
         resolved: the step's :data:`trainer_lib.materialize.Resolved` (ref -> processed video).
-        resolve_kwargs: passed to ``resolve_video`` (``device_normalize``).
+        resolve_kwargs: passed to ``resolve_video`` (``raw_pixels``).
 
     Raises:
         InvalidRef, UnsupportedFamily, FingerprintMismatch, GridMismatch: a ref the adapter

@@ -35,7 +35,7 @@ class ImageSpan:
     grid: tuple[int, ...]
     ref: RawMMRef | None
     """The image's ref; None for a synthetic pad image (zero features from
-    ``adapter.synthesize_placeholder(grid)``)."""
+    ``adapter.zero_features(grid)``)."""
 
 
 @dataclass(frozen=True)

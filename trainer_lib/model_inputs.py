@@ -2,7 +2,7 @@
 
 :func:`packed_inputs` turns a :class:`~trainer_lib.micro_batch.PackedMicroBatch` and its features
 into :class:`PackedInputs` (``input_ids [1, L]``, ``position_ids [4, 1, L]``, ``cu_seqlens``, the
-loss mask, pixels), after :func:`check_placeholder_alignment`: placeholder tokens must equal the
+loss mask, pixels), after :func:`check_placeholders_match_features`: placeholder tokens must equal the
 feature rows the model will scatter into them.
 """
 
@@ -19,7 +19,7 @@ from trainer_lib.micro_batch import PackedMicroBatch
 from trainer_lib.positions import build_position_ids, cu_seqlens
 from trainer_lib.spec import PackingSpec
 
-__all__ = ["PackedInputs", "check_placeholder_alignment", "packed_inputs"]
+__all__ = ["PackedInputs", "check_placeholders_match_features", "packed_inputs"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def packed_inputs(
         :class:`PackedInputs` on CPU.
 
     Raises:
-        ValueError: placeholder tokens != feature rows (:func:`check_placeholder_alignment`),
+        ValueError: placeholder tokens != feature rows (:func:`check_placeholders_match_features`),
             features whose grids differ from the micro-batch's images, images without features,
             or images and a spec without an adapter.
     """
@@ -125,7 +125,7 @@ def _check_features(
     image_index: torch.Tensor | None,
 ) -> None:
     """The features are the micro-batch's images (same grids, in pack order) and their rows match
-    the placeholder tokens (:func:`check_placeholder_alignment`); errors: see :func:`packed_inputs`."""
+    the placeholder tokens (:func:`check_placeholders_match_features`); errors: see :func:`packed_inputs`."""
     if not features:
         raise ValueError(f"{len(packed.images)} images in the micro-batch but no features")
     grid = features["image_grid_thw"]
@@ -138,7 +138,7 @@ def _check_features(
         )
     if spec.num_placeholders is None:
         raise ValueError("counting an image's feature rows needs the spec's adapter")
-    check_placeholder_alignment(
+    check_placeholders_match_features(
         ids,
         spec.placeholder_token_id,
         {"image_grid_thw": per_image},
@@ -147,7 +147,7 @@ def _check_features(
     )
 
 
-def check_placeholder_alignment(
+def check_placeholders_match_features(
     input_ids: Any,
     placeholder_token_id: int,
     features: Any,

@@ -44,7 +44,7 @@ class PackingSpec:
     synthetic_grid: tuple[int, ...] | None = None
     """The synthetic-image pad's grid, bounded by ``adapter.check_grid``; None: the smallest grid
     the processor makes (:attr:`image_pad_grid`)."""
-    device_normalize: bool = False
+    raw_pixels: bool = False
     """The pixel mode: False, the normalized pixels an HF model takes (the trainer's); True,
     vLLM's raw pixels under ``mm_device_do_normalize`` (to compare with such a server)."""
 
@@ -61,7 +61,7 @@ class PackingSpec:
         pad_token_id: int,
         pad_tokens: int = 2,
         synthetic_grid: Sequence[int] | None = None,
-        device_normalize: bool = False,
+        raw_pixels: bool = False,
     ) -> PackingSpec:
         """The spec of ``adapter``'s family for a model (or its HF config): the placeholder id is
         ``adapter.placeholder_token_id(config)``."""
@@ -72,7 +72,7 @@ class PackingSpec:
             adapter=adapter,
             pad_tokens=pad_tokens,
             synthetic_grid=None if synthetic_grid is None else tuple(int(g) for g in synthetic_grid),
-            device_normalize=device_normalize,
+            raw_pixels=raw_pixels,
         )
 
     @property

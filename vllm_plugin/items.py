@@ -152,7 +152,7 @@ class ItemLayout:
         self.adapter = adapter
         self.fields_config = fields_config
         small = adapter.grid_for_size(64, 64)  # a few kB: the layout does not depend on the size
-        tensors = dict(adapter.synthesize_placeholder(small).tensors)  # float32 pixels
+        tensors = dict(adapter.zero_features(small).tensors)  # float32 pixels
         reference = self._rebuild(tensors)
         self.reference = {
             key: (type(elem.field), elem.data.dtype, _row_shape(elem)) for key, elem in reference.items()

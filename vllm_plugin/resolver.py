@@ -75,7 +75,7 @@ class MMRefResolver:
             (object-store clients: build the resolver in the process that serves, after vLLM's
             processes started).
         layout: the served model's item layout (built from its field config).
-        device_normalize: the engine's resolved ``mm_device_do_normalize``.
+        raw_pixels: the engine's resolved ``mm_device_do_normalize``.
         pool: where the work runs (default: a pool of ``config.max_workers`` threads of its own).
 
     Raises:
@@ -88,15 +88,15 @@ class MMRefResolver:
         config: PluginConfig,
         *,
         layout: ItemLayout,
-        device_normalize: bool,
+        raw_pixels: bool,
         pool: Executor | None = None,
     ) -> None:
         self.adapter = adapter
         self.config = config
         self.layout = layout
         self.store: AssetRoots = config.image_source()
-        self.device_normalize = device_normalize
-        self.pixel_mode = "raw" if device_normalize else "normalized"
+        self.raw_pixels = raw_pixels
+        self.pixel_mode = "raw" if raw_pixels else "normalized"
         self.cache: ByteBudgetLRU[ResolvedItem] = ByteBudgetLRU(
             config.cache_budget_bytes, lambda item: item.nbytes
         )
@@ -174,7 +174,7 @@ class MMRefResolver:
         with load("set_default_torch_num_threads")():
             return path(
                 *args,
-                device_normalize=self.device_normalize,
+                raw_pixels=self.raw_pixels,
                 max_pixels=self.config.max_image_pixels,
                 **kwargs,
             )
@@ -210,7 +210,7 @@ class MMRefResolver:
         item = decode_item(item_file.payload, CorruptFeature, what, ref)
         self.adapter.check_grid(self.layout.grid_of(item, CorruptFeature, what, ref), ref=ref)  # bounded
         checked = self.layout.check(item, CorruptFeature, what, ref)
-        want_dtype = "torch.uint8" if self.device_normalize else "torch.float32"
+        want_dtype = "torch.uint8" if self.raw_pixels else "torch.float32"
         pixels = item["pixel_values"].data
         if str(pixels.dtype) != want_dtype:
             raise FingerprintMismatch(

@@ -104,7 +104,7 @@ def build_resolver(
         adapter,
         config,
         layout=ItemLayout(adapter, mm_fields_config(mm_processor)),
-        device_normalize=bool(model_config.multimodal_config.mm_device_do_normalize),
+        raw_pixels=bool(model_config.multimodal_config.mm_device_do_normalize),
         pool=mm_worker(renderer) if renderer is not None and adapter.serial_processing else None,
     )
 

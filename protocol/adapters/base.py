@@ -125,11 +125,11 @@ class ImageAdapter(ABC):
         :meth:`num_placeholders` would round its count down."""
 
     @abstractmethod
-    def process(self, image: Image.Image, *, device_normalize: bool = False) -> ProcessedImage:
+    def process(self, image: Image.Image, *, raw_pixels: bool = False) -> ProcessedImage:
         """Run the HF image processor on one RGB image.
 
         Args:
-            device_normalize: produce what vLLM's processor produces when
+            raw_pixels: produce what vLLM's processor produces when
                 ``mm_device_do_normalize`` is on (no rescale/normalize; the model
                 normalizes on device). The trainer always uses False.
         """
@@ -139,7 +139,7 @@ class ImageAdapter(ABC):
         """The shape of one image's ``pixel_values`` for ``grid``: its patches first (the rows
         :meth:`collate` concatenates), then one patch's layout (Qwen-VL ``(t*h*w, C*T*P*P)``)."""
 
-    def synthesize_placeholder(self, grid: Sequence[int]) -> ProcessedImage:
+    def zero_features(self, grid: Sequence[int]) -> ProcessedImage:
         """Zero features for ``grid`` (missing-image policy, pad images): float32 pixels of
         :meth:`pixel_shape` (the trainer's normalized layout) and the grid, int64 ``[1, len(grid)]``."""
         return self._processed(
@@ -305,7 +305,7 @@ class ImageAdapter(ABC):
         store: ImageSource,
         *,
         ref: str | None = None,
-        device_normalize: bool = False,
+        raw_pixels: bool = False,
         max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
         max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     ) -> ProcessedImage:
@@ -325,7 +325,7 @@ class ImageAdapter(ABC):
             GridMismatch: the processor's grid differs from the ref's payload.
         """
         raw = self.read_raw(body, store, ref=ref, max_bytes=max_bytes, max_pixels=max_pixels)
-        processed = self._run_processor(raw.image, ref=ref, device_normalize=device_normalize)
+        processed = self._run_processor(raw.image, ref=ref, raw_pixels=raw_pixels)
         self._check_claim(raw.grid, processed.grid, ref)
         return dataclasses.replace(processed, sha256=raw.sha256)
 
@@ -335,7 +335,7 @@ class ImageAdapter(ABC):
         sha256: str,
         *,
         ref: str | None = None,
-        device_normalize: bool = False,
+        raw_pixels: bool = False,
         max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     ) -> ProcessedImage:
         """The pixel path of :meth:`resolve_raw` on bytes already read and checked (``sha256``:
@@ -346,16 +346,14 @@ class ImageAdapter(ABC):
                 refused the image (e.g. an aspect ratio above 200).
         """
         image = load_image(data, max_pixels=max_pixels, ref=ref)
-        processed = self._run_processor(image, ref=ref, device_normalize=device_normalize)
+        processed = self._run_processor(image, ref=ref, raw_pixels=raw_pixels)
         return dataclasses.replace(processed, sha256=sha256)
 
-    def _run_processor(
-        self, image: Image.Image, *, ref: str | None, device_normalize: bool
-    ) -> ProcessedImage:
+    def _run_processor(self, image: Image.Image, *, ref: str | None, raw_pixels: bool) -> ProcessedImage:
         """:meth:`process`, a processor's ``ValueError`` (e.g. smart_resize: aspect ratio > 200)
         raised as :class:`ImageUnreadable` naming the family."""
         try:
-            return self.process(image, device_normalize=device_normalize)
+            return self.process(image, raw_pixels=raw_pixels)
         except ValueError as e:
             raise self.refusal(e, ref=ref, size=image.size) from e
 

@@ -153,19 +153,19 @@ class KimiK25Adapter(ImageAdapter):
         side = int(self.cfg["patch_limit_on_one_side"]) + merge - 1
         return (1, side, side), 2 * int(self.cfg["in_patch_limit"]) + 2 * (merge - 1) * side
 
-    def process(self, image: Image.Image, *, device_normalize: bool = False) -> ProcessedImage:
+    def process(self, image: Image.Image, *, raw_pixels: bool = False) -> ProcessedImage:
         """Run the processor on one RGB image as vLLM's ``KimiK25Processor`` does.
 
         Args:
-            device_normalize: what vLLM passes with ``mm_device_do_normalize`` on
+            raw_pixels: what vLLM passes with ``mm_device_do_normalize`` on
                 (``do_rescale=False, do_normalize=False``): uint8 pixels.
         """
         with _PREPROCESS_LOCK:  # one thread at a time in its numba kernel (``serial_processing``)
             out = self.image_processor.preprocess(
                 [{"type": "image", "image": image}],
                 return_tensors="pt",
-                do_rescale=not device_normalize,
-                do_normalize=not device_normalize,
+                do_rescale=not raw_pixels,
+                do_normalize=not raw_pixels,
             )
         return self._processed(out["pixel_values"], out["grid_thws"])
 

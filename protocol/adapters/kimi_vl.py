@@ -271,15 +271,15 @@ class KimiVLAdapter(ImageAdapter):
         most = p.in_token_limit + (1 + kh) * side + (1 + kw) * side + kh * kw
         return (side, side), most
 
-    def process(self, image: Image.Image, *, device_normalize: bool = False) -> ProcessedImage:
+    def process(self, image: Image.Image, *, raw_pixels: bool = False) -> ProcessedImage:
         """Run the processor on one RGB image.
 
         Raises:
-            NotImplementedError: ``device_normalize`` (vLLM 0.32 forces ``mm_device_do_normalize``
+            NotImplementedError: ``raw_pixels`` (vLLM 0.32 forces ``mm_device_do_normalize``
                 off for Kimi-VL; its pixels are always normalized).
             ValueError: ``"Exceed pos emb"``.
         """
-        if device_normalize:
+        if raw_pixels:
             raise NotImplementedError(
                 "Kimi-VL has no mm_device_do_normalize in vLLM 0.32: pixels are always normalized"
             )

@@ -1,5 +1,5 @@
-"""Offloading: an image written into an asset store and its ``mmraw`` ref formatted, with the grid
-and placeholder count a family's adapter gives for its decoded size (docs/PROTOCOL.md §1-2)."""
+"""Offloading: an image or a video written into an asset store and its ``mmraw`` ref formatted,
+with the grid and placeholder count a family's adapter gives (docs/PROTOCOL.md §1-2)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 from typing import TYPE_CHECKING, Literal
 
 from protocol.images import image_bytes, load_image
-from protocol.refs import ContentRef, RawRefBody, format_content_ref, format_mmraw
-from protocol.roots import AssetRoot, AssetRoots, put_content
+from protocol.refs import ContentRef, RawRefBody, file_uri_to_path, format_content_ref, format_mmraw
+from protocol.roots import AssetRoot, AssetRoots, open_root, put_content
 from protocol.store import AssetStore
 from protocol.structs import RawMMRef
 
@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
     from protocol.adapters.base import ImageAdapter
+    from protocol.adapters.video import VideoMixin
 
-__all__ = ["RefForm", "store_and_ref"]
+__all__ = ["RefForm", "offload_image", "offload_video", "opened_root", "store_and_ref"]
 
 RefForm = Literal["v1", "v2"]
 """Which ``mmraw`` form :func:`store_and_ref` writes: ``"v1"`` (base64url JSON naming a
@@ -97,3 +98,78 @@ def _stored_ref(
         fingerprint=adapter.fingerprint,
     )
     return format_mmraw(raw), stored.sha256, stored.media_type
+
+
+def offload_image(
+    image: bytes | Image | os.PathLike[str] | str,
+    root: str | os.PathLike[str] | AssetRoot | AssetRoots,
+    adapter: ImageAdapter,
+    *,
+    form: RefForm = "v1",
+) -> RawMMRef:
+    """Write ``image`` into the asset store at ``root`` and return its ``mmraw`` ref.
+
+    Atomic and idempotent (the same bytes give the same file and the same ref). The
+    adapter supplies the grid and placeholder count the server will check.
+
+    Args:
+        image: encoded bytes, a PIL image (stored as lossless PNG) or a path to an image file.
+        root: a local folder (v1 and v2), an object-store URL such as ``s3://bucket/prefix``
+            (v2 only: create-if-absent; opened with ``MMREF_STORE_*``,
+            :meth:`~protocol.roots.StoreClientConfig.from_env`), an opened root, or
+            :class:`AssetRoots` (its first root).
+        form: ``"v1"`` (``file://`` path) or ``"v2"`` (named by content); see
+            :meth:`ImageAdapter.offload`.
+
+    Raises:
+        ImageUnreadable, AssetTooLarge, StoreUnavailable, HashMismatch, ValueError: see
+            :meth:`ImageAdapter.offload` and :func:`protocol.roots.open_root`.
+    """
+    return adapter.offload(image, opened_root(root), form=form)
+
+
+def offload_video(
+    video: bytes | os.PathLike[str] | str,
+    root: str | os.PathLike[str] | AssetRoot | AssetRoots,
+    adapter: VideoMixin,
+    *,
+    form: RefForm = "v1",
+) -> RawMMRef:
+    """Write a video (MP4/QuickTime bytes or a path) into the asset store at ``root`` and return its
+    ``mmraw`` ref (``modality="video"``), beside :func:`offload_image` (issue 44).
+
+    The clip is decoded and processed once, as the server and the trainer will (its grid is the
+    processor's), before anything is stored; the ref names the adapter's video fingerprint (the
+    video processor's settings, the frame sampling, the decoder). Stored at
+    ``videos/<sha256[:16]><ext>``: atomic, idempotent, content-addressed as images are.
+
+    Args:
+        root: as :func:`offload_image` (a folder, ``file://``, an object-store URL: v2 only, a root,
+            :class:`AssetRoots`).
+        adapter: a family's adapter with its video processor (:func:`load_adapter` attaches it for
+            a family of :data:`VIDEO_FAMILIES`).
+        form: ``"v1"`` (``file://`` path) or ``"v2"`` (named by content).
+
+    Raises:
+        VideoUnreadable, AssetTooLarge: see :meth:`VideoMixin.offload_video`.
+        UnsupportedFamily: the adapter has no video path.
+        StoreUnavailable, HashMismatch, ValueError: see :func:`offload_image`.
+    """
+    return adapter.offload_video(video, opened_root(root), form=form)
+
+
+def opened_root(root: str | os.PathLike[str] | AssetRoot | AssetRoots) -> AssetStore | AssetRoot | AssetRoots:
+    """``root`` as a store to write to: an opened root as is, a ``file://`` URL or a folder as an
+    :class:`AssetStore`, another URL (``s3://...``) through :func:`protocol.roots.open_root`.
+
+    Raises:
+        StoreUnavailable, ValueError: see :func:`protocol.roots.open_root`.
+    """
+    if isinstance(root, AssetRoot | AssetRoots):
+        return root
+    text = os.fspath(root)
+    if text.startswith("file://"):
+        return AssetStore(file_uri_to_path(text))
+    if "://" in text:
+        return open_root(text)
+    return AssetStore(root)

@@ -108,9 +108,9 @@ class QwenVLAdapter(VideoMixin, ImageAdapter):
         most_px = max(hi, forced, rounded_up)
         return long_px // p.patch_size, most_px // p.patch_size**2
 
-    def process(self, image: Image.Image, *, device_normalize: bool = False) -> ProcessedImage:
+    def process(self, image: Image.Image, *, raw_pixels: bool = False) -> ProcessedImage:
         kwargs: dict[str, Any] = {"return_tensors": "pt"}
-        if device_normalize:  # what vLLM's MultiModalConfig.merge_mm_processor_kwargs passes
+        if raw_pixels:  # what vLLM's MultiModalConfig.merge_mm_processor_kwargs passes
             kwargs.update(do_rescale=False, do_normalize=False)
         if self.backend == "torchvision":
             kwargs["device"] = self.device

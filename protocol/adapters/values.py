@@ -53,7 +53,7 @@ class ProcessedVideo:
     """One video's processed features, exactly as the model consumes them (issue 44).
 
     ``tensors`` maps the family's HF field names to this one video's tensors: Qwen-VL
-    ``pixel_values_videos`` ``[t*h*w, C*T*P*P]`` (float32, or uint8 with ``device_normalize``) and
+    ``pixel_values_videos`` ``[t*h*w, C*T*P*P]`` (float32, or uint8 with ``raw_pixels``) and
     ``video_grid_thw`` int64 ``[1, 3]``; Qwen2.5-VL also ``second_per_grid_ts`` float32 ``[1]``
     (seconds per temporal patch: ``temporal_patch_size / sampled fps``).
     """

@@ -257,7 +257,7 @@ class VideoMixin:
         store: ImageSource,
         *,
         ref: str | None = None,
-        device_normalize: bool = False,
+        raw_pixels: bool = False,
         max_bytes: int = DEFAULT_MAX_VIDEO_BYTES,
         limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
     ) -> ProcessedVideo:
@@ -274,7 +274,7 @@ class VideoMixin:
         claimed = self.check_video_ref(body, ref=ref)
         data, sha256 = store.read_image(body, max_bytes=max_bytes, ref=ref)
         decoded = load_video(data, self.video_sampling, limits=limits, ref=ref)  # type: ignore[arg-type]
-        processed = self.process_video(decoded, device_normalize=device_normalize, ref=ref)
+        processed = self.process_video(decoded, raw_pixels=raw_pixels, ref=ref)
         if processed.grid != claimed:
             raise GridMismatch(
                 f"ref claims video_grid_thw {list(claimed)}, processor gives {list(processed.grid)}", ref=ref
@@ -282,7 +282,7 @@ class VideoMixin:
         return dataclasses.replace(processed, sha256=sha256)
 
     def process_video(
-        self, video: DecodedVideo, *, device_normalize: bool = False, ref: str | None = None
+        self, video: DecodedVideo, *, raw_pixels: bool = False, ref: str | None = None
     ) -> ProcessedVideo:
         """Run the HF video processor on decoded frames, as vLLM 0.32 calls it: the frames with
         their loader metadata (``VideoMetadata``, ``do_sample_frames`` left out); Qwen3-VL with
@@ -290,7 +290,7 @@ class VideoMixin:
         ``second_per_grid_ts = temporal_patch_size / sampled_fps`` (``Qwen2_5_VLProcessor._process_videos``).
 
         Args:
-            device_normalize: vLLM's raw uint8 pixels (``mm_device_do_normalize``; the trainer: False).
+            raw_pixels: vLLM's raw uint8 pixels (``mm_device_do_normalize``; the trainer: False).
 
         Raises:
             VideoUnreadable: the processor refuses the frames (e.g. aspect ratio above 200).
@@ -300,7 +300,7 @@ class VideoMixin:
         spec, vp = self._video_family(), self._video_processor()
         meta = video.hf_metadata()
         kwargs: dict[str, Any] = {"return_tensors": "pt", "return_metadata": True}
-        if device_normalize:
+        if raw_pixels:
             kwargs.update(do_rescale=False, do_normalize=False)
         if spec.per_frame_runs:
             kwargs["do_sample_frames"] = meta["do_sample_frames"]

@@ -17,7 +17,7 @@ from helpers import FAKE, PAD, SPEC, TOK, count, make_ref, make_sample
 from protocol.errors import PlaceholderMismatch
 from protocol.placeholders import locate_image_runs
 from protocol.structs import RawMMRef, TrainingSample, decode_microbatch, encode
-from trainer_lib.model_inputs import check_placeholder_alignment
+from trainer_lib.model_inputs import check_placeholders_match_features
 from trainer_lib.planning.bins import (
     NEUTRAL,
     PIXELS,
@@ -359,9 +359,11 @@ def test_stray_placeholder_text_never_shares_a_bin_with_pixels():
         assert not (mb.has_pixels and any(s.stray_placeholders for s in mb.slots))
     pix = next(mb for mb in step.micro_batches if mb.has_pixels)
     # the tripwire agrees for the pixel bin (tokens == rows), and would fire had the stray sample joined it
-    check_placeholder_alignment(pix.micro_batch.input_ids, TOK, 4, mm_token_type_ids=pix.mm_token_type_ids)
+    check_placeholders_match_features(
+        pix.micro_batch.input_ids, TOK, 4, mm_token_type_ids=pix.mm_token_type_ids
+    )
     with pytest.raises(ValueError, match=r"token id 261: 5 tokens .* but 4 feature rows"):
-        check_placeholder_alignment(pix.micro_batch.input_ids + stray.input_ids, TOK, 4)
+        check_placeholders_match_features(pix.micro_batch.input_ids + stray.input_ids, TOK, 4)
 
 
 def test_adjacent_images_are_split_by_their_counts():
@@ -402,19 +404,19 @@ def test_image_run_mismatches_name_the_token_and_counts():
         pack_samples([make_sample([1], [lying])], FAKE, seq_len=100)
 
 
-def test_check_placeholder_alignment_error_names_everything():
+def test_check_placeholders_match_features_error_names_everything():
     ids = torch.tensor([[1, TOK, TOK, TOK, 2]])
     features = {"pixel_values": torch.zeros(16, 1176), "image_grid_thw": torch.tensor([[1, 4, 4]])}
-    assert check_placeholder_alignment(ids, TOK, torch.zeros(3, 64)) == 3
+    assert check_placeholders_match_features(ids, TOK, torch.zeros(3, 64)) == 3
     with pytest.raises(ValueError) as info:
-        check_placeholder_alignment(ids, TOK, features, num_placeholders=count)
+        check_placeholders_match_features(ids, TOK, features, num_placeholders=count)
     msg = str(info.value)
     assert "261" in msg and "3 tokens" in msg and "4 feature rows" in msg
     assert "(1, 5)" in msg and "pixel_values (16, 1176)" in msg and "image_grid_thw (1, 3)" in msg
     with pytest.raises(ValueError, match=r"features \(2, 64\)"):
-        check_placeholder_alignment(ids, TOK, torch.zeros(2, 64))
+        check_placeholders_match_features(ids, TOK, torch.zeros(2, 64))
     with pytest.raises(ValueError, match="not the same positions"):
-        check_placeholder_alignment(ids, TOK, 3, mm_token_type_ids=torch.tensor([[0, 1, 1, 0, 1]]))
+        check_placeholders_match_features(ids, TOK, 3, mm_token_type_ids=torch.tensor([[0, 1, 1, 0, 1]]))
 
 
 def test_isolation_by_run_and_lora():

@@ -7,7 +7,7 @@ and its own token ids, and no group, so group-relative advantages computed elsew
   them up to :func:`padded_sample_count`, a multiple of ``lcm(dp_size, mini_batch_size[,
   critic_mini_batch_size])`` (verl's scheme: 2 tokens, independent ids);
 - **synthetic-image pads** (``grid=``): ``[pad] + [placeholder] * n + [pad]`` with one synthetic
-  image (zero features from ``adapter.synthesize_placeholder``), so a micro-batch runs the vision
+  image (zero features from ``adapter.zero_features``), so a micro-batch runs the vision
   tower (:mod:`trainer_lib.planning.ranks`).
 """
 
@@ -53,7 +53,7 @@ def make_pad_sample(
 
     Without ``grid``: a text pad of ``spec.pad_tokens`` pad ids. With ``grid``: ``[pad] +
     [placeholder] * n + [pad]`` carrying one synthetic image (``n = adapter.num_placeholders(grid)``;
-    zero features from ``adapter.synthesize_placeholder(grid)``, added by
+    zero features from ``adapter.zero_features(grid)``, added by
     :func:`trainer_lib.materialize.materialize_micro_batch`).
 
     Raises:

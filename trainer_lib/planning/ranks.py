@@ -9,7 +9,7 @@ compute balanced inside every slot with each distinct image encoded once per mic
 where that plan does not apply) and builds each rank's micro-batches:
 
 - a bin in a vision slot that holds no image gets a **synthetic-image pad** (placeholder tokens of
-  ``spec.image_pad_grid``, zero features from ``adapter.synthesize_placeholder``); the partition
+  ``spec.image_pad_grid``, zero features from ``adapter.zero_features``); the partition
   kept room for it (``reserve``);
 - an empty bin (a rank with nothing left for that slot) becomes a lone pad: a synthetic-image pad
   in a vision slot, a text pad otherwise, keyed like the mini-batch's last entry (its
