@@ -150,11 +150,11 @@ TESTS: tuple[Touchpoint, ...] = (
         "method", "vllm/model_executor/models/qwen2_vl.py", "tests/test_forward.py",
         reached_as="called unbound with a config shim as self", positional=2),
     row("vllm.model_executor.models.qwen2_vl:Qwen2VLForConditionalGeneration.iter_mm_grid_thw", "method",
-        "vllm/model_executor/models/qwen2_vl.py", "tests/helpers.py"),
+        "vllm/model_executor/models/qwen2_vl.py", "tests/helpers/forward.py"),
     row("vllm.model_executor.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration.get_mrope_input_positions",
         "method", "vllm/model_executor/models/qwen2_5_vl.py", "tests/test_forward.py", positional=2),
     *(row(f"vllm.model_executor.models.{module}:{cls}._get_mrope_input_positions", "method",
-          "vllm/model_executor/models/qwen3_vl.py", "tests/helpers.py", positional=0,
+          "vllm/model_executor/models/qwen3_vl.py", "tests/helpers/forward.py", positional=0,
           keywords=("input_tokens", "mm_features", "config"), private=True, why=_MROPE_ORACLE_WHY)
       for module, cls in (("qwen3_vl", "Qwen3VLForConditionalGeneration"),
                           ("qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),

@@ -326,7 +326,7 @@ _ROUTE: tuple[Touchpoint, ...] = (
         "tests/test_weights.py"),
     row("vllm.entrypoints.serve.engine.protocol:ErrorResponse", "class",
         "vllm/entrypoints/serve/engine/protocol.py",
-        "vllm_plugin/serving.py", "vllm_plugin/api_router.py", "tests/helpers.py"),
+        "vllm_plugin/serving.py", "vllm_plugin/api_router.py", "tests/helpers/servers.py"),
     row("vllm.entrypoints.serve.engine.protocol:ErrorResponse.error", "attribute",
         "vllm/entrypoints/serve/engine/protocol.py", "vllm_plugin/api_router.py"),
     row("vllm.entrypoints.serve.engine.protocol:ErrorInfo.code", "attribute",
