@@ -21,7 +21,7 @@ import msgspec
 import pytest
 from traffic import Traffic
 
-from helpers import VLLMServer, photo_bytes, refusal, rollout_sample, server_mismatch, start_server, warm_up
+from helpers import VLLMServer, photo_bytes, refusal, rollout_sample, served, server_mismatch
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
@@ -46,7 +46,7 @@ def media(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cli_server(qwen2_vl_dir, output_root, photo_refs, media, tmp_path_factory) -> Iterator[VLLMServer]:
     log = tmp_path_factory.mktemp("cli") / "server.log"
-    srv = start_server(
+    with served(
         qwen2_vl_dir,
         output_root,
         log,
@@ -59,15 +59,11 @@ def cli_server(qwen2_vl_dir, output_root, photo_refs, media, tmp_path_factory) -
             "VLLM_SERVER_DEV_MODE": "1",
             "MMREF_HOLD_TIMEOUT_S": str(LEASE_S),
         },
-    )
-    try:
-        warm_up(srv)  # answered by whichever API process is up first
+    ) as srv:  # warmed up by whichever API process is up first
         deadline = time.monotonic() + 120
         while srv.log().count("mmref: serving refs") < 2 and time.monotonic() < deadline:
             time.sleep(0.5)  # the other one may still be in the plugin's init_state
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_the_entry_point_loads_in_every_api_process(cli_server):
