@@ -24,7 +24,16 @@ sys.path.append(str(REPO / "bench"))  # bench/pack.py's refs (make_ref)
 
 from make_tiny_models import ensure_tiny_model  # noqa: E402
 
-from .forward import Family, chat, reference_logprobs, run_packed, vllm_positions  # noqa: E402
+from .forward import (  # noqa: E402
+    Families,
+    Family,
+    chat,
+    gradients,
+    reference_logprobs,
+    relative,
+    run_packed,
+    vllm_positions,
+)
 from .layout import package_modules, public_top_level_names  # noqa: E402
 from .packing import (  # noqa: E402
     FAKE,
@@ -70,6 +79,7 @@ __all__ = [
     "V_START",
     "DelayProxy",
     "FakeAdapter",
+    "Families",
     "Family",
     "MotoS3",
     "VLLMServer",
@@ -77,6 +87,7 @@ __all__ = [
     "count",
     "dev_served",
     "ensure_tiny_model",
+    "gradients",
     "jittered_weights",
     "make_ref",
     "make_sample",
@@ -86,6 +97,7 @@ __all__ = [
     "public_top_level_names",
     "reference_logprobs",
     "refusal",
+    "relative",
     "rollout",
     "rollout_sample",
     "run_packed",

@@ -25,7 +25,16 @@ from trainer_lib import (
 from .packing import IM_END, IM_START, PAD, V_END, V_START
 from .photos import photo_bytes
 
-__all__ = ["Family", "chat", "reference_logprobs", "run_packed", "vllm_positions"]
+__all__ = [
+    "Families",
+    "Family",
+    "chat",
+    "gradients",
+    "reference_logprobs",
+    "relative",
+    "run_packed",
+    "vllm_positions",
+]
 
 
 def _text(s: str) -> list[int]:
@@ -85,6 +94,20 @@ class Family:
         ]
 
 
+class Families(dict):
+    """``name -> Family`` under one asset ``root``, each family built on first use (a test module's
+    fixture holds one; a test parametrized over more families than the module's own loads only
+    the ones it asks for)."""
+
+    def __init__(self, root) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> Family:
+        self[name] = Family(name, self.root)
+        return self[name]
+
+
 def reference_logprobs(fam: Family, sample: TrainingSample) -> torch.Tensor:
     """transformers' own unpacked forward of one sample; logprob of token t given tokens < t."""
     ids = torch.tensor([sample.input_ids])
@@ -140,3 +163,21 @@ def vllm_positions(family: str, config, ids: list[int], spans) -> torch.Tensor:
     shim = types.SimpleNamespace(config=config)
     shim.iter_mm_grid_thw = types.MethodType(cls.iter_mm_grid_thw, shim)
     return torch.as_tensor(cls.get_mrope_input_positions(shim, ids, feats)[0])
+
+
+def gradients(model, loss_fn) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of ``loss_fn()`` (a scalar), cloned; the model's grads cleared
+    before and after."""
+    model.zero_grad(set_to_none=True)
+    loss_fn().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """``||got - want|| / ||want||`` over all the parameters' gradients together (same names)."""
+    assert got.keys() == want.keys()
+    num = sum(((got[k] - want[k]) ** 2).sum() for k in want)
+    den = sum((want[k] ** 2).sum() for k in want)
+    return float(torch.sqrt(num / den))
