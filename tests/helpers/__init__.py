@@ -8,6 +8,7 @@ import photo_bytes``), which re-exports every module's names. Importing the pack
 - :mod:`helpers.rollouts`: rollouts, the trainer's recompute against the server, weight sets;
 - :mod:`helpers.layout`: the package layout as data;
 - :mod:`helpers.packing`: samples to pack (refs whose pixels are never read);
+- :mod:`helpers.oracles`: vLLM's multimodal processor as the adapter tests' oracle;
 - :mod:`helpers.forward`: the packed forward on tiny models and its oracles;
 - :mod:`helpers.s3`: a real S3 endpoint and a proxy for its faults.
 """
@@ -35,6 +36,16 @@ from .forward import (  # noqa: E402
     vllm_positions,
 )
 from .layout import package_modules, public_top_level_names  # noqa: E402
+from .oracles import (  # noqa: E402
+    KIMI_GRID_SIZES,
+    QWEN_GRID_SIZES,
+    Oracle,
+    chat_ids,
+    check_against_vllm,
+    image_bytes,
+    make_oracle,
+    oracle_settings,
+)
 from .packing import (  # noqa: E402
     FAKE,
     IM_END,
@@ -69,7 +80,9 @@ __all__ = [
     "FIXTURE_ENV",
     "IM_END",
     "IM_START",
+    "KIMI_GRID_SIZES",
     "PAD",
+    "QWEN_GRID_SIZES",
     "REPO",
     "SERVER_ARGS",
     "SERVER_CACHE_BUDGET",
@@ -82,15 +95,21 @@ __all__ = [
     "Families",
     "Family",
     "MotoS3",
+    "Oracle",
     "VLLMServer",
     "chat",
+    "chat_ids",
+    "check_against_vllm",
     "count",
     "dev_served",
     "ensure_tiny_model",
     "gradients",
+    "image_bytes",
     "jittered_weights",
+    "make_oracle",
     "make_ref",
     "make_sample",
+    "oracle_settings",
     "package_modules",
     "photo_array",
     "photo_bytes",
