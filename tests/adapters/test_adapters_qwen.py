@@ -12,12 +12,11 @@ from __future__ import annotations
 import copy
 import io
 import json
-from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from helpers import QWEN_GRID_SIZES, Oracle, ensure_tiny_model, image_bytes, make_oracle
+from helpers import QWEN_GRID_SIZES, ensure_tiny_model, image_bytes, make_oracle
 from protocol.adapters import (
     ADAPTERS,
     QwenVLAdapter,
@@ -33,7 +32,6 @@ from protocol.refs import RawRefBody, format_mmraw, parse_ref
 from protocol.store import AssetStore
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-IMAGE_PAD = "<|image_pad|>"
 
 # Facts of transformers' smart_resize with each tiny model's preprocessor config (printed once,
 # then pinned, like transformers' own tests pin [1, 70, 70]). Qwen2/2.5: patch 14, merge 2,
@@ -76,48 +74,13 @@ def png_bytes(width: int, height: int, color: tuple[int, int, int] = (200, 40, 9
     return buf.getvalue()
 
 
-# --- fixtures (module scope: one vLLM processor per family and mode) ------------------------------
+# --- fixtures (the others: conftest.py) -----------------------------------------------------------
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request) -> str:
+    """The family of ``conftest.py``'s fixtures (``model_dir``, ``trainer_adapter``...)."""
     return request.param
-
-
-@pytest.fixture(scope="module")
-def model_dir(family) -> Path:
-    return ensure_tiny_model(family)
-
-
-@pytest.fixture(scope="module")
-def default_oracle(model_dir) -> Oracle:
-    """vLLM's processor as a server builds it with default flags."""
-    return make_oracle(model_dir)
-
-
-@pytest.fixture(scope="module")
-def server_adapter(family, default_oracle) -> QwenVLAdapter:
-    """Built like ``vllm_plugin.plugin.MMRefEndpointPlugin.init_state``: wraps vLLM's image processor."""
-    return adapter_class(family)(default_oracle.image_processor, family=family)
-
-
-@pytest.fixture(scope="module")
-def trainer_adapter(model_dir) -> QwenVLAdapter:
-    return load_adapter(model_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def image_token_id(tokenizer, default_oracle) -> int:
-    token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-    assert default_oracle.model_config.hf_config.image_token_id == token_id
-    return token_id
 
 
 # --- equality with vLLM's processor ---------------------------------------------------------------

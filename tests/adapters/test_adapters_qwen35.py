@@ -12,12 +12,11 @@ never cross families.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import msgspec
 import pytest
 
-from helpers import Oracle, chat_ids, ensure_tiny_model, image_bytes, make_oracle
+from helpers import chat_ids, ensure_tiny_model, image_bytes
 from protocol.adapters import (
     Qwen3VLMoeAdapter,
     Qwen35Adapter,
@@ -42,34 +41,8 @@ ARCHITECTURE = {  # transformers' and vLLM's class for each model type
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request) -> str:
+    """The family of ``conftest.py``'s fixtures (``model_dir``, ``trainer_adapter``...)."""
     return request.param
-
-
-@pytest.fixture(scope="module")
-def model_dir(family) -> Path:
-    return ensure_tiny_model(family)
-
-
-@pytest.fixture(scope="module")
-def default_oracle(model_dir) -> Oracle:
-    return make_oracle(model_dir)
-
-
-@pytest.fixture(scope="module")
-def trainer_adapter(model_dir) -> QwenVLAdapter:
-    return load_adapter(model_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def image_token_id(tokenizer) -> int:
-    return tokenizer.convert_tokens_to_ids("<|image_pad|>")
 
 
 # --- registry and what vLLM resolves --------------------------------------------------------------
