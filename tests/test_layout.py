@@ -44,8 +44,11 @@ IMPOSED_SIGNATURES = {
     "protocol.adapters.kimi_vl.__init__": "an HF image processor's config fields (from_pretrained passes)",
     "integrations.trl.__init__": "TRL's GRPOTrainer.__init__, which the subclass accepts unchanged",
     "integrations.trl._get_per_token_logps_and_entropies": "the GRPOTrainer method it overrides",
+    "integrations.verl.weights.__init__": "verl builds a checkpoint engine from its YAML engine_kwargs",
+    "rollout_client.core.__init__": "an HTTP client's keyword settings, all defaulted (httpx.Client: 20)",
 }
-"""Functions whose parameters a library fixes (``module.function``), with the library's reason."""
+"""Functions whose parameters a library or a usual surface fixes (``module.function``), with the
+reason (docs/DESIGN-DECISIONS.md, "Issue 45: the size limits")."""
 
 
 def test_module_lists_are_the_expected_ones():

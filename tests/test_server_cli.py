@@ -11,6 +11,7 @@ processes (``vllm_plugin/hold_state.py``): released from any, leased (``MMREF_HO
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import time
@@ -248,13 +249,14 @@ def test_holds_released_on_any_process_under_traffic(
             call("/collective_rpc", method="reload_weights", kwargs={"weights_path": str(weights)})
             call("/mmref/v1/weights/release", version=f"cycle-{cycles}")
             time.sleep(0.3)
-    holders = set(re.findall(r"\((ApiServer_\d) pid=\d+\)[^\n]*mmref: weights held", cli_server.log()))
-    releasers = set(re.findall(r"\((ApiServer_\d) pid=\d+\)[^\n]*mmref: weights released", cli_server.log()))
-    print(f"{cycles} cycles; answers {dict(load.counts)}; held by {holders}, released by {releasers}")
+    events = re.findall(r"\((ApiServer_\d) pid=\d+\)[^\n]*mmref: weights (held|released)", cli_server.log())
+    pairs = [(h, r) for (h, e1), (r, e2) in itertools.pairwise(events) if (e1, e2) == ("held", "released")]
+    crossed = sum(h != r for h, r in pairs)
+    print(f"{cycles} cycles; answers {dict(load.counts)}; {len(pairs)} holds, {crossed} released elsewhere")
     assert set(load.counts) == {"ref 200", "stream 200"}, load.counts
-    assert len(holders) == len(releasers) == processes, (
-        "every call reached one process: the test shows nothing"
-    )
+    assert len(pairs) >= cycles  # every hold was released (the first update's own hold too)
+    assert crossed >= 5, "releases did not reach other processes: the test shows nothing"
+    assert {p for pair in pairs for p in pair} == {f"ApiServer_{i}" for i in range(processes)}
     samples = {True: [], False: []}
     for route, thread, i, response in load.answers:
         version = response.headers[HEADER]
