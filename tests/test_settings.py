@@ -18,8 +18,9 @@ from PIL import Image
 
 from helpers import REPO, photo_array
 from protocol.roots import ObjectRoot, StoreClientConfig, open_root
-from protocol.setting_names import PARTY_VARIABLES, TOOL_VARIABLES
+from protocol.setting_names import PARTY_VARIABLES, ROOT_VARIABLES, TOOL_VARIABLES
 from protocol.settings import (
+    RootSettings,
     SettingError,
     StoreSettings,
     known_variables,
@@ -50,6 +51,7 @@ def clean_env(monkeypatch):
 def test_the_known_names_are_every_partys_fields_and_every_name_the_repo_uses():
     fields = {f"MMREF_{n.upper()}" for cls in (PluginConfig, MaterializeConfig) for n in cls.model_fields}
     assert known_variables() == fields | TOOL_VARIABLES and PARTY_VARIABLES < fields
+    assert ROOT_VARIABLES == {f"MMREF_{n.upper()}" for n in RootSettings.model_fields}  # written out
     used = set()
     for path in [
         *REPO.glob("*.md"),
