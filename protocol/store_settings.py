@@ -26,6 +26,10 @@ from protocol.setting_names import PREFIX, SourceError, setting_error, warn_unkn
 
 __all__ = ["NodeStoreSettings", "StoreClientConfig"]
 
+_NO_VARIABLE = "\0"
+"""An environment prefix no variable has: the settings :meth:`NodeStoreSettings.from_environ`
+builds read nothing of the process's environment."""
+
 
 @dataclass(frozen=True)
 class StoreClientConfig:
@@ -146,12 +150,15 @@ class NodeStoreSettings(BaseSettings):
     """After a request finds an object-store root unreachable, its reads fail at once for this
     long (seconds; 0: never)."""
 
-    def __init__(self, **values: Any) -> None:
+    def __init__(self, _environ: Mapping[str, str] | None = None, **values: Any) -> None:
         warn_unknown_variables()
         try:
-            super().__init__(**values)
+            if _environ is None:
+                super().__init__(**values)
+            else:  # from_environ: the values came from _environ; no variable of the process is read
+                super().__init__(**values, _env_prefix=_NO_VARIABLE)
         except (ValidationError, SourceError) as e:
-            raise setting_error(type(self), e, values) from None
+            raise setting_error(type(self), e, {} if _environ is not None else values, _environ) from None
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> NodeStoreSettings:
@@ -164,10 +171,7 @@ class NodeStoreSettings(BaseSettings):
         n = len(PREFIX)
         values = {k[n:].lower(): v for k, v in environ.items() if k.startswith(PREFIX) and v != ""}
         values = {k: v for k, v in values.items() if k in cls.model_fields}
-        try:
-            return cls.model_validate(values)
-        except ValidationError as e:
-            raise setting_error(cls, e, {}, environ) from None
+        return cls(environ, **values)
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> NodeStoreSettings:
