@@ -1,5 +1,7 @@
-"""One asset root: a local folder or an object-store prefix through obstore, and the object-store
-client's settings (docs/PROTOCOL.md §2.5). :mod:`protocol.roots` orders them and resolves refs.
+"""One asset root: a local folder or an object-store prefix through obstore (docs/PROTOCOL.md
+§2.5), with the object-store client's settings (:class:`StoreClientConfig`, read from the
+environment in :mod:`protocol.store_settings`, below this module). :mod:`protocol.roots` orders
+the roots and resolves refs.
 
 A root's keys are built from a validated sha256 and an extension of a fixed set
 (:func:`protocol.refs.image_key`), then placed under its folder (confined, ``O_NOFOLLOW`` reads of
@@ -13,16 +15,13 @@ import os
 import re
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
 from protocol.errors import AssetNotFound, AssetTooLarge, HashMismatch, InvalidRef, StoreUnavailable
 from protocol.refs import file_uri_to_path
 from protocol.store import AssetStore, atomic_write
+from protocol.store_settings import StoreClientConfig
 
 __all__ = [
     "OBJECT_SCHEMES",
@@ -39,81 +38,6 @@ OBJECT_SCHEMES = ("s3", "gs", "az", "http", "https")
 
 _HOST_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,253}[A-Za-z0-9])?(?::[0-9]{1,5})?")
 _SEGMENT_RE = re.compile(r"[A-Za-z0-9_.=-]{1,255}")
-
-
-@dataclass(frozen=True)
-class StoreClientConfig:
-    """Timeouts and retries of object-store requests, handed to obstore's client and retry
-    configuration (one request: connect to last body byte).
-
-    A read from one root gives up within :meth:`deadline_s` seconds: at most ``max_retries + 1``
-    attempts of ``timeout_s`` each, with backoffs of at most 1 s between them, and no new attempt
-    after ``retry_timeout_s``.
-    """
-
-    timeout_s: float = 10.0
-    """Whole request, connect to last body byte (seconds): ``MMREF_STORE_TIMEOUT_S``."""
-    connect_timeout_s: float = 2.0
-    """Connect phase (seconds): ``MMREF_STORE_CONNECT_TIMEOUT_S``."""
-    max_retries: int = 2
-    """Retries of a failed request (5xx, connection errors, timeouts): ``MMREF_STORE_MAX_RETRIES``."""
-    retry_timeout_s: float = 30.0
-    """No retry starts later than this after the first attempt (seconds): ``MMREF_STORE_RETRY_TIMEOUT_S``."""
-    allow_http: bool = False
-    """Plain-HTTP endpoints (a local S3 such as moto or MinIO; ``http://`` roots always allow it):
-    ``MMREF_STORE_ALLOW_HTTP``."""
-    hold_down_s: float = 5.0
-    """After a request finds the root unreachable (refused, timed out, a 5xx) and the root
-    answered no other request since it began, its reads and writes fail at once
-    (:class:`StoreUnavailable`) for this long (seconds), then it is asked again: the requests
-    queued behind a down or slow root end now instead of each paying :meth:`deadline_s` in the
-    worker pool they share with every other request. 0: never held down.
-    ``MMREF_STORE_HOLD_DOWN_S``."""
-
-    def __post_init__(self) -> None:
-        if not (self.timeout_s > 0 and self.connect_timeout_s > 0 and self.retry_timeout_s > 0):
-            raise ValueError("store timeouts must be > 0 seconds")
-        if self.hold_down_s < 0:
-            raise ValueError(f"hold_down_s must be >= 0, got {self.hold_down_s}")
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-
-    def deadline_s(self) -> float:
-        """Upper bound (seconds) on one read from one root, retries and backoffs included."""
-        attempts = self.max_retries + 1
-        return min(attempts * self.timeout_s + self.max_retries * 1.0, self.retry_timeout_s + self.timeout_s)
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> StoreClientConfig:
-        """``MMREF_STORE_*`` (unset: the defaults above), read as every party reads them
-        (:class:`protocol.settings.StoreSettings`).
-
-        Raises:
-            protocol.settings.SettingError: a value that does not parse or is out of range.
-        """
-        from protocol.settings import StoreSettings
-
-        settings = StoreSettings() if environ is None else StoreSettings.from_environ(environ)
-        return settings.store_client()
-
-    def obstore_options(self, *, allow_http: bool = False) -> dict[str, Any]:
-        """``client_options`` and ``retry_config`` keyword arguments of ``obstore.store.from_url``."""
-        return {
-            "client_options": {
-                "timeout": timedelta(seconds=self.timeout_s),
-                "connect_timeout": timedelta(seconds=self.connect_timeout_s),
-                "allow_http": self.allow_http or allow_http,
-            },
-            "retry_config": {
-                "max_retries": self.max_retries,
-                "retry_timeout": timedelta(seconds=self.retry_timeout_s),
-                "backoff": {
-                    "init_backoff": timedelta(milliseconds=100),
-                    "max_backoff": timedelta(seconds=1),
-                    "base": 2,
-                },
-            },
-        }
 
 
 class AssetRoot(ABC):

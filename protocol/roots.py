@@ -58,6 +58,7 @@ from protocol.root_stores import (
     open_root,
 )
 from protocol.store import DEFAULT_MAX_IMAGE_BYTES, AssetStore, atomic_write, check_sha256
+from protocol.store_settings import NodeStoreSettings
 from protocol.video_header import sniff_video_type
 
 __all__ = [
@@ -186,22 +187,43 @@ class AssetRoots:
         return cls([open_root(u, client) for u in urls], cache=cache, legacy_root=legacy_root)
 
     @classmethod
+    def from_settings(
+        cls,
+        settings: NodeStoreSettings,
+        urls: Sequence[str | os.PathLike[str]],
+        *,
+        legacy_root: str | os.PathLike[str] | None = None,
+    ) -> AssetRoots:
+        """``urls`` opened in order with ``settings``: ``store_*`` for object stores, the node's
+        read cache (``read_cache_dir``, ``read_cache_bytes``); ``legacy_root`` for v1 refs.
+
+        Raises:
+            ValueError, OSError: see :meth:`from_urls`.
+        """
+        return cls.from_urls(
+            urls,
+            client=settings.store_client(),
+            cache_dir=settings.read_cache_dir,
+            cache_bytes=settings.read_cache_bytes,
+            legacy_root=legacy_root,
+        )
+
+    @classmethod
     def from_env(
         cls, environ: Mapping[str, str] | None = None, *, legacy_root: str | os.PathLike[str] | None = None
     ) -> AssetRoots:
         """``MMREF_ASSET_ROOTS`` (none: no roots), ``MMREF_READ_CACHE_DIR``,
         ``MMREF_READ_CACHE_BYTES`` and ``MMREF_STORE_*``, read as every party reads them
-        (:class:`protocol.settings.StoreSettings`).
+        (:class:`protocol.store_settings.NodeStoreSettings`, the fields of
+        :class:`protocol.settings.StoreSettings`).
 
         Raises:
-            protocol.settings.SettingError: a setting that does not parse.
+            protocol.setting_names.SettingError: a setting that does not parse.
             ValueError: a root that does not open, see :meth:`from_urls`.
         """
-        from protocol.settings import StoreSettings
-
         env = os.environ if environ is None else environ
-        settings = StoreSettings() if environ is None else StoreSettings.from_environ(environ)
-        return settings.open_roots(parse_roots_spec(env.get(ROOTS_ENV, "")), legacy_root)
+        urls = parse_roots_spec(env.get(ROOTS_ENV, ""))
+        return cls.from_settings(NodeStoreSettings.read(environ), urls, legacy_root=legacy_root)
 
     def describe(self) -> list[str]:
         """The roots as configured, in order (for start-up logs: no credential is ever in them)."""

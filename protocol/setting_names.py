@@ -28,6 +28,7 @@ __all__ = [
     "NEITHER_ROOT",
     "PARTY_VARIABLES",
     "PREFIX",
+    "ROOT_VARIABLES",
     "TOOL_VARIABLES",
     "SettingError",
     "SourceError",
@@ -38,6 +39,25 @@ __all__ = [
 ]
 
 PREFIX = "MMREF_"
+
+ROOT_VARIABLES = frozenset(
+    {
+        "MMREF_ASSET_ROOT",
+        "MMREF_ASSET_ROOTS",
+        "MMREF_READ_CACHE_DIR",
+        "MMREF_READ_CACHE_BYTES",
+        "MMREF_STORE_TIMEOUT_S",
+        "MMREF_STORE_CONNECT_TIMEOUT_S",
+        "MMREF_STORE_MAX_RETRIES",
+        "MMREF_STORE_RETRY_TIMEOUT_S",
+        "MMREF_STORE_ALLOW_HTTP",
+        "MMREF_STORE_HOLD_DOWN_S",
+    }
+)
+"""The fields of :class:`protocol.settings.RootSettings`: where images are read, the node's read
+cache and object-store requests (``tests/test_settings.py`` keeps this equal to its fields).
+Written out, not read from the class: every settings class warns through this module, which sits
+below them all (issue 45: no import circle)."""
 
 PARTY_VARIABLES = frozenset(
     {
@@ -82,10 +102,7 @@ class SettingError(ValueError):
 
 def known_variables() -> frozenset[str]:
     """Every ``MMREF_*`` variable some part of mmref reads."""
-    from protocol.settings import RootSettings
-
-    own = {PREFIX + name.upper() for name in RootSettings.model_fields}
-    return frozenset(own) | PARTY_VARIABLES | TOOL_VARIABLES
+    return ROOT_VARIABLES | PARTY_VARIABLES | TOOL_VARIABLES
 
 
 def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:

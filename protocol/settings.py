@@ -11,35 +11,35 @@
 - an ``MMREF_*`` variable no part of mmref reads is logged once per process, with the closest
   known name (:func:`warn_unknown_variables`: ``MMREF_MAX_WORKER`` -> ``MMREF_MAX_WORKERS``).
 
-The names and the wording of refusals live in :mod:`protocol.setting_names`. The server checks
+The fields of :class:`StoreSettings` are read in :mod:`protocol.store_settings`
+(``NodeStoreSettings``), below the roots that use them; this module, above the roots, opens them
+(``open_roots``, ``RootSettings``): the imports run one way (issue 45). The names and the
+wording of refusals live in :mod:`protocol.setting_names`. The server checks
 its settings in its launcher process before vLLM builds anything (``vllm_plugin.preflight``, a
 ``vllm.general_plugins`` entry point).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_settings import NoDecode
 
 from protocol.roots import AssetRoots, StoreClientConfig, open_root, parse_roots_spec
 from protocol.setting_names import (
     NEITHER_ROOT,
     PREFIX,
     SettingError,
-    SourceError,
     known_variables,
-    setting_error,
     unknown_variables,
     warn_unknown_variables,
 )
 from protocol.store import existing_asset_root
+from protocol.store_settings import NodeStoreSettings
 
 __all__ = [
     "PREFIX",
@@ -52,83 +52,26 @@ __all__ = [
     "warn_unknown_variables",
 ]
 
-_CLIENT_FIELDS = tuple(f.name for f in dataclasses.fields(StoreClientConfig))
-"""``store_<name>`` of the settings is ``<name>`` of :class:`StoreClientConfig`."""
 
-
-class StoreSettings(BaseSettings):
-    """The node's read cache and object-store requests; each field reads ``MMREF_<NAME>``.
+class StoreSettings(NodeStoreSettings):
+    """The node's read cache and object-store requests (the fields of
+    :class:`~protocol.store_settings.NodeStoreSettings`, each reading ``MMREF_<NAME>``), and the
+    roots they open (:meth:`open_roots`).
 
     Raises:
         SettingError: a bad value (see the module doc); the constructor also logs unknown
             ``MMREF_*`` variables once per process (:func:`warn_unknown_variables`).
     """
 
-    model_config = SettingsConfigDict(
-        env_prefix=PREFIX, extra="ignore", frozen=True, hide_input_in_errors=True, env_ignore_empty=True
-    )
-    """An empty variable is unset (``MMREF_ASSET_ROOT="$OUTPUT_ROOT"`` with ``OUTPUT_ROOT`` unset is
-    no root, not the current folder). Errors never echo a value through pydantic (a root URL could
-    carry a credential): :class:`SettingError` writes the value itself, credentials masked."""
-
-    read_cache_dir: Path | None = None
-    """The node's read-through cache of object-store reads (local disk); unset: no cache."""
-    read_cache_bytes: int = Field(default=8 << 30, ge=0)
-    """The cache's byte cap (LRU beyond); 0: no cache."""
-    store_timeout_s: float = Field(default=10.0, gt=0)
-    """One object-store request, connect to last byte (seconds)."""
-    store_connect_timeout_s: float = Field(default=2.0, gt=0)
-    store_max_retries: int = Field(default=2, ge=0)
-    """Retries of 5xx, connection errors and timeouts."""
-    store_retry_timeout_s: float = Field(default=30.0, gt=0)
-    """No retry starts later than this (seconds)."""
-    store_allow_http: bool = False
-    """Plain-HTTP object-store endpoints (a local S3)."""
-    store_hold_down_s: float = Field(default=5.0, ge=0)
-    """After a request finds an object-store root unreachable, its reads fail at once for this
-    long (seconds; 0: never)."""
-
-    def __init__(self, **values: Any) -> None:
-        warn_unknown_variables()
-        try:
-            super().__init__(**values)
-        except (ValidationError, SourceError) as e:
-            raise setting_error(type(self), e, values) from None
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> StoreSettings:
-        """The settings from ``environ`` instead of the process environment (tests; other
-        ``MMREF_*`` variables of the process are not read).
-
-        Raises:
-            SettingError: as the constructor.
-        """
-        n = len(PREFIX)
-        values = {k[n:].lower(): v for k, v in environ.items() if k.startswith(PREFIX) and v != ""}
-        values = {k: v for k, v in values.items() if k in cls.model_fields}
-        try:
-            return cls.model_validate(values)
-        except ValidationError as e:
-            raise setting_error(cls, e, {}, environ) from None
-
-    def store_client(self) -> StoreClientConfig:
-        """The object-store request settings (``store_*``)."""
-        return StoreClientConfig(**{k: getattr(self, f"store_{k}") for k in _CLIENT_FIELDS})
-
     def open_roots(self, urls: list[str], legacy_root: str | os.PathLike[str] | None = None) -> AssetRoots:
-        """``urls`` opened in order with these settings: ``store_*`` for object stores, the node's
-        read cache (``read_cache_dir``, ``read_cache_bytes``); ``legacy_root`` for v1 refs.
+        """``urls`` opened in order with these settings (:meth:`AssetRoots.from_settings`):
+        ``store_*`` for object stores, the node's read cache (``read_cache_dir``,
+        ``read_cache_bytes``); ``legacy_root`` for v1 refs.
 
         Raises:
             ValueError, OSError: see :meth:`AssetRoots.from_urls`.
         """
-        return AssetRoots.from_urls(
-            urls,
-            client=self.store_client(),
-            cache_dir=self.read_cache_dir,
-            cache_bytes=self.read_cache_bytes,
-            legacy_root=legacy_root,
-        )
+        return AssetRoots.from_settings(self, urls, legacy_root=legacy_root)
 
 
 class RootSettings(StoreSettings):
@@ -173,9 +116,7 @@ class RootSettings(StoreSettings):
         """Each root opens (:func:`protocol.roots.open_root`, with the ``store_*`` values given):
         a URL off the rules, or an ``s3://`` root on a plain-HTTP endpoint without
         ``MMREF_STORE_ALLOW_HTTP``, is refused here, naming ``MMREF_ASSET_ROOTS``."""
-        client = StoreClientConfig(
-            **{k: info.data[f"store_{k}"] for k in _CLIENT_FIELDS if f"store_{k}" in info.data}
-        )
+        client = StoreClientConfig.from_settings(info.data)
         for url in value:
             open_root(url, client)
         return value

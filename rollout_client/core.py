@@ -333,8 +333,7 @@ class ClientCore(Generic[One, Many]):
                 (rollout,) = parse_choices(
                     outcome,
                     answer.headers,
-                    prompt_ids=prepared.prompt_ids,
-                    images=prepared.images,
+                    prepared,
                     temperature=call.sampling.temperature,
                     session_id=call.session_id,
                     attempts=failures + 1,

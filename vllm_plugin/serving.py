@@ -42,12 +42,11 @@ from typing import Any
 from protocol.errors import PlaceholderMismatch
 from upstream import load
 from vllm_plugin.content_parts import bind_content_refs, check_content_parts
-from vllm_plugin.engine_items import EngineItems, RecordedItem
+from vllm_plugin.engine_items import RecordedItem
 from vllm_plugin.items import encode_item
 from vllm_plugin.protocol import MMRefGenerateRequest, parse_request
 from vllm_plugin.request_scope import pending_items, run_alone
 from vllm_plugin.resolution import FeatureForm, Resolution
-from vllm_plugin.resolver import MMRefResolver
 from vllm_plugin.seeds import SplitRule
 from vllm_plugin.weights import (
     served_by,
@@ -74,38 +73,32 @@ class MMRefServing:
     """Checks and resolves generate requests for the served model.
 
     Args:
-        resolver: resolves refs (and owns the adapter, the item layout and the worker pool).
-        engine_items: what the engine may hold, for ``null`` slots.
-        placeholder_token_id: the model's image placeholder token id.
+        form: how a request's images become features (:class:`~vllm_plugin.resolution.FeatureForm`:
+            the resolver, what the engine may hold for ``null`` slots, the placeholder token id,
+            the encoder-cache connector).
         serving_tokens: vLLM's ``ServingTokens`` (``app.state.serving_tokens``).
         weight_version: returns the engine's current weight version (``weights.VersionReader``).
         allowed_local_media_path: vLLM's ``--allowed-local-media-path`` (None: no local files).
-        ec_transfer: whether the server has an encoder-cache connector (metadata-only items).
         max_body_bytes: the request body limit (``MMREF_MAX_BODY_BYTES`` or its derived default).
         split_rule: seeded requests this server refuses (``seeds.py``; None: none).
     """
 
     def __init__(
         self,
-        resolver: MMRefResolver,
-        engine_items: EngineItems,
+        form: FeatureForm,
         *,
-        placeholder_token_id: int,
         serving_tokens: Any,
         allowed_local_media_path: str | None,
-        ec_transfer: bool,
         max_body_bytes: int,
         weight_version: Callable[[], Awaitable[str]],
         split_rule: SplitRule | None = None,
     ) -> None:
-        self.resolver = resolver
-        self.adapter = resolver.adapter
-        self.config = resolver.config
-        self.engine_items = engine_items
-        self.placeholder_token_id = placeholder_token_id
-        self.form = FeatureForm(
-            resolver, engine_items, placeholder_token_id=placeholder_token_id, ec_transfer=ec_transfer
-        )
+        self.form = form
+        self.resolver = form.resolver
+        self.adapter = form.adapter
+        self.config = form.resolver.config
+        self.engine_items = form.engine_items
+        self.placeholder_token_id = form.placeholder_token_id
         self.serving_tokens = serving_tokens
         self.local_media = Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
         self.max_body_bytes = max_body_bytes

@@ -18,6 +18,7 @@ from vllm_plugin.config import PluginConfig
 from vllm_plugin.engine_items import EngineItems
 from vllm_plugin.items import ItemLayout
 from vllm_plugin.preflight import refuse_insecure_serialization
+from vllm_plugin.resolution import FeatureForm
 from vllm_plugin.resolver import MMRefResolver
 from vllm_plugin.seeds import SplitRule
 from vllm_plugin.serving import MMRefServing
@@ -59,13 +60,16 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
         bytes_per_placeholder=resolver.layout.float32_bytes_per_placeholder,
         max_image_bytes=config.max_image_bytes,
     )
-    return MMRefServing(
+    form = FeatureForm(
         resolver,
         items,
         placeholder_token_id=resolver.adapter.placeholder_token_id(model_config.hf_config),
+        ec_transfer=vllm_config.ec_transfer_config is not None,
+    )
+    return MMRefServing(
+        form,
         serving_tokens=build_serving_tokens(engine_client, items, state, args),
         allowed_local_media_path=model_config.allowed_local_media_path or None,
-        ec_transfer=vllm_config.ec_transfer_config is not None,
         max_body_bytes=body_limit,
         weight_version=VersionReader(engine_client.get_weight_version),
         split_rule=SplitRule.for_engine(
