@@ -45,25 +45,17 @@ QWEN3_SHARED = ("qwen3_5", "qwen3_5_moe", "qwen3_vl_moe")
 """Their tiny models share Qwen3-VL's tiny image processor config (patch 16, merge 2, mean/std 0.5,
 4..64 merged tokens), so transformers' smart_resize gives them Qwen3-VL's golden grids."""
 GOLDEN_ASTRONAUT |= dict.fromkeys(QWEN3_SHARED, GOLDEN_ASTRONAUT["qwen3_vl"])
-QWEN2_SIZES = {  # (w, h): grid; Qwen2-VL and Qwen2.5-VL share the processor config
-    (600, 400): (1, 12, 18),
-    (1000, 30): (1, 2, 72),
-    (30, 1000): (1, 72, 2),
-    (17, 17): (1, 4, 4),
-    (4000, 3000): (1, 12, 18),
-    (4000, 20): (1, 2, 226),
+SIZE_GRIDS = {  # (w, h): (grid of Qwen2-VL and Qwen2.5-VL, which share the config; grid of Qwen3-VL)
+    (600, 400): ((1, 12, 18), (1, 12, 18)),
+    (1000, 30): ((1, 2, 72), (1, 2, 62)),
+    (30, 1000): ((1, 72, 2), (1, 62, 2)),
+    (17, 17): ((1, 4, 4), (1, 4, 4)),
+    (4000, 3000): ((1, 12, 18), (1, 12, 18)),
+    (4000, 20): ((1, 2, 226), (1, 2, 226)),
 }
 GOLDEN_SIZES = {  # family: {(w, h): grid}
-    "qwen2_vl": QWEN2_SIZES,
-    "qwen2_5_vl": QWEN2_SIZES,
-    "qwen3_vl": {
-        (600, 400): (1, 12, 18),
-        (1000, 30): (1, 2, 62),
-        (30, 1000): (1, 62, 2),
-        (17, 17): (1, 4, 4),
-        (4000, 3000): (1, 12, 18),
-        (4000, 20): (1, 2, 226),
-    },
+    family: {size: grids[k] for size, grids in SIZE_GRIDS.items()}
+    for family, k in (("qwen2_vl", 0), ("qwen2_5_vl", 0), ("qwen3_vl", 1))
 }
 GOLDEN_SIZES |= dict.fromkeys(QWEN3_SHARED, GOLDEN_SIZES["qwen3_vl"])
 
