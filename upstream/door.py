@@ -141,6 +141,17 @@ def invalidation_drain(renderer: Any, version: str | None = None) -> Callable[[]
     return getattr(renderer, tp.qualname.rsplit(".", 1)[-1], None)
 
 
+def video_source(loader: Any, source: Any) -> Any:
+    """The source metadata a vLLM video loader samples from: ``loader._prepare_source(source)``
+    (``VideoSourceMetadata`` in and out), as vLLM's OpenCV decoder calls it before it samples.
+
+    Private: ``VideoLoader._prepare_source`` (``vllm/multimodal/video.py``), the loader's own
+    adjustment of what the container reports (``Qwen3VLVideoBackend``: an unknown fps is 24, which
+    the frame timestamps then use); no public method applies it.
+    """
+    return loader._prepare_source(source)
+
+
 def serving_tokens_keywords(state: Any, version: str | None = None) -> dict[str, Any]:
     """The keywords ``ServingTokens(...)`` takes in the installed release beyond 0.32's (the
     ``vllm/entrypoints/scale_out/token_in_token_out/serving.py`` constructor): on >= 0.33 the
