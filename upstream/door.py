@@ -94,6 +94,14 @@ def served_image_processor(mm_processor: Any) -> Any:
     return own if own is not None else info.get_hf_processor().image_processor
 
 
+def served_video_processor(mm_processor: Any) -> Any:
+    """The HF video processor a running vLLM uses, from its multimodal processor:
+    ``info.get_hf_processor().video_processor`` (the HF processor vLLM loaded,
+    ``vllm/multimodal/processing/context.py``), or None where the processor has none. The
+    adapter's video path wraps it (``VideoMixin.attach_video``)."""
+    return getattr(mm_processor.info.get_hf_processor(), "video_processor", None)
+
+
 def mm_fields_config(mm_processor: Any) -> Callable[[Any], Mapping[str, Any]]:
     """The served model's field config, ``hf_inputs -> {field: MultiModalFieldConfig}``.
 

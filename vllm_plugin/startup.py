@@ -13,6 +13,7 @@ from upstream import (
     mm_fields_config,
     mm_worker,
     served_image_processor,
+    served_video_processor,
 )
 from vllm_plugin.config import PluginConfig
 from vllm_plugin.engine_items import EngineItems
@@ -96,10 +97,13 @@ def build_resolver(
     Raises:
         UnsupportedFamily: the served model type has no adapter.
     """
-    from protocol.adapters import adapter_class
+    from protocol.adapters import VIDEO_FAMILIES, adapter_class
 
     model_type = model_config.hf_config.model_type
     adapter = adapter_class(model_type)(served_image_processor(mm_processor), family=model_type)
+    video_processor = served_video_processor(mm_processor) if model_type in VIDEO_FAMILIES else None
+    if video_processor is not None:  # vLLM's loader defaults (protocol.videos.VideoSampling)
+        adapter.attach_video(video_processor)
     return MMRefResolver(
         adapter,
         config,
