@@ -2,7 +2,8 @@
 returned by :class:`FeatureForm` for each of the two request forms.
 
 - ``mm_refs`` (prompt order, :meth:`FeatureForm.from_refs`): each ref resolved (``resolver.py``),
-  its placeholder run located in the prompt (``protocol.placeholders.locate_image_runs``);
+  its placeholder run located in the prompt (``protocol.placeholders.locate_image_runs``; video
+  refs, Qwen2.5-VL, under ``"video"`` with the video token's runs);
 - ``features`` (:meth:`FeatureForm.check`): each position a ref (resolved), an inline item (decoded
   and checked as vLLM will merge it), or a ``null`` slot (the engine's cache, or a content-named
   handle resolved from the roots), every range as long as its item (docs/ARCHITECTURE.md).
@@ -18,6 +19,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from protocol.adapters import VIDEO_FAMILIES
 from protocol.errors import InvalidRef, InvalidRequest, NotCached, PlaceholderMismatch
 from protocol.placeholders import check_length, check_range, locate_image_runs
 from protocol.refs import ContentRef, RawRefBody, is_ref, parse_ref
@@ -73,6 +75,7 @@ class FeatureForm:
         engine_items: what the engine may hold, for ``null`` slots.
         placeholder_token_id: the model's image placeholder token id.
         ec_transfer: whether the server has an encoder-cache connector (metadata-only items).
+        video_token_id: the model's video placeholder token id (None: no videos on this route).
     """
 
     def __init__(
@@ -82,11 +85,13 @@ class FeatureForm:
         *,
         placeholder_token_id: int,
         ec_transfer: bool,
+        video_token_id: int | None = None,
     ) -> None:
         self.resolver = resolver
         self.adapter = resolver.adapter
         self.engine_items = engine_items
         self.placeholder_token_id = placeholder_token_id
+        self.video_token_id = video_token_id
         self.ec_transfer = ec_transfer
         self.max_refs = resolver.config.max_refs_per_request
 
@@ -118,18 +123,47 @@ class FeatureForm:
         for entry, item in zip(mm_refs, resolved, strict=True):
             if isinstance(entry, RawMMRef):
                 _check_declared(entry, item)
-        counts = [item.num_placeholders for item in resolved]
-        ranges = locate_image_runs(token_ids, [], self.placeholder_token_id, counts=counts)
-        hashes = [engine_hash(item.content_key, version) for item in resolved]
-        m = self.adapter.vllm_modality
+        groups = self._by_modality(resolved)
+        hashes: dict[str, list[str]] = {}
+        ranges: dict[str, list[dict[str, int]]] = {}
+        sent, slots = [], []
+        for m, (token_id, items) in groups.items():
+            counts = [item.num_placeholders for item in items]
+            runs = locate_image_runs(token_ids, [], token_id, counts=counts)
+            hashes[m] = [engine_hash(item.content_key, version) for item in items]
+            ranges[m] = [{"offset": o, "length": n} for o, n in runs]
+            sent += [(h, _recorded(item)) for h, item in zip(hashes[m], items, strict=True)]
+            slots += [ResolvedSlot(m, i, hashes[m][i], item.item) for i, item in enumerate(items)]
         features = load("MultiModalFeatures")(
-            mm_hashes={m: hashes},
-            mm_placeholders={m: [{"offset": o, "length": n} for o, n in ranges]},
-            kwargs_data={m: [None] * len(resolved)},
+            mm_hashes=hashes,
+            mm_placeholders=ranges,
+            kwargs_data={m: [None] * len(h) for m, h in hashes.items()},
         )
-        sent = tuple((h, _recorded(item)) for h, item in zip(hashes, resolved, strict=True))
-        slots = tuple(ResolvedSlot(m, i, hashes[i], item.item) for i, item in enumerate(resolved))
-        return Resolution(features, sent, slots, version)
+        return Resolution(features, tuple(sent), tuple(slots), version)
+
+    def _by_modality(self, resolved: list[ResolvedItem]) -> dict[str, tuple[int, list[ResolvedItem]]]:
+        """``{vLLM modality: (placeholder token id, items in prompt order)}``: images under the
+        served modality, videos under ``"video"`` (each modality's runs are located apart).
+
+        Raises:
+            InvalidRequest: a video where the route cannot place it: no video token, or a family
+                whose video placeholders are one run per frame between timestamp tokens (Qwen3-VL;
+                vLLM 0.32's ``PlaceholderRangeInfo`` has no ``is_embed`` mask to say so).
+        """
+        images = [item for item in resolved if item.content_key.kind != "video"]
+        videos = [item for item in resolved if item.content_key.kind == "video"]
+        groups = (
+            {self.adapter.vllm_modality: (self.placeholder_token_id, images)} if images or not videos else {}
+        )
+        if videos:
+            spec = VIDEO_FAMILIES.get(self.adapter.family)
+            if spec is None or spec.per_frame_runs or self.video_token_id is None:
+                raise InvalidRequest(
+                    f"{self.adapter.family} video refs go in chat video_url parts: this route's placeholder "
+                    "ranges (offset, length) cannot express a video's runs between timestamp tokens"
+                )
+            groups["video"] = (self.video_token_id, videos)
+        return groups
 
     async def check(self, features: Any, token_ids: list[int], version: str) -> Resolution:
         """The ``features`` form: every position checked, refs and content-named handles resolved.

@@ -83,6 +83,7 @@ class MMRefServing:
         ec_transfer: whether the server has an encoder-cache connector (metadata-only items).
         max_body_bytes: the request body limit (``MMREF_MAX_BODY_BYTES`` or its derived default).
         split_rule: seeded requests this server refuses (``seeds.py``; None: none).
+        video_token_id: the model's video placeholder token id (video refs in ``mm_refs``).
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class MMRefServing:
         max_body_bytes: int,
         weight_version: Callable[[], Awaitable[str]],
         split_rule: SplitRule | None = None,
+        video_token_id: int | None = None,
     ) -> None:
         self.resolver = resolver
         self.adapter = resolver.adapter
@@ -104,7 +106,11 @@ class MMRefServing:
         self.engine_items = engine_items
         self.placeholder_token_id = placeholder_token_id
         self.form = FeatureForm(
-            resolver, engine_items, placeholder_token_id=placeholder_token_id, ec_transfer=ec_transfer
+            resolver,
+            engine_items,
+            placeholder_token_id=placeholder_token_id,
+            ec_transfer=ec_transfer,
+            video_token_id=video_token_id,
         )
         self.serving_tokens = serving_tokens
         self.local_media = Path(allowed_local_media_path).resolve() if allowed_local_media_path else None

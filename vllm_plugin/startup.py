@@ -64,6 +64,7 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
         resolver,
         items,
         placeholder_token_id=resolver.adapter.placeholder_token_id(model_config.hf_config),
+        video_token_id=getattr(model_config.hf_config, "video_token_id", None),
         serving_tokens=build_serving_tokens(engine_client, items, state, args),
         allowed_local_media_path=model_config.allowed_local_media_path or None,
         ec_transfer=vllm_config.ec_transfer_config is not None,
