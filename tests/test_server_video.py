@@ -189,3 +189,25 @@ def test_token_route_bad_clip_is_typed_and_the_server_keeps_serving(served):
         pytest.skip("video refs on the token route: Qwen2.5-VL only (see above)")
     assert refusal(by_mm_refs(served, forged_ref(served, clip_bytes()[:2000]))) == (422, "video_unreadable")
     assert tokens_and_logprobs(by_mm_refs(served, served.ref))[0]
+
+
+def test_token_route_video_ref_slot_gives_the_mm_refs_answer(served):
+    """The ``features`` form: a video ref in a ``"video"`` slot, its range the video's run."""
+    ids = prompt_ids(served, served.ref.num_placeholders)
+    pad = max(set(ids), key=ids.count)  # <|video_pad|>: the clip's run is most of the prompt
+    assert ids.count(pad) == served.ref.num_placeholders
+    body = {
+        "token_ids": ids,
+        "features": {
+            "mm_hashes": {"video": ["a" * 64]},
+            "mm_placeholders": {"video": [{"offset": ids.index(pad), "length": served.ref.num_placeholders}]},
+            "kwargs_data": {"video": [served.ref.ref]},
+        },
+        "sampling_params": {"temperature": 0, "max_tokens": 8, "logprobs": 0},
+    }
+    with served.server.client() as c:
+        answer = c.post("/inference/v1/generate", json=body)
+    if served.family == "qwen3_vl":
+        assert refusal(answer) == (400, "invalid_request")
+        return
+    assert tokens_and_logprobs(answer) == tokens_and_logprobs(by_mm_refs(served, served.ref))

@@ -174,12 +174,15 @@ class FeatureForm:
             item that is not the model's. PlaceholderMismatch, NotCached: see :meth:`_null_slot`.
         """
         m = self.adapter.vllm_modality
-        other = sorted(set(features.mm_hashes) - {m})
+        other = sorted(set(features.mm_hashes) - {m, "video"})
         if other:
             raise InvalidRequest(f"features modalities {other[:4]} are not served; this server takes {m!r}")
+        videos = await self._video_slots(features, token_ids, version)
         hashes = list(features.mm_hashes.get(m, ()))
-        if not hashes:
+        if not hashes and videos is None:
             return Resolution(features, (), (), version)  # no items: vLLM's answer as is
+        if not hashes:
+            return _with_videos(features, Resolution(None, (), (), version), videos, None)
         positions = _positions(features, m, hashes)
         self._check_positions(positions)
         if any(p.slot is None and p.metadata is None for p in positions):
@@ -200,7 +203,40 @@ class FeatureForm:
             kwargs_data={m: kwargs} if features.kwargs_data is not None else None,
             mm_metadata={m: metadata} if features.mm_metadata is not None else None,
         )
-        return Resolution(checked, tuple(sent), tuple(slots), version)
+        resolution = Resolution(checked, tuple(sent), tuple(slots), version)
+        return resolution if videos is None else _with_videos(features, resolution, videos, m)
+
+    async def _video_slots(self, features: Any, token_ids: list[int], version: str) -> _Videos | None:
+        """The ``"video"`` positions of ``features``: each a video ref slot (resolved, its range
+        checked against the video token's run), for a family whose video is one run (Qwen2.5-VL).
+
+        Raises:
+            InvalidRequest: videos where this route cannot place them (see :meth:`_by_modality`),
+                a video position that is not a ref (an inline item or a ``null`` slot: not yet).
+            PlaceholderMismatch: a range that is not the video's run. MMRefError: the ref.
+        """
+        hashes = list(features.mm_hashes.get("video", ()))
+        if not hashes:
+            return None
+        positions = _positions(features, "video", hashes)
+        if any(p.slot is None or not is_ref(p.slot) for p in positions):
+            raise InvalidRequest(
+                "video positions take video refs only (inline items and null slots: not yet)"
+            )
+        self.check_ref_count(len(positions))
+        items = await asyncio.gather(*(self.resolver.resolve(p.slot) for p in positions))
+        token_id = self._video_token(items)
+        for p, item in zip(positions, items, strict=True):
+            check_range(token_ids, p.placeholder.model_dump(), token_id, item.num_placeholders, p.slot)
+        new = [engine_hash(item.content_key, version) for item in items]
+        return _Videos(new, [p.placeholder for p in positions], list(items))
+
+    def _video_token(self, items: list[ResolvedItem]) -> int:
+        """The video token of a family whose videos this route places (see :meth:`_by_modality`)."""
+        groups = self._by_modality(items)
+        if "video" not in groups:
+            raise InvalidRequest('a "video" position takes a video ref (this one names an image)')
+        return groups["video"][0]
 
     def _check_positions(self, positions: list[_Position]) -> None:
         """The read bound (each ref slot, and each null slot naming an image, costs a read) and the
@@ -221,6 +257,8 @@ class FeatureForm:
         """One ``features`` position: a ref (resolved), an inline item (checked), a ``null`` slot."""
         if p.slot is not None and is_ref(p.slot):
             item = await self.resolver.resolve(p.slot)
+            if item.content_key.kind == "video":
+                raise InvalidRequest(f'{self._where(p)}: a video ref goes in a "video" position')
             self._check_range(call, p, item.num_placeholders, p.slot)
             return item
         if p.slot is None and p.metadata is None:
@@ -293,6 +331,42 @@ class FeatureForm:
 
     def _where(self, p: _Position) -> str:
         return f"{self.adapter.vllm_modality} item {p.index}"
+
+
+class _Videos(NamedTuple):
+    """A request's resolved ``"video"`` positions."""
+
+    hashes: list[str]
+    placeholders: list[Any]
+    items: list[ResolvedItem]
+
+
+def _with_videos(features: Any, resolution: Resolution, videos: _Videos, m: str | None) -> Resolution:
+    """``resolution`` (the served modality's positions; ``m`` None: none) with the videos added."""
+    checked = resolution.features
+    hashes = {m: list(checked.mm_hashes[m])} if m is not None else {}
+    ranges = {m: list(checked.mm_placeholders[m])} if m is not None else {}
+    kwargs = {m: list(checked.kwargs_data[m])} if m is not None and checked.kwargs_data is not None else {}
+    hashes["video"], ranges["video"], kwargs["video"] = (
+        videos.hashes,
+        videos.placeholders,
+        [None] * len(videos.hashes),
+    )
+    metadata = None
+    if features.mm_metadata is not None:
+        metadata = {**(checked.mm_metadata if m is not None else {}), "video": [None] * len(videos.hashes)}
+    merged = load("MultiModalFeatures")(
+        mm_hashes=hashes, mm_placeholders=ranges, kwargs_data=kwargs, mm_metadata=metadata
+    )
+    sent = (*resolution.sent, *((h, _recorded(i)) for h, i in zip(videos.hashes, videos.items, strict=True)))
+    slots = (
+        *resolution.slots,
+        *(
+            ResolvedSlot("video", i, h, it.item)
+            for i, (h, it) in enumerate(zip(videos.hashes, videos.items, strict=True))
+        ),
+    )
+    return Resolution(merged, sent, slots, resolution.version)
 
 
 def _positions(features: Any, modality: str, hashes: list[str]) -> list[_Position]:
