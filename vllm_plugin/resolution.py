@@ -156,14 +156,19 @@ class FeatureForm:
             {self.adapter.vllm_modality: (self.placeholder_token_id, images)} if images or not videos else {}
         )
         if videos:
-            spec = VIDEO_FAMILIES.get(self.adapter.family)
-            if spec is None or spec.per_frame_runs or self.video_token_id is None:
+            if not self._places_videos():
                 raise InvalidRequest(
                     f"{self.adapter.family} video refs go in chat video_url parts: this route's placeholder "
                     "ranges (offset, length) cannot express a video's runs between timestamp tokens"
                 )
-            groups["video"] = (self.video_token_id, videos)
+            groups["video"] = (self.video_token_id, videos)  # type: ignore[assignment]
         return groups
+
+    def _places_videos(self) -> bool:
+        """Whether this route can place the served family's videos: a video token, and one run per
+        video (Qwen2.5-VL; not Qwen3-VL's runs between timestamp tokens)."""
+        spec = VIDEO_FAMILIES.get(self.adapter.family)
+        return spec is not None and not spec.per_frame_runs and self.video_token_id is not None
 
     async def check(self, features: Any, token_ids: list[int], version: str) -> Resolution:
         """The ``features`` form: every position checked, refs and content-named handles resolved.
@@ -174,7 +179,7 @@ class FeatureForm:
             item that is not the model's. PlaceholderMismatch, NotCached: see :meth:`_null_slot`.
         """
         m = self.adapter.vllm_modality
-        other = sorted(set(features.mm_hashes) - {m, "video"})
+        other = sorted(set(features.mm_hashes) - ({m, "video"} if self._places_videos() else {m}))
         if other:
             raise InvalidRequest(f"features modalities {other[:4]} are not served; this server takes {m!r}")
         videos = await self._video_slots(features, token_ids, version)
