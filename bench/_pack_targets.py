@@ -104,8 +104,8 @@ def _sorted_groups_idle(inputs: list[tuple], slots: list[int], dp: int) -> float
     slots of ``dp``, the fewest encodes that keep the language levelled. Text-only bins last."""
     total = 0.0
     for (_, _, _, vision, extra), m in zip(inputs, slots, strict=True):
-        language, level, cost = {}, sum(extra["language_cost"]) / (dp * m), {}
-        for g, v, c in zip(extra["groups"], vision, extra["language_cost"], strict=True):
+        language, level, cost = {}, sum(extra["language"]) / (dp * m), {}
+        for g, v, c in zip(extra["groups"], vision, extra["language"], strict=True):
             if g is not None:
                 language[g], cost[g] = language.get(g, 0.0) + c, v
         bins = [cost[g] for g in sorted(cost, key=cost.__getitem__, reverse=True)

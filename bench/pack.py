@@ -80,6 +80,7 @@ from protocol.refs import RawRefBody, format_mmraw
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, plan_bins
 from trainer_lib.planning.cost import CostModel
+from trainer_lib.planning.items import MiniBatchItems
 from trainer_lib.planning.packing import analyze_entry, pack_samples
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import mini_batch_entries, plan_step
@@ -243,7 +244,7 @@ def mini_batch_inputs(samples, dp: int, mbs: int, cm: CostModel) -> list[tuple]:
         an = [analyze_entry(e, SPEC, e.sample_index) for e in entries]
         keys = [e.sample.isolation_key for e in entries]
         costs = [cm.vision(a.image_tokens) for a in an]
-        extra = {"groups": [a.image_key for a in an], "language_cost": [cm.language(a.length) for a in an]}
+        extra = {"groups": [a.image_key for a in an], "language": [cm.language(a.length) for a in an]}
         out.append(([a.length for a in an], keys, [a.kind for a in an], costs, extra))
     return out
 
@@ -267,10 +268,11 @@ def plan_rate(name: str, inputs: list[tuple], dp: int, cap: int, repeats: int) -
     def balanced() -> None:
         stretch, refine = "stretch" in name, PLANS[name][1].get("refine")
         for lengths, keys, kinds, vision, extra in inputs:
-            partition_mini_batch(
-                lengths, dp_size=dp, cap=cap, keys=keys, kinds=kinds, vision_cost=vision, reserve=RESERVE,
-                stretch_cap=stretch, **(extra if "compute" in name else {}), refine=refine,
+            items = MiniBatchItems(
+                lengths, dp=dp, cap=cap, keys=keys, kinds=kinds, vision=vision, reserve=RESERVE,
+                stretch=stretch, **(extra if "compute" in name else {}),
             )  # fmt: skip
+            partition_mini_batch(items, refine)
 
     fn = {"today": today, "verl KK": verl}.get(name, balanced)
     return n / timeit(fn, repeat=1 if name == ANNEAL else repeats * 3).best  # annealing: ~0.1 s/mini-batch

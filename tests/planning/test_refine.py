@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from helpers import REPO
 from trainer_lib.planning import search
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY
+from trainer_lib.planning.items import EITHER, TEXT, VISION, MiniBatchItems, places
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import plan_step
 from trainer_lib.planning.refine import Refinement, refine_slots
-from trainer_lib.planning.slot_bound import EITHER, TEXT, VISION, places
 
 
 def step_cost(slots, language, vision, groups) -> float:
@@ -40,10 +40,9 @@ def test_a_sample_moves_to_level_its_slot():
     lengths = [8, 4, 4, 6, 6]
     slots = [[(12, [0, 1]), (4, [2])], [(6, [3]), (6, [4])]]
     groups = [None] * 5
-    out = refine_slots(
-        slots, Refinement(), lengths=lengths, place=[EITHER] * 5, groups=groups,
-        language=lengths, vision=[0.0] * 5, cap=100, reserve=0,
-    )  # fmt: skip
+    items = MiniBatchItems(lengths, dp=2, cap=100, groups=groups)  # no pixels: every place EITHER
+    assert items.place == [EITHER] * 5
+    out = refine_slots(slots, items, Refinement())
     assert step_cost(out, lengths, [0.0] * 5, groups) == 14
     assert sorted(sorted(b) for _, b in out[0]) == [[0], [1, 2]] and out[1] == slots[1]
     assert [t for slot in out for t, _ in slot] == [
@@ -58,10 +57,11 @@ def test_a_swap_keeps_each_image_set_in_one_bin():
     lengths, language = [5, 5, 5, 5], [5.0] * 4
     groups, vision = ["g1", "g2", "g1", "g2"], [10.0] * 4
     slots = [[(10, [0, 1]), (10, [2, 3])]]
-    out = refine_slots(
-        slots, Refinement(), lengths=lengths, place=[VISION] * 4, groups=groups,
-        language=language, vision=vision, cap=100, reserve=0,
-    )  # fmt: skip
+    items = MiniBatchItems(
+        lengths, dp=2, cap=100, kinds=[PIXELS] * 4, groups=groups, language=language, vision=vision
+    )
+    assert items.place == [VISION] * 4
+    out = refine_slots(slots, items, Refinement())
     assert step_cost(slots, language, vision, groups) == 30
     assert step_cost(out, language, vision, groups) == 20
     assert sorted(len({groups[i] for i in b}) for _, b in out[0]) == [1, 1]
@@ -77,12 +77,14 @@ def test_the_rules_hold_where_a_gain_would_break_them(image_set):
     lengths = [18, 2, 10, 2, 9]
     kinds = [NEUTRAL, NEUTRAL, PIXELS, NEUTRAL, STRAY]
     groups = [None, None, image_set, None, None]
-    place = places(lengths, kinds, cap, reserve)
-    slots = [[(20, [0, 1]), (9, [4])], [(10, [2]), (2, [3])]]  # slot 1 runs the tower
-    out = refine_slots(
-        slots, Refinement(anneal_steps=2000), lengths=lengths, place=place, groups=groups,
-        language=[float(n) for n in lengths], vision=[0.0, 0.0, 7.0, 0.0, 0.0], cap=cap, reserve=reserve,
+    items = MiniBatchItems(
+        lengths, dp=2, cap=cap, kinds=kinds, groups=groups, language=[float(n) for n in lengths],
+        vision=[0.0, 0.0, 7.0, 0.0, 0.0], reserve=reserve,
     )  # fmt: skip
+    place = items.place
+    assert place == places(lengths, kinds, cap, reserve)
+    slots = [[(20, [0, 1]), (9, [4])], [(10, [2]), (2, [3])]]  # slot 1 runs the tower
+    out = refine_slots(slots, items, Refinement(anneal_steps=2000))
     for k, slot in enumerate(out):
         images = any(kinds[i] == PIXELS for _, b in slot for i in b)
         for tokens, b in slot:
@@ -112,14 +114,14 @@ def test_the_search_never_lengthens_the_step_and_keeps_the_slots(bench_mix, seed
     sample once, and its predicted step is at most the plan's without the search; annealing
     starts from the descent's plan, so it ends at most there."""
     lengths, keys, kinds, vision, extra = bench_inputs(bench_mix, seed)[0]
-    kwargs = dict(dp_size=8, cap=cap, keys=keys, kinds=kinds, vision_cost=vision, reserve=6, **extra)
-    plain = partition_mini_batch(lengths, **kwargs)
-    descent = partition_mini_batch(lengths, **kwargs, refine=Refinement())
-    refined = partition_mini_batch(lengths, **kwargs, refine=Refinement(anneal_steps=anneal))
+    kwargs = dict(dp=8, cap=cap, keys=keys, kinds=kinds, vision=vision, reserve=6, **extra)
+    plain = partition_mini_batch(MiniBatchItems(lengths, **kwargs))
+    descent = partition_mini_batch(MiniBatchItems(lengths, **kwargs), Refinement())
+    refined = partition_mini_batch(MiniBatchItems(lengths, **kwargs), Refinement(anneal_steps=anneal))
 
     def cost(part) -> float:
         slots = [[(0, part.ranks[r][k]) for r in range(8)] for k in range(part.num_micro_batches)]
-        return step_cost(slots, extra["language_cost"], vision, extra["groups"])
+        return step_cost(slots, extra["language"], vision, extra["groups"])
 
     assert refined.num_micro_batches == plain.num_micro_batches
     assert sorted(i for row in refined.ranks for b in row for i in b) == list(range(len(lengths)))
@@ -128,8 +130,11 @@ def test_the_search_never_lengthens_the_step_and_keeps_the_slots(bench_mix, seed
 
 def test_the_same_seed_gives_the_same_plan(bench_mix):
     lengths, keys, kinds, vision, extra = bench_inputs(bench_mix, 3)[1]
-    kwargs = dict(dp_size=8, cap=16384, keys=keys, kinds=kinds, vision_cost=vision, reserve=6, **extra)
-    runs = [partition_mini_batch(lengths, **kwargs, refine=Refinement(anneal_steps=20_000)) for _ in range(2)]
+    kwargs = dict(dp=8, cap=16384, keys=keys, kinds=kinds, vision=vision, reserve=6, **extra)
+    runs = [
+        partition_mini_batch(MiniBatchItems(lengths, **kwargs), Refinement(anneal_steps=20_000))
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -140,13 +145,14 @@ def test_the_python_kernels_give_the_compiled_plans(bench_mix, tmp_path):
     (tmp_path / "inputs.json").write_text(json.dumps(inputs))
     script = (
         "import json, sys\n"
+        "from trainer_lib.planning.items import MiniBatchItems\n"
         "from trainer_lib.planning.partition import partition_mini_batch\n"
         "from trainer_lib.planning.refine import Refinement\n"
         "lengths, keys, kinds, vision, extra = json.load(open(sys.argv[1]))\n"
-        "part = partition_mini_batch(lengths, dp_size=8, cap=16384, keys=[tuple(k) for k in keys],\n"
-        "    kinds=kinds, vision_cost=vision, reserve=6, language_cost=extra['language_cost'],\n"
-        "    groups=[g if g is None else tuple(g) for g in extra['groups']],\n"
-        "    refine=Refinement(anneal_steps=3000))\n"
+        "items = MiniBatchItems(lengths, dp=8, cap=16384, keys=[tuple(k) for k in keys],\n"
+        "    kinds=kinds, vision=vision, reserve=6, language=extra['language'],\n"
+        "    groups=[g if g is None else tuple(g) for g in extra['groups']])\n"
+        "part = partition_mini_batch(items, Refinement(anneal_steps=3000))\n"
         "print(json.dumps(part.ranks))\n"
     )
     plans = []
@@ -182,10 +188,8 @@ def test_costless_samples_leave_nothing_to_search():
     """Where every sample costs nothing, every plan costs the same: the search, annealing too,
     returns the plan as it was (before, the annealing's temperature divided by zero)."""
     slots = [[(3, [0]), (2, [1])], [(4, [2]), (1, [3])]]
-    out = refine_slots(
-        slots, Refinement(anneal_steps=100), lengths=[3, 2, 4, 1], place=[EITHER] * 4,
-        groups=[None] * 4, language=[0.0] * 4, vision=[0.0] * 4, cap=10, reserve=0,
-    )  # fmt: skip
+    items = MiniBatchItems([3, 2, 4, 1], dp=2, cap=10, groups=[None] * 4, language=[0.0] * 4)
+    out = refine_slots(slots, items, Refinement(anneal_steps=100))
     assert out == slots
 
 

@@ -24,13 +24,13 @@ Costs: both stages are compiled with numba (:mod:`~trainer_lib.planning.search`)
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
 
-from trainer_lib.planning.search import anneal, bins_of, descend
-from trainer_lib.planning.slot_bound import VISION, SlotRules
+from trainer_lib.planning.items import VISION, MiniBatchItems
+from trainer_lib.planning.search import SearchState, anneal, bins_of, descend
 
 __all__ = ["Refinement", "refine_plan", "refine_slots"]
 
@@ -66,48 +66,26 @@ class Refinement:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
 
 
-def refine_plan(
-    mb: SlotRules,
-    slots: list[_Bins],
-    refine: Refinement | None,
-    groups: Sequence[Hashable | None] | None,
-    language: Sequence[float],
-    vision: Sequence[float],
-) -> list[_Bins]:
+def refine_plan(items: MiniBatchItems, slots: list[_Bins], refine: Refinement | None) -> list[_Bins]:
     """A partition's ``slots`` (:mod:`~trainer_lib.planning.partition`) searched by
-    :func:`refine_slots` where ``refine`` asks for it, with ``groups`` and one isolation key (as
-    the compute plan applies); its empty slots are dropped first. Otherwise ``slots`` as given."""
-    if refine is None or groups is None or not mb.one_key:
+    :func:`refine_slots` where ``refine`` asks for it, with ``items.groups`` and one isolation key
+    (as the compute plan applies); its empty slots are dropped first. Otherwise ``slots`` as given."""
+    if refine is None or items.groups is None or not items.one_key:
         return slots
-    return refine_slots(
-        [slot for slot in slots if any(b for _, b in slot)], refine, lengths=mb.lengths, place=mb.place,
-        groups=groups, language=language, vision=vision, cap=mb.cap, reserve=mb.reserve,
-    )  # fmt: skip
+    return refine_slots([slot for slot in slots if any(b for _, b in slot)], items, refine)
 
 
-def refine_slots(
-    slots: list[_Bins],
-    refine: Refinement,
-    *,
-    lengths: Sequence[int],
-    place: Sequence[int],
-    groups: Sequence[Hashable | None],
-    language: Sequence[float],
-    vision: Sequence[float],
-    cap: int,
-    reserve: int,
-) -> list[_Bins]:
+def refine_slots(slots: list[_Bins], items: MiniBatchItems, refine: Refinement) -> list[_Bins]:
     """``slots`` (each a list of ``dp`` ``(tokens, sample indices)`` bins) with their samples
     re-dealt to lower the predicted step (module docstring).
 
     Args:
-        place: per sample, :data:`~trainer_lib.planning.slot_bound.VISION`, ``TEXT`` or
-            ``EITHER`` (:func:`~trainer_lib.planning.slot_bound.places`).
-        groups: per sample, its image set's key (None: no image); a bin costs each set once.
-        language: per sample, its language-model cost (any unit consistent with ``vision``).
-        vision: per sample, its image set's vision-tower cost.
-        cap, reserve: tokens a bin may hold, and what a tower-running bin without an image keeps
-            free.
+        slots: the plan's slots over ``items``' samples.
+        items: the mini-batch: per sample its tokens, place (vision, text or either), image set
+            (``groups``, None: no image; a bin costs each set once), language and vision cost (any
+            consistent unit); the cap a bin may hold, and the ``reserve`` a tower-running bin
+            without an image keeps free.
+        refine: how hard to search.
 
     Returns:
         The same number of slots of the same width, every sample index once; no image joins a
@@ -116,63 +94,52 @@ def refine_slots(
     dp, S = len(slots[0]) if slots else 0, len(slots)
     if S == 0 or dp == 0:
         return slots
-    st = _state(slots, lengths, place, groups, language, vision, cap)
-    args = (dp, S, *st, cap, reserve)
-    descend(*args, refine.changes, _EPS)
-    V, L = st[_V].reshape(S, dp), st[_L].reshape(S, dp)
+    state = _state(slots, items)
+    descend(state, dp, items.cap, items.reserve, refine.changes, _EPS)
+    V, L = state.V.reshape(S, dp), state.L.reshape(S, dp)
     per_slot = float(np.sum(V.max(1) + L.max(1))) / S  # 0: every plan costs nothing, none to search
     if refine.anneal_steps and per_slot > 0:
         with np.errstate(over="ignore"):  # SplitMix64 wraps by design (as Python, numpy warns)
             seed = np.uint64(refine.seed)
-            bin_of = anneal(*args, refine.anneal_steps, seed, _T0 * per_slot, _T1 * per_slot)
+            temperatures = (_T0 * per_slot, _T1 * per_slot)
+            bin_of = anneal(state, dp, items.cap, items.reserve, refine.anneal_steps, seed, *temperatures)
     else:
-        bin_of = bins_of(st[_MEMBERS], st[_COUNT], len(lengths))
+        bin_of = bins_of(state.members, state.count, items.n)
     held: list[list[int]] = [[] for _ in range(S * dp)]
     for i in np.argsort(bin_of, kind="stable").tolist():
         held[int(bin_of[i])].append(i)
+    lengths = items.lengths
     return [
         [(sum(lengths[i] for i in held[k * dp + r]), held[k * dp + r]) for r in range(dp)] for k in range(S)
     ]
 
 
-_MEMBERS, _COUNT, _V, _L = 5, 6, 9, 10
-"""Positions in :func:`_state`'s tuple."""
-
-
-def _state(
-    slots: list[_Bins],
-    lengths: Sequence[int],
-    place: Sequence[int],
-    groups: Sequence[Hashable | None],
-    language: Sequence[float],
-    vision: Sequence[float],
-    cap: int,
-) -> tuple:
-    """The search's arrays: per slot whether it runs the tower; per sample its place, language
-    cost, tokens and image-set id; per bin its samples, their count, per-set counts, distinct
-    sets, vision and language cost, tokens and whether it is frozen (above the cap)."""
-    dp, S, n = len(slots[0]), len(slots), len(lengths)
+def _state(slots: list[_Bins], items: MiniBatchItems) -> SearchState:
+    """The search's arrays (:class:`~trainer_lib.planning.search.SearchState`) of ``slots``."""
+    dp, S, n = len(slots[0]), len(slots), items.n
     ids: dict[Hashable, int] = {}
+    groups = items.groups if items.groups is not None else [None] * n
     grp = np.array([-1 if g is None else ids.setdefault(g, len(ids)) for g in groups], np.int64)
     gcost = np.zeros(max(len(ids), 1))
     has = grp >= 0
-    gcost[grp[has]] = np.asarray(vision, np.float64)[has]
+    gcost[grp[has]] = np.asarray(items.vision, np.float64)[has]
     bin_of = np.empty(n, np.int64)
     for k, slot in enumerate(slots):
         for r, (_, held) in enumerate(slot):
             bin_of[held] = k * dp + r
-    nbins, size = S * dp, np.asarray(lengths, np.int64)
+    nbins, size = S * dp, np.asarray(items.lengths, np.int64)
     count = np.bincount(bin_of, minlength=nbins)
     order = np.argsort(bin_of, kind="stable")
     members = np.full((nbins, n), -1, np.int64)
     members[bin_of[order], np.arange(n) - np.repeat(np.cumsum(count) - count, count)] = order
     cnt = np.zeros((nbins, len(gcost)), np.int64)
     np.add.at(cnt, (bin_of[has], grp[has]), 1)
+    place = items.place
     vis_slot = np.array([any(place[i] == VISION for _, held in slot for i in held) for slot in slots])
     tokens = np.bincount(bin_of, size, minlength=nbins).astype(np.int64)
-    lang = np.asarray(language, np.float64)
-    return (
-        vis_slot, np.asarray(place, np.int64), lang, size, grp, members, count, cnt,
-        (cnt > 0).sum(1), (cnt > 0) @ gcost, np.bincount(bin_of, lang, minlength=nbins),
-        tokens, tokens > cap, gcost,
+    lang = np.asarray(items.language, np.float64)
+    return SearchState(
+        vis_slot=vis_slot, where=np.asarray(place, np.int64), lang=lang, size=size, grp=grp,
+        members=members, count=count, cnt=cnt, nd=(cnt > 0).sum(1), V=(cnt > 0) @ gcost,
+        L=np.bincount(bin_of, lang, minlength=nbins), T=tokens, frozen=tokens > items.cap, gcost=gcost,
     )  # fmt: skip
