@@ -6,6 +6,12 @@ slot ``b // dp``; a slot costs its slowest bin's vision cost plus its slowest bi
 cost, and a bin's vision cost is the sum of its distinct image sets' costs. :func:`descend` is
 the descent, :func:`anneal` the annealing (the algorithms are the refine module's steps 1 and 2).
 
+:func:`descend` and :func:`anneal` take the state as one :class:`SearchState` and unpack it once;
+the hot helpers they call (:func:`_best_partner` per sample of a slowest bin, and the inlined
+:func:`_change` per candidate) take its arrays one by one: handed the NamedTuple, ``_best_partner``
+made the descent 15x slower on ``bench/pack.py``'s mini-batches (7.8 ms against 0.53 ms per
+mini-batch, the same changes), the tuple's fields read at every call.
+
 numba compiles them on first use (a few seconds, cached on disk next to this file) with ``nogil``,
 so a trainer may plan the next step in a thread while the GPU runs this one. Without numba they
 run as the same Python: the same plans (``tests/planning/test_refine.py``), about 250x slower for
@@ -107,10 +113,9 @@ def _slot_cost(k, dp, V, L, a, va, la, b, vb, lb):
 
 
 @njit(**_INLINE)
-def _vision_after(a, gout, gin, s):
-    """Bin ``a``'s vision cost and distinct image sets (in state ``s``) once a sample of set
-    ``gout`` leaves it and one of set ``gin`` joins it (-1: no sample, or no image)."""
-    cnt, nd, gcost, V = s.cnt, s.nd, s.gcost, s.V
+def _vision_after(a, gout, gin, cnt, nd, gcost, V):
+    """Bin ``a``'s vision cost and distinct image sets once a sample of set ``gout`` leaves it and
+    one of set ``gin`` joins it (-1: no sample, or no image); arrays as :class:`SearchState`'s."""
     if gout == gin:
         return V[a], nd[a]
     v, d = V[a], nd[a]
@@ -129,10 +134,9 @@ def _allowed(where, i, vis_slot_k):
 
 
 @njit(**_INLINE)
-def _change(i, j, a, b, s, dp, cap, reserve):
-    """Sample ``i`` from bin ``a`` to ``b`` and ``j`` (-1: none) back, in state ``s``: the two bins'
-    vision costs, or ``(-1.0, -1.0)`` where a rule forbids it."""
-    vis_slot, where, size, grp, T = s.vis_slot, s.where, s.size, s.grp, s.T
+def _change(i, j, a, b, vis_slot, where, size, grp, cnt, nd, gcost, V, T, dp, cap, reserve):
+    """Sample ``i`` from bin ``a`` to ``b`` and ``j`` (-1: none) back: the two bins' vision costs,
+    or ``(-1.0, -1.0)`` where a rule forbids it (arrays: :class:`SearchState`'s)."""
     ka, kb = a // dp, b // dp
     if not _allowed(where, i, vis_slot[kb]) or (j >= 0 and not _allowed(where, j, vis_slot[ka])):
         return -1.0, -1.0
@@ -140,8 +144,8 @@ def _change(i, j, a, b, s, dp, cap, reserve):
     if T[a] - ds > cap or T[b] + ds > cap:
         return -1.0, -1.0
     gj = grp[j] if j >= 0 else -1
-    va, da = _vision_after(a, grp[i], gj, s)
-    vb, db = _vision_after(b, gj, grp[i], s)
+    va, da = _vision_after(a, grp[i], gj, cnt, nd, gcost, V)
+    vb, db = _vision_after(b, gj, grp[i], cnt, nd, gcost, V)
     room_a = cap - reserve if vis_slot[ka] and da == 0 else cap
     room_b = cap - reserve if vis_slot[kb] and db == 0 else cap
     if T[a] - ds > room_a or T[b] + ds > room_b:
@@ -214,22 +218,26 @@ def _retop(k, dp, V, L, tops):
     tops[k, 3], tops[k, 4], tops[k, 5] = _tops(k, dp, L)
 
 
+# fmt: off
 @njit(**_JIT)
-def _best_partner(i, a, s, dp, tops, cap, reserve, eps):
-    """The move or swap of sample ``i`` (in bin ``a`` of state ``s``) that lowers the step most, at
-    least by ``eps``: ``(gain, bin, partner or -1, vision of a, vision of the bin)``; bin -1 if
-    none."""
+def _best_partner(
+    i, a, dp, S, vis_slot, where, lang, size, grp, members, count, cnt, nd, V, L, T, frozen, gcost,
+    tops, cap, reserve, eps
+):
+    """The move or swap of sample ``i`` (in bin ``a``) that lowers the step most, at least by
+    ``eps``: ``(gain, bin, partner or -1, vision of a, vision of the bin)``; bin -1 if none.
+    Arrays one by one, not the :class:`SearchState` (module docstring: 15x)."""
+    # fmt: on
     best, bb, bj, bva, bvb = eps, -1, -1, 0.0, 0.0
     ka = a // dp
-    lang, members, count, V, L = s.lang, s.members, s.count, s.V, s.L
-    for b in range(s.count.shape[0]):
+    for b in range(count.shape[0]):
         kb = b // dp
-        if b == a or s.frozen[b] or not _allowed(s.where, i, s.vis_slot[kb]):
+        if b == a or frozen[b] or not _allowed(where, i, vis_slot[kb]):
             continue
         base = _pair_now(ka, kb, tops)
         for q in range(-1, count[b]):
             j = members[b, q] if q >= 0 else -1
-            va, vb = _change(i, j, a, b, s, dp, cap, reserve)
+            va, vb = _change(i, j, a, b, vis_slot, where, size, grp, cnt, nd, gcost, V, T, dp, cap, reserve)
             if va < 0.0:
                 continue
             dl = lang[i] - (lang[j] if j >= 0 else 0.0)
@@ -249,7 +257,9 @@ def descend(state, dp, cap, reserve, max_changes, eps_share):
     tokens, ``cap - reserve`` in a tower-running slot without an image of its own. Returns the
     number of changes."""
     S, V, L, frozen = state.vis_slot.shape[0], state.V, state.L, state.frozen
-    count, members = state.count, state.members
+    count, members, lang, size, grp = state.count, state.members, state.lang, state.size, state.grp
+    vis_slot, where, cnt, nd = state.vis_slot, state.where, state.cnt, state.nd
+    gcost, T = state.gcost, state.T
     tops = np.empty((S, 6))
     for k in range(S):
         _retop(k, dp, V, L, tops)
@@ -268,7 +278,10 @@ def descend(state, dp, cap, reserve, max_changes, eps_share):
                 continue
             for p in range(count[a]):
                 i = members[a, p]
-                _, b, j, va, vb = _best_partner(i, a, state, dp, tops, cap, reserve, eps)
+                _, b, j, va, vb = _best_partner(
+                    i, a, dp, S, vis_slot, where, lang, size, grp, members, count, cnt, nd, V, L, T,
+                    frozen, gcost, tops, cap, reserve, eps,
+                )  # fmt: skip
                 if b >= 0:
                     _exchange(i, j, a, b, va, vb, state)
                     for kk in (k, b // dp):
@@ -315,8 +328,9 @@ def anneal(state, dp, cap, reserve, steps, seed, t0, t1):
     geometrically from ``t0`` to ``t1``; the draws from SplitMix64 started at ``seed`` (a
     ``numpy.uint64``). Returns the best plan seen, as each sample's bin."""
     S, V, L, frozen = state.vis_slot.shape[0], state.V, state.L, state.frozen
-    count, members = state.count, state.members
-    lang = state.lang
+    count, members, lang, size, grp = state.count, state.members, state.lang, state.size, state.grp
+    vis_slot, where, cnt, nd = state.vis_slot, state.where, state.cnt, state.nd
+    gcost, T = state.gcost, state.T
     n, nbins = lang.shape[0], S * dp
     bin_of = bins_of(members, count, n)
     tops = np.empty((S, 6))  # per slot, as in the descent: each stage's largest cost, its bin, the second
@@ -337,7 +351,7 @@ def anneal(state, dp, cap, reserve, steps, seed, t0, t1):
         j = -1
         if count[b] > 0 and _unit(bits) < 0.6:
             j = members[b, _below(bits, count[b])]
-        va, vb = _change(i, j, a, b, state, dp, cap, reserve)
+        va, vb = _change(i, j, a, b, vis_slot, where, size, grp, cnt, nd, gcost, V, T, dp, cap, reserve)
         if va < 0.0:
             continue
         ka, kb = a // dp, b // dp
