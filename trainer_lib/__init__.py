@@ -15,7 +15,8 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
   the bound in :mod:`trainer_lib.planning.slot_bound`, tighter packings where first fit misses the bound in
   :mod:`trainer_lib.planning.repack`).
 - :class:`CostModel` — FLOPs per sample, the predicted sync idle (:mod:`trainer_lib.planning.cost`).
-- :class:`Refinement` — the opt-in search for a shorter predicted step (:mod:`trainer_lib.planning.refine`).
+- :class:`Refinement` — the opt-in search for a shorter predicted step, within ``plan_time_budget_s``
+  seconds per mini-batch (:mod:`trainer_lib.planning.refine`).
 - :func:`deal_mini_batch` — one mini-batch as every rank's micro-batches (:mod:`trainer_lib.planning.ranks`).
 - :func:`plan_step`, :class:`StepPlan`, :class:`RankLoad` — a whole step (:mod:`trainer_lib.planning.plan`).
 - :func:`build_position_ids`, :func:`cu_seqlens` — MRoPE positions, sample boundaries

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from trainer_lib.planning import grouped, partition
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
-from trainer_lib.planning.cost import CostModel, sync_idle
+from trainer_lib.planning.cost import H100_FORWARD_FLOPS_PER_S, CostModel, sync_idle
 from trainer_lib.planning.items import EITHER, MiniBatchItems
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import plan_step
@@ -282,6 +282,7 @@ def test_cost_model_reads_the_other_qwen_families(family):
 
     cm = CostModel.from_config(AutoConfig.from_pretrained(ensure_tiny_model(family)))
     assert min(cm.llm_per_token, cm.llm_per_token_sq, cm.vision_per_token, cm.vision_per_token_sq) > 0
+    assert cm.seconds_per_unit == 1 / H100_FORWARD_FLOPS_PER_S  # FLOPs in the fitted card's seconds
 
 
 def test_cost_model_names_the_supported_families():

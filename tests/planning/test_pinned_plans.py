@@ -3,9 +3,9 @@
 Planning is deterministic (the annealing draws from a seeded SplitMix64), so a refactor of the
 planning modules must leave every plan byte-identical. The cases cover text only, images of
 several sizes with shared image sets (dedup groups), samples above the cap, several isolation
-keys, the token plan and ``stretch_cap``, the opt-in search (descent, annealing), and dp 1, 2, 4
-and 8. Each plan is recorded as ``[mini_batch][rank][micro_batch]`` lists of sample indices
-(``None``: a micro-batch pad).
+keys, the token plan and ``stretch_cap``, the opt-in search (descent, annealing, both within the
+default time budget), and dp 1, 2, 4 and 8. Each plan is recorded as
+``[mini_batch][rank][micro_batch]`` lists of sample indices (``None``: a micro-batch pad).
 
 To record them again (only where a change of plans is deliberate, with the reason in the
 commit)::
@@ -69,7 +69,7 @@ def _cases(pack, cm) -> dict[str, tuple[list[TrainingSample], dict]]:
                 "mini_batch_size": 96,
                 "micro_batch_max_tokens": 2048,
                 "cost_model": cm,
-                "refine": Refinement(),
+                "refine": Refinement(anneal_steps=0),  # the descent alone
             },
         ),
         "images, dp 8, cap 8k, anneal": (
@@ -105,7 +105,11 @@ def _cases(pack, cm) -> dict[str, tuple[list[TrainingSample], dict]]:
         ),
         "images, dp 8, cap 16k, no cost model, descent": (
             mix(7, prompts=16),
-            {**step, "dp_size": 8, "mini_batch_size": 256, "refine": Refinement(changes=50)},
+            {**step, "dp_size": 8, "mini_batch_size": 256, "refine": Refinement(changes=50, anneal_steps=0)},
+        ),
+        "images, dp 8, cap 16k, search at the default budget": (
+            mix(8, prompts=16),
+            {**step, "dp_size": 8, "mini_batch_size": 256, "cost_model": cm, "refine": Refinement()},
         ),
     }
 

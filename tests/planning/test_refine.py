@@ -5,6 +5,7 @@ needs, gives the same plans compiled and as plain Python, and shortens the step 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import REPO
-from trainer_lib.planning import search
+from trainer_lib.planning import refine, search
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY
 from trainer_lib.planning.items import EITHER, TEXT, VISION, MiniBatchItems, places
 from trainer_lib.planning.partition import partition_mini_batch
@@ -116,7 +117,7 @@ def test_the_search_never_lengthens_the_step_and_keeps_the_slots(bench_mix, seed
     lengths, keys, kinds, vision, extra = bench_inputs(bench_mix, seed)[0]
     kwargs = dict(dp=8, cap=cap, keys=keys, kinds=kinds, vision=vision, reserve=6, **extra)
     plain = partition_mini_batch(MiniBatchItems(lengths, **kwargs))
-    descent = partition_mini_batch(MiniBatchItems(lengths, **kwargs), Refinement())
+    descent = partition_mini_batch(MiniBatchItems(lengths, **kwargs), Refinement(anneal_steps=0))
     refined = partition_mini_batch(MiniBatchItems(lengths, **kwargs), Refinement(anneal_steps=anneal))
 
     def cost(part) -> float:
@@ -222,7 +223,79 @@ def test_the_annealing_draws_from_splitmix64():
     assert out == expected
 
 
+def _bench_items(bench_mix, seed: int, j: int) -> MiniBatchItems:
+    """Mini-batch ``j`` of a bench step (dp 8, 256 samples, cap 16k), costs in the card's time."""
+    assert bench_inputs(bench_mix, seed)[j][4]["unit_seconds"] == bench_mix[1].seconds_per_unit
+    lengths, keys, kinds, vision, extra = bench_inputs(bench_mix, seed)[j]
+    return MiniBatchItems(
+        lengths, dp=8, cap=16384, keys=keys, kinds=kinds, vision=vision, reserve=6, **extra
+    )  # fmt: skip
+
+
+def _step(items: MiniBatchItems, part) -> float:
+    slots = [[(0, part.ranks[r][k]) for r in range(items.dp)] for k in range(part.num_micro_batches)]
+    return step_cost(slots, items.language, items.vision, items.groups)
+
+
+def test_the_default_budget_is_two_percent_of_the_step_within_its_floor_and_cap():
+    assert refine.default_budget_s(None) == refine.BUDGET_FLOOR_S == 0.002  # no time on a card
+    assert refine.default_budget_s(1.0) == pytest.approx(0.02)
+    assert refine.default_budget_s(0.01) == refine.BUDGET_FLOOR_S
+    assert refine.default_budget_s(100.0) == refine.BUDGET_CAP_S == 0.045
+    assert Refinement(plan_time_budget_s=0.3).budget_s(1.0) == 0.3  # given: as given
+
+
+def test_the_budget_buys_iterations_at_the_measured_rates(bench_mix):
+    """A budget is a count at the constant rates, never a clock: 5 descent changes' worth of
+    budget is ``changes=5``, 3000 annealing steps' worth is ``anneal_steps=3000``."""
+    items = _bench_items(bench_mix, 4, 0)
+    by_time = Refinement(anneal_steps=0, plan_time_budget_s=5.5 / refine.DESCENT_CHANGES_PER_S)
+    by_count = Refinement(changes=5, anneal_steps=0, plan_time_budget_s=math.inf)
+    assert partition_mini_batch(items, by_time) == partition_mini_batch(items, by_count)
+    by_time = Refinement(changes=0, plan_time_budget_s=3000.5 / refine.ANNEAL_STEPS_PER_S)
+    by_count = Refinement(changes=0, anneal_steps=3000, plan_time_budget_s=math.inf)
+    assert partition_mini_batch(items, by_time) == partition_mini_batch(items, by_count)
+    assert partition_mini_batch(items, by_count) != partition_mini_batch(items)  # it did search
+
+
+def test_budget_zero_gives_the_plan_as_constructed(bench_mix):
+    for j in range(4):
+        items = _bench_items(bench_mix, 5, j)
+        plain = partition_mini_batch(items)
+        assert partition_mini_batch(items, Refinement(plan_time_budget_s=0.0)) == plain
+        assert partition_mini_batch(items, Refinement(changes=0, anneal_steps=0)) == plain
+
+
+@pytest.mark.parametrize("budget", [1e-5, 1e-4, 1e-3, None])
+def test_a_budget_never_leaves_the_step_longer_than_no_search(bench_mix, budget):
+    """Any budget, however small, ends at most where the constructed plan is (the descent only
+    lowers the step, the annealing returns the best plan it saw); the default budget (None:
+    2% of a ~2.5 s step on the card, capped at 45 ms) shortens it."""
+    for j in range(4):
+        items = _bench_items(bench_mix, 6, j)
+        plain = partition_mini_batch(items)
+        refined = partition_mini_batch(items, Refinement(plan_time_budget_s=budget))
+        assert refined.num_micro_batches == plain.num_micro_batches
+        assert _step(items, refined) <= _step(items, plain) * (1 + 1e-12)
+        if budget is None:
+            assert _step(items, refined) < _step(items, plain) * (1 - 1e-4)
+
+
+def test_the_same_seed_gives_the_same_plan_within_the_default_budget(bench_mix):
+    items = _bench_items(bench_mix, 3, 1)
+    runs = [partition_mini_batch(items, Refinement(seed=11)) for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
 def test_bad_refinements_are_refused():
+    with pytest.raises(ValueError, match="plan_time_budget_s"):
+        Refinement(plan_time_budget_s=-0.1)
+    with pytest.raises(ValueError, match="plan_time_budget_s"):
+        Refinement(plan_time_budget_s=math.nan)
+    with pytest.raises(ValueError, match="anneal_steps"):
+        Refinement(plan_time_budget_s=math.inf)  # no bound on the annealing
+    with pytest.raises(ValueError, match="unit_seconds"):
+        MiniBatchItems([1], dp=1, cap=10, unit_seconds=0.0)
     with pytest.raises(ValueError, match="changes and anneal_steps"):
         Refinement(changes=-1)
     with pytest.raises(ValueError, match="changes and anneal_steps"):

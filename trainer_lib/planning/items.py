@@ -47,7 +47,8 @@ class MiniBatchItems:
         # .place == [EITHER, EITHER, VISION]; .reserve == 6
 
     Raises:
-        ValueError: ``dp`` or ``cap`` below 1, ``reserve`` outside ``[0, cap)``, a length below 1,
+        ValueError: ``dp`` or ``cap`` below 1, ``reserve`` outside ``[0, cap)``, ``unit_seconds``
+            not above 0, a length below 1,
             a kind other than ``NEUTRAL``, ``PIXELS``, ``STRAY``, or a per-sample sequence of
             another length than ``lengths``.
     """
@@ -79,12 +80,18 @@ class MiniBatchItems:
     stretch: bool = False
     """``stretch_cap``: the samples above the cap get slots of their own, whose other bins fill up
     to the slot's longest sample instead of the cap."""
+    unit_seconds: float | None = None
+    """Seconds of forward+backward on the card per unit of ``vision`` and ``language``
+    (:attr:`~trainer_lib.planning.cost.CostModel.seconds_per_unit`); None: the costs are not time
+    (tokens). The plan's search budget reads it (:mod:`~trainer_lib.planning.refine`)."""
     place: Sequence[int] = field(init=False)
     """Per sample :data:`VISION`, :data:`TEXT` or :data:`EITHER` (:func:`places`; all
     :data:`EITHER` without pixels)."""
 
     def __post_init__(self) -> None:
         n = len(self.lengths)
+        if self.unit_seconds is not None and not self.unit_seconds > 0:
+            raise ValueError(f"unit_seconds must be > 0 or None, got {self.unit_seconds}")
         if self.dp < 1 or self.cap < 1 or not 0 <= self.reserve < self.cap:
             raise ValueError(
                 f"need dp, cap >= 1 and 0 <= reserve < cap; got {self.dp}, {self.cap}, {self.reserve}"

@@ -66,7 +66,8 @@ def deal_mini_batch(
             :func:`~trainer_lib.planning.partition.partition_mini_batch`).
         balance: ``"compute"`` (default) or ``"tokens"`` (:data:`Balance`).
         refine: with ``"compute"``, search the plan for a shorter predicted step
-            (:class:`~trainer_lib.planning.refine.Refinement`; opt-in, slower).
+            (:class:`~trainer_lib.planning.refine.Refinement`; opt-in), for at most its
+            ``plan_time_budget_s`` (seconds; default from the cost model's predicted step).
 
     Returns:
         ``dp_size`` :class:`~trainer_lib.PackedBatch` es in rank order: micro-batch ``k`` runs the
@@ -94,6 +95,7 @@ def deal_mini_batch(
         groups=[a.image_key for a in analyses] if balance == "compute" else None,
         reserve=spec.image_pad_length if aligned else 0,
         stretch=stretch_cap,
+        unit_seconds=None if cost_model is None else cost_model.seconds_per_unit,
     )
     part = partition_mini_batch(items, refine)  # searched only where groups are given ("compute")
     last_key = pad_key(entries[-1].sample if entries else None)  # the sample-count pads' key
