@@ -10,18 +10,20 @@ same library, so the server and the trainer see the frames vLLM would:
 
 1. limits on the declared header (:func:`protocol.video_header.read_video_header`: frame size,
    frame count, duration) before FFmpeg sees a byte, then on what OpenCV reports;
-2. the loader's frame indices (:func:`sample_indices`, one rule per loader, ported line for
-   line with the upstream source named);
+2. the frame indices of the family's vLLM loader, computed by vLLM itself (through the upstream
+   table: ``VIDEO_LOADER_REGISTRY.load(loader).compute_frames_index_to_sample`` on what
+   ``OpenCVVideoBackendMixin.get_video_metadata`` reports, after the loader's ``_prepare_source``);
 3. a sequential ``grab`` to the last index, ``retrieve`` of each sampled frame, BGR -> RGB
    (``OpenCVVideoBackendMixin._read_frames_no_recovery``); a sampled frame that does not decode
    is refused (vLLM logs it and carries on with fewer frames: a truncated clip is an error here).
 
-The test suite compares indices, frames and metadata with vLLM's own loaders (``tests/test_video.py``).
+What is ours: the header limits, the stream held alive through ``release`` (vLLM's
+``open_video_capture`` does not hold it), and the strict read. The test suite compares indices,
+frames and metadata with vLLM's own loaders (``tests/test_video.py``).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from io import BytesIO
@@ -32,6 +34,7 @@ import numpy as np
 from protocol.errors import AssetTooLarge, MMRefError, VideoUnreadable
 from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
 from protocol.video_header import read_video_header
+from upstream import load, video_source
 
 __all__ = [
     "DEFAULT_VIDEO_LIMITS",
@@ -128,49 +131,52 @@ def decoder_identity() -> dict[str, str]:
         wheel = importlib_metadata.version("opencv-python-headless")
     except importlib_metadata.PackageNotFoundError:
         wheel = "absent"
-    return {"decoder": "opencv", "opencv": cv2.__version__, "wheel": wheel, "api": _api_name()}
+    api = load("OpenCVVideoBackendMixin.get_cv2_video_api")()
+    name = "none" if api is None else cv2.videoio_registry.getBackendName(api)
+    return {"decoder": "opencv", "opencv": cv2.__version__, "wheel": wheel, "api": name}
 
 
 def sample_indices(sampling: VideoSampling, total: int, fps: float) -> list[int]:
-    """The frame indices the family's vLLM loader takes from a video of ``total`` frames at ``fps``.
+    """The frame indices the family's vLLM loader takes from a video of ``total`` frames at ``fps``
+    (0.0: unknown): vLLM's own ``compute_frames_index_to_sample``.
 
     Raises:
-        VideoUnreadable: no frames, or (Qwen2-VL's loader) an unknown source fps.
+        VideoUnreadable: no frames, or (Qwen2-VL's loader) an unknown source fps or fewer frames
+            than a temporal patch.
     """
-    if total < 1:
-        raise VideoUnreadable("the video has no frames")
-    if sampling.loader == "qwen2_vl":
-        return _qwen2_vl_indices(sampling, total, fps)
-    return _qwen3_vl_indices(sampling, total, fps)
+    source = load("VideoSourceMetadata")(total, fps, total / fps if fps > 0 else 0.0)
+    return _indices(sampling, source, None)
 
 
-def _qwen2_vl_indices(s: VideoSampling, total: int, fps: float) -> list[int]:
-    """``Qwen2VLVideoBackend.compute_frames_index_to_sample`` (vLLM 0.32 ``multimodal/video.py``)."""
-    import torch
+def _loader(sampling: VideoSampling) -> Any:
+    """vLLM's loader registered under ``sampling.loader`` (``VIDEO_LOADER_REGISTRY.load``)."""
+    return load("VIDEO_LOADER_REGISTRY").load(sampling.loader)
 
-    if fps <= 0:
-        raise VideoUnreadable("Qwen2-VL video sampling needs a known source fps; the container gives 0")
-    max_frames = (
-        math.floor(min(min(s.max_frames, 768), total) / s.temporal_patch_size) * s.temporal_patch_size
-    )
-    n = total / fps * min(s.fps, 30)
-    n = min(max(n, s.min_frames), max_frames, total)
-    n = math.floor(n / s.temporal_patch_size) * s.temporal_patch_size
-    if n < 1:  # vLLM divides by zero here (a 1-frame clip)
-        raise VideoUnreadable(
-            f"a {total}-frame video gives no Qwen2-VL temporal patch of {s.temporal_patch_size}"
+
+def _indices(sampling: VideoSampling, source: Any, ref: str | None) -> list[int]:
+    """``loader.compute_frames_index_to_sample(source, target, **sampling kwargs)`` on a
+    ``VideoSourceMetadata``, as vLLM's decoder calls it; its refusals as VideoUnreadable."""
+    if source.total_frames_num < 1:
+        raise VideoUnreadable("the video has no frames", ref=ref)
+    # VideoMediaIO's num_frames and max_duration are ignored by both Qwen loaders
+    target = load("VideoTargetMetadata")(num_frames=-1, fps=sampling.fps, max_duration=300)
+    try:
+        indices = _loader(sampling).compute_frames_index_to_sample(
+            source,
+            target,
+            min_frames=sampling.min_frames,
+            max_frames=sampling.max_frames,
+            temporal_patch_size=sampling.temporal_patch_size,
         )
-    indices = torch.arange(0, total, total / n).int()
-    return torch.clamp(indices, max=total - 1).tolist()
-
-
-def _qwen3_vl_indices(s: VideoSampling, total: int, fps: float) -> list[int]:
-    """``Qwen3VLVideoBackend.compute_frames_index_to_sample`` (vLLM 0.32 ``multimodal/video.py``;
-    an unknown source fps is taken as 24, its ``_prepare_source``)."""
-    fps = fps if fps > 0 else 24.0
-    n = int(total / fps * min(s.fps, 30))
-    n = min(max(n, s.min_frames), min(s.max_frames, 768), total)
-    return np.linspace(0, total - 1, n).round().astype(int).tolist()
+    except ZeroDivisionError as e:  # Qwen2-VL's loader: no temporal patch fits (a 1-frame clip)
+        raise VideoUnreadable(
+            f"a {source.total_frames_num}-frame video gives no {sampling.loader} temporal patch "
+            f"of {sampling.temporal_patch_size}",
+            ref=ref,
+        ) from e
+    except ValueError as e:  # Qwen2-VL's loader: an unknown source fps
+        raise VideoUnreadable(str(e), ref=ref) from e
+    return [int(i) for i in indices]
 
 
 def load_video(
@@ -226,17 +232,15 @@ def _decode(data: bytes, sampling: VideoSampling, limits: VideoLimits, ref: str 
     import cv2
 
     stream = BytesIO(data)  # held until the capture is released: OpenCV reads it through to the end
-    cap = cv2.VideoCapture(stream, _api(), [])
+    cap = cv2.VideoCapture(stream, load("OpenCVVideoBackendMixin.get_cv2_video_api")(), [])
     try:
         if not cap.isOpened():
             raise VideoUnreadable("OpenCV could not open the video stream", ref=ref)
         width, height = int(cap.get(cv2.CAP_PROP_FRAME_WIDTH)), int(cap.get(cv2.CAP_PROP_FRAME_HEIGHT))
-        total, fps = _frame_count(cap), float(cap.get(cv2.CAP_PROP_FPS))
-        duration = total / fps if fps > 0 else 0.0
-        if fps <= 0 and sampling.loader == "qwen3_vl":  # Qwen3VLVideoBackend._prepare_source
-            fps = 24.0
-        _check_limits(width, height, total, duration, limits, ref)
-        indices = sample_indices(sampling, total, fps)
+        reported = load("OpenCVVideoBackendMixin.get_video_metadata")(cap)
+        _check_limits(width, height, reported.total_frames_num, reported.duration, limits, ref)
+        source = video_source(_loader(sampling), reported)  # Qwen3-VL: an unknown fps is 24
+        indices = _indices(sampling, source, ref)
         if len(indices) * width * height * 3 > limits.max_decoded_bytes:
             raise AssetTooLarge(
                 f"{len(indices)} sampled {width}x{height} frames exceed {limits.max_decoded_bytes} bytes",
@@ -246,22 +250,13 @@ def _decode(data: bytes, sampling: VideoSampling, limits: VideoLimits, ref: str 
     finally:
         cap.release()
     kept = tuple(sorted(set(indices)))  # vLLM's valid_frame_indices: each index read once
-    return DecodedVideo(frames=frames, total_frames=total, fps=fps, duration_s=duration, indices=kept)
-
-
-def _frame_count(cap: Any) -> int:
-    """``OpenCVVideoBackendMixin.get_video_metadata``'s count: ``CAP_PROP_FRAME_COUNT``, corrected
-    to the presentable frames when an end-of-stream seek shows an edit list hides a lead-in."""
-    import cv2
-
-    total = int(cap.get(cv2.CAP_PROP_FRAME_COUNT))
-    if total > 0 and cap.set(cv2.CAP_PROP_POS_AVI_RATIO, 1.0):
-        visible = int(cap.get(cv2.CAP_PROP_POS_FRAMES))
-        at_end = not cap.grab()
-        cap.set(cv2.CAP_PROP_POS_FRAMES, 0)
-        if at_end and 0 < visible < total - 1:
-            total = visible
-    return total
+    return DecodedVideo(
+        frames=frames,
+        total_frames=source.total_frames_num,
+        fps=float(source.original_fps),
+        duration_s=float(source.duration),
+        indices=kept,
+    )
 
 
 def _read(cap: Any, indices: list[int], width: int, height: int, ref: str | None) -> np.ndarray:
@@ -282,27 +277,3 @@ def _read(cap: Any, indices: list[int], width: int, height: int, ref: str | None
             frames[k] = cv2.cvtColor(frame, cv2.COLOR_BGR2RGB)
             k += 1
     return frames
-
-
-def _api() -> int | None:
-    """``OpenCVVideoBackendMixin.get_cv2_video_api``: the first stream-buffered backend usable
-    (a built-in one, or a plugin of ABI >= 1.2)."""
-    import cv2.videoio_registry as vr
-
-    for backend in vr.getStreamBufferedBackends():
-        if not vr.hasBackend(backend):
-            continue
-        if not vr.isBackendBuiltIn(backend):
-            _, abi, api = vr.getStreamBufferedBackendPluginVersion(backend)
-            if abi < 1 or (abi == 1 and api < 2):
-                continue
-        return backend
-    return None
-
-
-def _api_name() -> str:
-    """The name of :func:`_api`'s backend (``"FFMPEG"``), or ``"none"``."""
-    import cv2.videoio_registry as vr
-
-    api = _api()
-    return "none" if api is None else vr.getBackendName(api)

@@ -16,6 +16,7 @@ from upstream import (
     served_image_processor,
     serving_tokens_keywords,
     touchpoint,
+    video_source,
 )
 
 
@@ -59,3 +60,10 @@ def test_mm_worker_is_a_single_thread_executor_or_none():
         assert mm_worker(SimpleNamespace(_mm_executor=one)) is one
         assert mm_worker(SimpleNamespace(_mm_executor=two)) is None
     assert mm_worker(SimpleNamespace()) is None
+
+
+def test_video_source_is_the_loaders_own_adjustment():
+    registry = load("VIDEO_LOADER_REGISTRY")
+    source = load("VideoSourceMetadata")(30, 0.0, 0.0)
+    assert video_source(registry.load("qwen3_vl"), source) == (30, 24.0, 0.0)  # unknown fps: 24
+    assert video_source(registry.load("qwen2_vl"), source) == source

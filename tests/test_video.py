@@ -125,6 +125,19 @@ def test_sample_indices_match_vllm_loaders(loader):
             assert sample_indices(VideoSampling(loader), total, fps) == want, (total, fps)
 
 
+@pytest.mark.parametrize(
+    ("loader", "total", "fps", "match"),
+    [
+        ("qwen2_vl", 10, 0.0, "known source fps"),  # vLLM raises ValueError
+        ("qwen2_vl", 1, 24.0, "no qwen2_vl temporal patch of 2"),  # vLLM divides by zero
+        ("qwen3_vl", 0, 24.0, "no frames"),
+    ],
+)
+def test_sample_indices_refusals_are_video_unreadable(loader, total, fps, match):
+    with pytest.raises(VideoUnreadable, match=match):
+        sample_indices(VideoSampling(loader), total, fps)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("clip", CLIPS, ids=[f"{c[0]}-{c[1]}fps-{c[2]}s" for c in CLIPS])
 def test_frames_and_metadata_equal_vllm_loader(family, clip):

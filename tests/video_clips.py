@@ -17,10 +17,16 @@ __all__ = ["clip_bytes", "with_box_field"]
 
 @functools.cache
 def clip_bytes(
-    photo: str = "astronaut", *, fps: int = 8, seconds: int = 2, size: tuple[int, int] = (160, 120)
+    photo: str = "astronaut",
+    *,
+    fps: int = 8,
+    seconds: int = 2,
+    size: tuple[int, int] = (160, 120),
+    start: int = 0,
 ) -> bytes:
     """An MP4 (MPEG-4 Part 2, ``mp4v``) of ``fps * seconds`` frames of ``size`` = (w, h) pixels:
-    a window panning over a scikit-image photo (``skimage.data.<photo>``), so frames differ.
+    a window panning over a scikit-image photo (``skimage.data.<photo>``), so frames differ;
+    ``start`` shifts the pan (another clip of the same photo: the benches' distinct clips).
 
     Raises:
         RuntimeError: OpenCV has no writer for the codec.
@@ -36,7 +42,7 @@ def clip_bytes(
             raise RuntimeError("OpenCV cannot write mp4v here")
         span_y, span_x = image.shape[0] // 4, image.shape[1] // 4
         for i in range(fps * seconds):
-            y, x = (7 * i) % span_y, (11 * i) % span_x
+            y, x = (7 * (i + start)) % span_y, (11 * (i + start)) % span_x
             crop = image[y : y + 3 * image.shape[0] // 4, x : x + 3 * image.shape[1] // 4]
             frame = cv2.resize(np.ascontiguousarray(crop[..., :3]), (w, h), interpolation=cv2.INTER_AREA)
             writer.write(cv2.cvtColor(frame, cv2.COLOR_RGB2BGR))

@@ -16,10 +16,11 @@ A leaf: it imports nothing of the project (``protocol/``, ``trainer_lib/``, ``vl
 - **The door** (``door.py``): code outside this package imports vLLM only through :func:`load` (a
   row's name, in the installed release's form) and the functions for what is reached other than
   by import: the private names (:func:`mm_fields_config`, :func:`mm_worker`,
-  :func:`invalidation_drain`), the reads that differ by model (:func:`served_image_processor`) and
-  the version-keyed branches (:func:`invalidation_drain`, :func:`serving_tokens_keywords`,
-  :func:`locate`). No other module of the library, bench or scripts spells a vLLM import or tests
-  a vLLM version (``tests/test_vllm_surface.py``).
+  :func:`invalidation_drain`, :func:`video_source`), the reads that differ by model
+  (:func:`served_image_processor`, :func:`served_video_processor`) and the version-keyed
+  branches (:func:`invalidation_drain`, :func:`serving_tokens_keywords`, :func:`locate`). No
+  other module of the library, bench or scripts spells a vLLM import or tests a vLLM version
+  (``tests/test_vllm_surface.py``).
 
 Checked two ways: ``tests/test_vllm_compat.py`` imports every name from the installed vLLM and
 binds the project's call shapes to its signatures; ``scripts/vllm_compat.py`` checks the same
@@ -38,8 +39,10 @@ from upstream.door import (
     mm_fields_config,
     mm_worker,
     served_image_processor,
+    served_video_processor,
     serving_tokens_keywords,
     touchpoint,
+    video_source,
     vllm_version,
 )
 from upstream.model import CHECKED_VLLM, Kind, Located, Side, Touchpoint, Variant
@@ -62,8 +65,10 @@ __all__ = [
     "mm_fields_config",
     "mm_worker",
     "served_image_processor",
+    "served_video_processor",
     "serving_tokens_keywords",
     "touchpoint",
+    "video_source",
     "vllm_version",
 ]
 

@@ -94,6 +94,14 @@ def served_image_processor(mm_processor: Any) -> Any:
     return own if own is not None else info.get_hf_processor().image_processor
 
 
+def served_video_processor(mm_processor: Any) -> Any:
+    """The HF video processor a running vLLM uses, from its multimodal processor:
+    ``info.get_hf_processor().video_processor`` (the HF processor vLLM loaded,
+    ``vllm/multimodal/processing/context.py``), or None where the processor has none. The
+    adapter's video path wraps it (``VideoMixin.attach_video``)."""
+    return getattr(mm_processor.info.get_hf_processor(), "video_processor", None)
+
+
 def mm_fields_config(mm_processor: Any) -> Callable[[Any], Mapping[str, Any]]:
     """The served model's field config, ``hf_inputs -> {field: MultiModalFieldConfig}``.
 
@@ -139,6 +147,17 @@ def invalidation_drain(renderer: Any, version: str | None = None) -> Callable[[]
     if not tp.exists_in(version or vllm_version()):
         return None
     return getattr(renderer, tp.qualname.rsplit(".", 1)[-1], None)
+
+
+def video_source(loader: Any, source: Any) -> Any:
+    """The source metadata a vLLM video loader samples from: ``loader._prepare_source(source)``
+    (``VideoSourceMetadata`` in and out), as vLLM's OpenCV decoder calls it before it samples.
+
+    Private: ``VideoLoader._prepare_source`` (``vllm/multimodal/video.py``), the loader's own
+    adjustment of what the container reports (``Qwen3VLVideoBackend``: an unknown fps is 24, which
+    the frame timestamps then use); no public method applies it.
+    """
+    return loader._prepare_source(source)
 
 
 def serving_tokens_keywords(state: Any, version: str | None = None) -> dict[str, Any]:

@@ -355,6 +355,11 @@ _CONNECTOR: tuple[Touchpoint, ...] = (
           reached_as=f"overridden by MMRefMediaConnector; vLLM's chat parser calls {name}(url)", positional=1,
           positional_names=("image_url",), keywords=("image_mode",), named=("image_mode",))
       for name, users in (("fetch_image", ("bench/server.py",)), ("fetch_image_async", ()))),
+    *(row(f"{_MEDIA}:MediaConnector.{name}", "method", _MEDIA_FILE, "vllm_plugin/connector.py",
+          reached_as=f"overridden by MMRefMediaConnector; chat parser calls {name}(url, video_processor=)",
+          positional=1, positional_names=("video_url",), keywords=("image_mode", "video_processor"),
+          named=("image_mode", "video_processor"))
+      for name in ("fetch_video", "fetch_video_async")),
     row("vllm.multimodal.media.base:MediaWithBytes", "class", "vllm/multimodal/media/base.py",
         "vllm_plugin/chat_refs.py", positional=3, positional_names=("media", "original_bytes", "io_config")),
     row("vllm.renderers.chat_utils:CustomChatCompletionContentSimpleImageParam.uuid", "attribute",

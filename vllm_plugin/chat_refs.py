@@ -37,16 +37,20 @@ answer as the plugin's typed 4xx.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from protocol.errors import AssetOutsideRoot, InvalidRef, InvalidRequest
+from protocol.adapters import VideoMixin
+from protocol.errors import AssetOutsideRoot, GridMismatch, InvalidRef, InvalidRequest, UnsupportedFamily
 from protocol.images import load_image
-from protocol.refs import IMAGE_EXTS, FileRef, is_ref, parse_ref
+from protocol.refs import IMAGE_EXTS, ContentRef, FileRef, is_ref, parse_ref
 from protocol.store import check_sha256
+from protocol.video_header import sniff_video_type
+from protocol.videos import DEFAULT_VIDEO_LIMITS
 from upstream import load
 from vllm_plugin import request_scope
 from vllm_plugin.cache import ByteBudgetLRU
@@ -169,19 +173,56 @@ class ChatRefs:
         nbytes = image.size[0] * image.size[1] * len(image.getbands()) + len(data)
         return ChatImage(load("MediaWithBytes")(image, data, dict(_IO_CONFIG)), key, nbytes)
 
-    async def image(self, ref: str) -> ChatImage:
-        """:meth:`read`, cached by the whole ref string, single-flight, in the worker threads."""
+    def read_video(self, ref: str) -> ChatImage:
+        """Read, check and decode one video ref, uncached (blocking), into what vLLM's connector
+        returns for a video URL: ``MediaWithBytes((frames, metadata), bytes)``, the frames and
+        metadata of vLLM's loader (``protocol.videos.load_video``). The family's video processor
+        runs once here (raw pixels) so that the grid vLLM will compute is checked against the
+        ref's before vLLM sees the frames.
+
+        Raises:
+            InvalidRef: not an ``mmraw`` video ref (an object-store URL, an ``mmfile`` ref, an
+                image ref).
+            UnsupportedFamily: the served family has no video path.
+            MMRefError subclasses: see ``VideoMixin.read_video`` (limits before decoding: bytes,
+                frame size, frames, duration, decoded bytes); GridMismatch: another grid.
+        """
+        parsed = parse_ref(ref) if is_ref(ref) else None
+        if parsed is None or isinstance(parsed, FileRef):
+            raise InvalidRef("a video URL takes an mmraw video ref", ref=ref)
+        adapter = self.adapter
+        if not isinstance(adapter, VideoMixin):
+            raise UnsupportedFamily(f"videos are not supported for {adapter.family!r}", ref=ref)
+        limits = dataclasses.replace(DEFAULT_VIDEO_LIMITS, max_pixels=self.config.max_image_pixels)
+        claimed, decoded, data, sha256 = adapter.read_video(
+            parsed, self.store, ref=ref, max_bytes=self.config.max_video_bytes, limits=limits
+        )
+        grid = adapter.process_video(decoded, raw_pixels=True, ref=ref).grid
+        if grid != claimed:
+            raise GridMismatch(
+                f"ref claims video_grid_thw {list(claimed)}, processor gives {list(grid)}", ref=ref
+            )
+        ext = parsed.ext if isinstance(parsed, ContentRef) else (sniff_video_type(data) or ("", ".mp4"))[1]
+        mode = CHAT_MODE + self.pixel_mode
+        key = ContentKey("video", sha256, ext, str(adapter.video_fingerprint), mode)
+        media = load("MediaWithBytes")((decoded.frames, decoded.hf_metadata()), data, {"decoder": "mmref"})
+        return ChatImage(media, key, decoded.frames.nbytes + len(data))
+
+    async def image(self, ref: str, *, video: bool = False) -> ChatImage:
+        """:meth:`read` (``video``: :meth:`read_video`), cached by the whole ref string,
+        single-flight, in the worker threads."""
         loop = asyncio.get_running_loop()
+        read = self.read_video if video else self.read
         return await self.cache.get_or_compute(
-            _cache_key(ref), lambda: loop.run_in_executor(self.pool, self.read, ref)
+            _cache_key(ref, video), lambda: loop.run_in_executor(self.pool, read, ref)
         )
 
-    def image_sync(self, ref: str) -> ChatImage:
+    def image_sync(self, ref: str, *, video: bool = False) -> ChatImage:
         """:meth:`image` for a caller without an event loop (vLLM's synchronous parser)."""
-        key = _cache_key(ref)
+        key = _cache_key(ref, video)
         cached = self.cache.get(key)
         if cached is None:
-            cached = self.read(ref)
+            cached = self.read_video(ref) if video else self.read(ref)
             self.cache.put(key, cached)
         return cached
 
@@ -204,19 +245,21 @@ class ChatRefs:
         limit = self.config.max_refs_per_request
         if len(parts) > limit:
             raise InvalidRequest(f"{len(parts)} refs in one request; MMREF_MAX_REFS_PER_REQUEST is {limit}")
-        refs = list(dict.fromkeys(ref for _, ref in parts))
-        results = await asyncio.gather(*(self.image(ref) for ref in refs), return_exceptions=True)
+        wanted = list(dict.fromkeys((ref, "video_url" in part) for part, ref in parts))
+        results = await asyncio.gather(
+            *(self.image(ref, video=video) for ref, video in wanted), return_exceptions=True
+        )
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        images: dict[str, ChatImage] = dict(zip(refs, results, strict=True))  # type: ignore[arg-type]
+        images: dict[tuple[str, bool], ChatImage] = dict(zip(wanted, results, strict=True))  # type: ignore[arg-type]
         for part, ref in parts:
-            part["uuid"] = self.uuid(images[ref], weight_version)
-        return images
+            part["uuid"] = self.uuid(images[ref, "video_url" in part], weight_version)
+        return {ref: image for (ref, _), image in images.items()}
 
 
-def _cache_key(ref: str) -> str:
-    return hashlib.sha256(ref.encode("utf-8", "surrogatepass")).hexdigest()
+def _cache_key(ref: str, video: bool = False) -> str:
+    return hashlib.sha256((("video:" if video else "") + ref).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 _IMAGE_KEY_RE = re.compile(r"images/[a-f0-9]{16}(?:" + "|".join(re.escape(e) for e in IMAGE_EXTS) + ")")
@@ -236,7 +279,8 @@ def ref_parts(body: Any, names: Callable[[Any], bool] = is_ref) -> list[tuple[di
     """The content parts of a decoded JSON body whose image URL ``names`` claims (a ref string by
     default; :meth:`ChatRefs.names`), in document order: every object with an ``image_url`` that is
     such a string or an object whose ``url`` is one (chat's ``image_url`` parts, responses'
-    ``input_image`` parts, the bare ``{"image_url": ...}`` form).
+    ``input_image`` parts, the bare ``{"image_url": ...}`` form), and every ``video_url`` whose
+    URL is a ref (chat's ``video_url`` parts: a video ref; ``"video_url" in part`` tells them apart).
 
     Raises:
         InvalidRequest: a ``uuid`` in the plugin's reserved ``mmref-`` namespace anywhere in the body
@@ -253,10 +297,10 @@ def ref_parts(body: Any, names: Callable[[Any], bool] = is_ref) -> list[tuple[di
             continue
         if "uuid" in node and str(node["uuid"]).startswith(NAMESPACE):
             raise InvalidRequest(f"content part uuids starting with {NAMESPACE!r} are reserved")
-        url = node.get("image_url")
+        url = node.get("image_url", node.get("video_url"))
         if isinstance(url, dict):
             url = url.get("url")
-        if names(url):
+        if names(url) and ("image_url" in node or is_ref(url)):  # a video URL: refs only
             found.append((node, url))
         stack.extend(reversed([v for v in node.values() if isinstance(v, (dict, list))]))
     return found

@@ -7,7 +7,7 @@ from pydantic import Field
 from protocol.features import DEFAULT_MAX_FEATURE_BYTES
 from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
 from protocol.settings import RootSettings
-from protocol.store import DEFAULT_MAX_IMAGE_BYTES
+from protocol.store import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_VIDEO_BYTES
 
 __all__ = ["PluginConfig"]
 
@@ -33,6 +33,9 @@ class PluginConfig(RootSettings):
     """Threads that read and process images."""
     max_image_bytes: int = Field(default=DEFAULT_MAX_IMAGE_BYTES, ge=1)
     max_image_pixels: int = Field(default=DEFAULT_MAX_IMAGE_PIXELS, ge=1)
+    max_video_bytes: int = Field(default=DEFAULT_MAX_VIDEO_BYTES, ge=1)
+    """Largest video file a video ref may name (its frames: ``max_image_pixels`` each, and
+    ``protocol.videos.DEFAULT_VIDEO_LIMITS``' frame count, duration and decoded bytes)."""
     max_feature_bytes: int = Field(default=DEFAULT_MAX_FEATURE_BYTES, ge=1)
     """Largest ``mmfile`` feature file read."""
     max_body_bytes: int | None = Field(default=None, ge=1024)

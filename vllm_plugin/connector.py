@@ -11,8 +11,10 @@ roots (``ChatRefs.names``), the connector returns the image the request pinned
 (``request_scope.pin``, read and keyed before vLLM parsed the body), or reads it through the plugin
 (``ChatRefs.image``); what it returns is what vLLM's connector returns for an image, a
 ``MediaWithBytes`` of the RGB image and its bytes, so vLLM's processor processes it as a data
-URL's. Every other URL (http, data, file under ``--allowed-local-media-path``) goes to vLLM's
-connector unchanged.
+URL's. A video ref in a ``video_url`` part is the same (``fetch_video``): the frames and metadata of
+vLLM's loader (``ChatRefs.read_video``), as vLLM's connector returns a data URL's video. Every
+other URL (http, data, file under ``--allowed-local-media-path``) goes to vLLM's connector
+unchanged.
 """
 
 from __future__ import annotations
@@ -94,6 +96,36 @@ def _connector_class(base: type) -> type:
                     request_scope.record_error(e)
                     raise
             return image.media
+
+        def fetch_video(
+            self, video_url: str, *, image_mode: str | None = "RGB", video_processor: str | None = None
+        ) -> Any:
+            if not is_ref(video_url):
+                return super().fetch_video(video_url, image_mode=image_mode, video_processor=video_processor)
+            video = request_scope.pinned(video_url)
+            if video is None:
+                try:
+                    video = _service(video_url).image_sync(video_url, video=True)
+                except MMRefError as e:
+                    request_scope.record_error(e)
+                    raise
+            return video.media
+
+        async def fetch_video_async(
+            self, video_url: str, *, image_mode: str | None = "RGB", video_processor: str | None = None
+        ) -> Any:
+            if not is_ref(video_url):
+                return await super().fetch_video_async(
+                    video_url, image_mode=image_mode, video_processor=video_processor
+                )
+            video = request_scope.pinned(video_url)
+            if video is None:
+                try:
+                    video = await _service(video_url).image(video_url, video=True)
+                except MMRefError as e:
+                    request_scope.record_error(e)
+                    raise
+            return video.media
 
     return MMRefMediaConnector
 

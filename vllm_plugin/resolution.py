@@ -2,7 +2,8 @@
 returned by :class:`FeatureForm` for each of the two request forms.
 
 - ``mm_refs`` (prompt order, :meth:`FeatureForm.from_refs`): each ref resolved (``resolver.py``),
-  its placeholder run located in the prompt (``protocol.placeholders.locate_image_runs``);
+  its placeholder run located in the prompt (``protocol.placeholders.locate_image_runs``; video
+  refs, Qwen2.5-VL, under ``"video"`` with the video token's runs);
 - ``features`` (:meth:`FeatureForm.check`): each position a ref (resolved), an inline item (decoded
   and checked as vLLM will merge it), or a ``null`` slot (the engine's cache, or a content-named
   handle resolved from the roots), every range as long as its item (docs/ARCHITECTURE.md).
@@ -18,6 +19,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from protocol.adapters import VIDEO_FAMILIES
 from protocol.errors import InvalidRef, InvalidRequest, NotCached, PlaceholderMismatch
 from protocol.placeholders import check_length, check_range, locate_image_runs
 from protocol.refs import ContentRef, RawRefBody, is_ref, parse_ref
@@ -73,6 +75,7 @@ class FeatureForm:
         engine_items: what the engine may hold, for ``null`` slots.
         placeholder_token_id: the model's image placeholder token id.
         ec_transfer: whether the server has an encoder-cache connector (metadata-only items).
+        video_token_id: the model's video placeholder token id (None: no videos on this route).
     """
 
     def __init__(
@@ -82,11 +85,13 @@ class FeatureForm:
         *,
         placeholder_token_id: int,
         ec_transfer: bool,
+        video_token_id: int | None = None,
     ) -> None:
         self.resolver = resolver
         self.adapter = resolver.adapter
         self.engine_items = engine_items
         self.placeholder_token_id = placeholder_token_id
+        self.video_token_id = video_token_id
         self.ec_transfer = ec_transfer
         self.max_refs = resolver.config.max_refs_per_request
 
@@ -118,18 +123,52 @@ class FeatureForm:
         for entry, item in zip(mm_refs, resolved, strict=True):
             if isinstance(entry, RawMMRef):
                 _check_declared(entry, item)
-        counts = [item.num_placeholders for item in resolved]
-        ranges = locate_image_runs(token_ids, [], self.placeholder_token_id, counts=counts)
-        hashes = [engine_hash(item.content_key, version) for item in resolved]
-        m = self.adapter.vllm_modality
+        groups = self._by_modality(resolved)
+        hashes: dict[str, list[str]] = {}
+        ranges: dict[str, list[dict[str, int]]] = {}
+        sent, slots = [], []
+        for m, (token_id, items) in groups.items():
+            counts = [item.num_placeholders for item in items]
+            runs = locate_image_runs(token_ids, [], token_id, counts=counts)
+            hashes[m] = [engine_hash(item.content_key, version) for item in items]
+            ranges[m] = [{"offset": o, "length": n} for o, n in runs]
+            sent += [(h, _recorded(item)) for h, item in zip(hashes[m], items, strict=True)]
+            slots += [ResolvedSlot(m, i, hashes[m][i], item.item) for i, item in enumerate(items)]
         features = load("MultiModalFeatures")(
-            mm_hashes={m: hashes},
-            mm_placeholders={m: [{"offset": o, "length": n} for o, n in ranges]},
-            kwargs_data={m: [None] * len(resolved)},
+            mm_hashes=hashes,
+            mm_placeholders=ranges,
+            kwargs_data={m: [None] * len(h) for m, h in hashes.items()},
         )
-        sent = tuple((h, _recorded(item)) for h, item in zip(hashes, resolved, strict=True))
-        slots = tuple(ResolvedSlot(m, i, hashes[i], item.item) for i, item in enumerate(resolved))
-        return Resolution(features, sent, slots, version)
+        return Resolution(features, tuple(sent), tuple(slots), version)
+
+    def _by_modality(self, resolved: list[ResolvedItem]) -> dict[str, tuple[int, list[ResolvedItem]]]:
+        """``{vLLM modality: (placeholder token id, items in prompt order)}``: images under the
+        served modality, videos under ``"video"`` (each modality's runs are located apart).
+
+        Raises:
+            InvalidRequest: a video where the route cannot place it: no video token, or a family
+                whose video placeholders are one run per frame between timestamp tokens (Qwen3-VL;
+                vLLM 0.32's ``PlaceholderRangeInfo`` has no ``is_embed`` mask to say so).
+        """
+        images = [item for item in resolved if item.content_key.kind != "video"]
+        videos = [item for item in resolved if item.content_key.kind == "video"]
+        groups = (
+            {self.adapter.vllm_modality: (self.placeholder_token_id, images)} if images or not videos else {}
+        )
+        if videos:
+            if not self._places_videos():
+                raise InvalidRequest(
+                    f"{self.adapter.family} video refs go in chat video_url parts: this route's placeholder "
+                    "ranges (offset, length) cannot express a video's runs between timestamp tokens"
+                )
+            groups["video"] = (self.video_token_id, videos)  # type: ignore[assignment]
+        return groups
+
+    def _places_videos(self) -> bool:
+        """Whether this route can place the served family's videos: a video token, and one run per
+        video (Qwen2.5-VL; not Qwen3-VL's runs between timestamp tokens)."""
+        spec = VIDEO_FAMILIES.get(self.adapter.family)
+        return spec is not None and not spec.per_frame_runs and self.video_token_id is not None
 
     async def check(self, features: Any, token_ids: list[int], version: str) -> Resolution:
         """The ``features`` form: every position checked, refs and content-named handles resolved.
@@ -140,12 +179,15 @@ class FeatureForm:
             item that is not the model's. PlaceholderMismatch, NotCached: see :meth:`_null_slot`.
         """
         m = self.adapter.vllm_modality
-        other = sorted(set(features.mm_hashes) - {m})
+        other = sorted(set(features.mm_hashes) - ({m, "video"} if self._places_videos() else {m}))
         if other:
             raise InvalidRequest(f"features modalities {other[:4]} are not served; this server takes {m!r}")
+        videos = await self._video_slots(features, token_ids, version)
         hashes = list(features.mm_hashes.get(m, ()))
-        if not hashes:
+        if not hashes and videos is None:
             return Resolution(features, (), (), version)  # no items: vLLM's answer as is
+        if not hashes:
+            return _with_videos(features, Resolution(None, (), (), version), videos, None)
         positions = _positions(features, m, hashes)
         self._check_positions(positions)
         if any(p.slot is None and p.metadata is None for p in positions):
@@ -166,7 +208,40 @@ class FeatureForm:
             kwargs_data={m: kwargs} if features.kwargs_data is not None else None,
             mm_metadata={m: metadata} if features.mm_metadata is not None else None,
         )
-        return Resolution(checked, tuple(sent), tuple(slots), version)
+        resolution = Resolution(checked, tuple(sent), tuple(slots), version)
+        return resolution if videos is None else _with_videos(features, resolution, videos, m)
+
+    async def _video_slots(self, features: Any, token_ids: list[int], version: str) -> _Videos | None:
+        """The ``"video"`` positions of ``features``: each a video ref slot (resolved, its range
+        checked against the video token's run), for a family whose video is one run (Qwen2.5-VL).
+
+        Raises:
+            InvalidRequest: videos where this route cannot place them (see :meth:`_by_modality`),
+                a video position that is not a ref (an inline item or a ``null`` slot: not yet).
+            PlaceholderMismatch: a range that is not the video's run. MMRefError: the ref.
+        """
+        hashes = list(features.mm_hashes.get("video", ()))
+        if not hashes:
+            return None
+        positions = _positions(features, "video", hashes)
+        if any(p.slot is None or not is_ref(p.slot) for p in positions):
+            raise InvalidRequest(
+                "video positions take video refs only (inline items and null slots: not yet)"
+            )
+        self.check_ref_count(len(positions))
+        items = await asyncio.gather(*(self.resolver.resolve(p.slot) for p in positions))
+        token_id = self._video_token(items)
+        for p, item in zip(positions, items, strict=True):
+            check_range(token_ids, p.placeholder.model_dump(), token_id, item.num_placeholders, p.slot)
+        new = [engine_hash(item.content_key, version) for item in items]
+        return _Videos(new, [p.placeholder for p in positions], list(items))
+
+    def _video_token(self, items: list[ResolvedItem]) -> int:
+        """The video token of a family whose videos this route places (see :meth:`_by_modality`)."""
+        groups = self._by_modality(items)
+        if "video" not in groups:
+            raise InvalidRequest('a "video" position takes a video ref (this one names an image)')
+        return groups["video"][0]
 
     def _check_positions(self, positions: list[_Position]) -> None:
         """The read bound (each ref slot, and each null slot naming an image, costs a read) and the
@@ -187,6 +262,8 @@ class FeatureForm:
         """One ``features`` position: a ref (resolved), an inline item (checked), a ``null`` slot."""
         if p.slot is not None and is_ref(p.slot):
             item = await self.resolver.resolve(p.slot)
+            if item.content_key.kind == "video":
+                raise InvalidRequest(f'{self._where(p)}: a video ref goes in a "video" position')
             self._check_range(call, p, item.num_placeholders, p.slot)
             return item
         if p.slot is None and p.metadata is None:
@@ -259,6 +336,42 @@ class FeatureForm:
 
     def _where(self, p: _Position) -> str:
         return f"{self.adapter.vllm_modality} item {p.index}"
+
+
+class _Videos(NamedTuple):
+    """A request's resolved ``"video"`` positions."""
+
+    hashes: list[str]
+    placeholders: list[Any]
+    items: list[ResolvedItem]
+
+
+def _with_videos(features: Any, resolution: Resolution, videos: _Videos, m: str | None) -> Resolution:
+    """``resolution`` (the served modality's positions; ``m`` None: none) with the videos added."""
+    checked = resolution.features
+    hashes = {m: list(checked.mm_hashes[m])} if m is not None else {}
+    ranges = {m: list(checked.mm_placeholders[m])} if m is not None else {}
+    kwargs = {m: list(checked.kwargs_data[m])} if m is not None and checked.kwargs_data is not None else {}
+    hashes["video"], ranges["video"], kwargs["video"] = (
+        videos.hashes,
+        videos.placeholders,
+        [None] * len(videos.hashes),
+    )
+    metadata = None
+    if features.mm_metadata is not None:
+        metadata = {**(checked.mm_metadata if m is not None else {}), "video": [None] * len(videos.hashes)}
+    merged = load("MultiModalFeatures")(
+        mm_hashes=hashes, mm_placeholders=ranges, kwargs_data=kwargs, mm_metadata=metadata
+    )
+    sent = (*resolution.sent, *((h, _recorded(i)) for h, i in zip(videos.hashes, videos.items, strict=True)))
+    slots = (
+        *resolution.slots,
+        *(
+            ResolvedSlot("video", i, h, it.item)
+            for i, (h, it) in enumerate(zip(videos.hashes, videos.items, strict=True))
+        ),
+    )
+    return Resolution(merged, sent, slots, resolution.version)
 
 
 def _positions(features: Any, modality: str, hashes: list[str]) -> list[_Position]:

@@ -9,6 +9,9 @@
 - content-named cache handles (:meth:`MMRefResolver.resolve_handle`): an image engine hash this
   replica's engine does not hold, resolved from the same roots by the content it names (the same
   pixel path, ``ImageAdapter.process_bytes``; no grid is claimed, the request's range is checked).
+- video refs (``mmraw`` with ``modality="video"``, issue 44): ``VideoMixin.resolve_video`` (the
+  header limits before decoding, vLLM's loader frames, the family's HF video processor, the grid
+  checked), built into vLLM's ``"video"`` item; keyed by an opaque video engine hash (no handle).
 - ``mmfile:v1:`` refs: envelope, payload sha256 and fingerprint checked, payload decoded with
   vLLM's decoder and checked against the served model's item layout and pixel mode.
 - The item stays a ``MultiModalKwargsItem`` in this process: it reaches vLLM's engine input as is
@@ -26,19 +29,29 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any
 
-from protocol.adapters import ImageAdapter, ProcessedImage
-from protocol.errors import CorruptFeature, FingerprintMismatch, GridMismatch, InvalidRef, MMRefError
+from protocol.adapters import ImageAdapter, ProcessedImage, VideoMixin
+from protocol.errors import (
+    CorruptFeature,
+    FingerprintMismatch,
+    GridMismatch,
+    InvalidRef,
+    MMRefError,
+    UnsupportedFamily,
+)
 from protocol.features import read_feature_item
 from protocol.images import sniff_media_type
 from protocol.refs import ContentRef, FileRef, RawRefBody, parse_ref
 from protocol.roots import AssetRoots
+from protocol.videos import DEFAULT_VIDEO_LIMITS
 from upstream import load
 from vllm_plugin import metrics
 from vllm_plugin.cache import ByteBudgetLRU
@@ -123,6 +136,10 @@ class MMRefResolver:
         if cached is not None:
             return cached
         parsed = parse_ref(ref)
+        if isinstance(parsed, RawRefBody | ContentRef) and parsed.modality == "video":
+            video = self._video_adapter(ref)
+            video.check_video_ref(parsed, ref=ref)  # cheap checks (grid bound too) before queueing work
+            return await self._compute(key, "video", lambda: self._resolve_video_sync(video, parsed, ref))
         if isinstance(parsed, RawRefBody | ContentRef):
             self.adapter.check_ref(parsed, ref=ref)  # cheap checks (grid bound too) before queueing work
             return await self._compute(key, "mmraw", lambda: self._resolve_raw_sync(parsed, ref))
@@ -166,6 +183,44 @@ class MMRefResolver:
         limit = self.config.max_image_bytes
         processed = self._pixels(self.adapter.resolve_raw, body, source, ref=ref, max_bytes=limit)
         return self._raw_item(processed, source.ext)
+
+    def _video_adapter(self, ref: str) -> VideoMixin:
+        """The adapter, where it serves videos (Qwen2.5-VL, Qwen3-VL: ``VideoMixin.attach_video``).
+
+        Raises:
+            UnsupportedFamily: the served family has no video path.
+        """
+        if not isinstance(self.adapter, VideoMixin) or self.adapter.video_processor is None:
+            raise UnsupportedFamily(f"videos are not served for {self.adapter.family!r}", ref=ref)
+        return self.adapter
+
+    def _resolve_video_sync(
+        self, adapter: VideoMixin, body: RawRefBody | ContentRef, ref: str
+    ) -> ResolvedItem:
+        """A video ref: ``VideoMixin.resolve_video`` (the limits before decoding: the file's bytes,
+        ``MMREF_MAX_IMAGE_PIXELS`` per frame, ``DEFAULT_VIDEO_LIMITS``' frames, duration and
+        decoded bytes) in this server's pixel mode, built into vLLM's ``"video"`` item."""
+        from transformers import BatchFeature
+
+        limits = dataclasses.replace(DEFAULT_VIDEO_LIMITS, max_pixels=self.config.max_image_pixels)
+        with load("set_default_torch_num_threads")():
+            processed = adapter.resolve_video(
+                body,
+                self.store,
+                ref=ref,
+                raw_pixels=self.raw_pixels,
+                max_bytes=self.config.max_video_bytes,
+                limits=limits,
+            )
+        hf_inputs = BatchFeature(dict(processed.tensors))
+        (item,) = load("MultiModalKwargsItems.from_hf_inputs")(
+            hf_inputs, self.layout.fields_config(hf_inputs)
+        )["video"]
+        ext = body.ext if isinstance(body, ContentRef) else PurePosixPath(body.raw_image_uri or "").suffix
+        key = ContentKey("video", processed.sha256, ext, str(adapter.video_fingerprint), self.pixel_mode)
+        return ResolvedItem(
+            content_key=key, item=item, grid=processed.grid, num_placeholders=processed.num_placeholders
+        )
 
     def _pixels(self, path: Callable[..., ProcessedImage], *args: Any, **kwargs: Any) -> ProcessedImage:
         """An adapter's pixel path (``resolve_raw``, ``process_bytes``) with this server's pixel

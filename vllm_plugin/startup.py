@@ -13,6 +13,7 @@ from upstream import (
     mm_fields_config,
     mm_worker,
     served_image_processor,
+    served_video_processor,
 )
 from vllm_plugin.config import PluginConfig
 from vllm_plugin.engine_items import EngineItems
@@ -65,6 +66,7 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
         items,
         placeholder_token_id=resolver.adapter.placeholder_token_id(model_config.hf_config),
         ec_transfer=vllm_config.ec_transfer_config is not None,
+        video_token_id=getattr(model_config.hf_config, "video_token_id", None),
     )
     return MMRefServing(
         form,
@@ -100,10 +102,13 @@ def build_resolver(
     Raises:
         UnsupportedFamily: the served model type has no adapter.
     """
-    from protocol.adapters import adapter_class
+    from protocol.adapters import VIDEO_FAMILIES, adapter_class
 
     model_type = model_config.hf_config.model_type
     adapter = adapter_class(model_type)(served_image_processor(mm_processor), family=model_type)
+    video_processor = served_video_processor(mm_processor) if model_type in VIDEO_FAMILIES else None
+    if video_processor is not None:  # vLLM's loader defaults (protocol.videos.VideoSampling)
+        adapter.attach_video(video_processor)
     return MMRefResolver(
         adapter,
         config,

@@ -84,8 +84,9 @@ def version_header(version: str) -> str | None:
 class ContentKey:
     """What a resolved item's engine hash binds besides the weight version."""
 
-    kind: Literal["image", "feature"]
-    """A raw image (``mmraw`` refs, handles) or a processed feature file (``mmfile:v1``)."""
+    kind: Literal["image", "feature", "video"]
+    """A raw image (``mmraw`` refs, handles), a processed feature file (``mmfile:v1``) or a video
+    (``mmraw`` video refs: chat ``video_url`` parts)."""
     sha256: str
     """Full hex sha256 of the image bytes, or of the feature file's payload."""
     ext: str
@@ -126,6 +127,9 @@ def engine_hash(content_key: ContentKey, weight_version: str) -> str:
     - a feature file: ``"mmref-" + 64 hex``, sha256 of ``"mmref:v1:file:" + payload sha256 + ":" +
       fingerprint`` + NUL + version: opaque (a feature file lives under one server's
       ``MMREF_ASSET_ROOT``; a replica that does not hold it answers ``not_cached``).
+    - a video: ``"mmref-" + 64 hex``, sha256 of ``"mmref:v1:video:" + sha256 + ext + ":" +
+      fingerprint + ":" + pixel mode`` + NUL + version: opaque (no handle: a video is resolved by
+      its ref only).
 
     vLLM keys its encoder cache (vision embeddings) by this hash and mixes it into the prefix-cache
     hashes of the blocks the item's placeholders fall in; binding it to the served weights'
@@ -135,7 +139,10 @@ def engine_hash(content_key: ContentKey, weight_version: str) -> str:
     if key.kind == "image":
         binding = binding_digest(key.fingerprint, key.pixel_mode, weight_version)
         return f"{NAMESPACE}{key.sha256}{key.ext}-{binding}"
-    text = f"mmref:v1:file:{key.sha256}:{key.fingerprint}\0{weight_version}"
+    if key.kind == "video":  # opaque, as a feature file's: no replica resolves a video by its hash
+        text = f"mmref:v1:video:{key.sha256}{key.ext}:{key.fingerprint}:{key.pixel_mode}\0{weight_version}"
+    else:
+        text = f"mmref:v1:file:{key.sha256}:{key.fingerprint}\0{weight_version}"
     return ENGINE_HASH_PREFIX + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 

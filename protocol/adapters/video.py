@@ -271,15 +271,36 @@ class VideoMixin:
                 refused the frames.
             GridMismatch: the processor's grid differs from the ref's claim.
         """
-        claimed = self.check_video_ref(body, ref=ref)
-        data, sha256 = store.read_image(body, max_bytes=max_bytes, ref=ref)
-        decoded = load_video(data, self.video_sampling, limits=limits, ref=ref)  # type: ignore[arg-type]
+        claimed, decoded, _, sha256 = self.read_video(
+            body, store, ref=ref, max_bytes=max_bytes, limits=limits
+        )
         processed = self.process_video(decoded, raw_pixels=raw_pixels, ref=ref)
         if processed.grid != claimed:
             raise GridMismatch(
                 f"ref claims video_grid_thw {list(claimed)}, processor gives {list(processed.grid)}", ref=ref
             )
         return dataclasses.replace(processed, sha256=sha256)
+
+    def read_video(
+        self,
+        body: RawRefBody | ContentRef,
+        store: ImageSource,
+        *,
+        ref: str | None = None,
+        max_bytes: int = DEFAULT_MAX_VIDEO_BYTES,
+        limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
+    ) -> tuple[tuple[int, ...], DecodedVideo, bytes, str]:
+        """The first half of :meth:`resolve_video`: ref checks, confined read and sha256, decode.
+        Returns ``(claimed grid, decoded frames, the file's bytes, their full sha256)`` (the chat
+        route hands the frames to vLLM's own processor).
+
+        Raises:
+            See :meth:`resolve_video` (all but the processor's refusals and the grid comparison).
+        """
+        claimed = self.check_video_ref(body, ref=ref)
+        data, sha256 = store.read_image(body, max_bytes=max_bytes, ref=ref)
+        decoded = load_video(data, self.video_sampling, limits=limits, ref=ref)  # type: ignore[arg-type]
+        return claimed, decoded, data, sha256
 
     def process_video(
         self, video: DecodedVideo, *, raw_pixels: bool = False, ref: str | None = None

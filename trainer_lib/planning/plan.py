@@ -185,9 +185,10 @@ def plan_step(
             once per micro-batch (the trainer's dedup); ``"tokens"``: issue 13's token-balanced
             plan (each slot's tokens even, vision slots grouped by vision cost).
         refine: with ``"compute"``, search each mini-batch's plan for a shorter predicted step
-            (:class:`~trainer_lib.planning.refine.Refinement`: descent, optionally annealing;
-            opt-in: planning ~2x slower with the descent, ~100x with 1M annealing steps;
-            docs/PACKING.md §3.8).
+            (:class:`~trainer_lib.planning.refine.Refinement`: the descent, then the annealing;
+            opt-in; docs/PACKING.md §3.8), for at most ``refine.plan_time_budget_s`` seconds per
+            mini-batch (default: 2% of the mini-batch's predicted step on ``cost_model``'s card,
+            2-45 ms), counted in iterations at measured rates, so the plan is deterministic.
         stretch_cap: off by default. On: in a micro-batch slot where some rank runs a sample
             longer than the cap, the other ranks' micro-batches may hold up to that sample's
             length instead of idling (no micro-batch exceeds the step's longest sample, which
