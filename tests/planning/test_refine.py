@@ -176,7 +176,7 @@ def test_the_search_shortens_the_step_on_the_bench_mix(bench_mix):
     pack, cm = bench_mix
     samples = pack.make_step(np.random.default_rng(2))
     kwargs = dict(dp_size=8, mini_batch_size=256, seq_len=16384, micro_batch_max_tokens=8192, cost_model=cm)
-    plain = plan_step(samples, pack.SPEC, **kwargs)
+    plain = plan_step(samples, pack.SPEC, **kwargs, refine=None)
     refined = plan_step(samples, pack.SPEC, **kwargs, refine=Refinement())
     assert [r[0].num_micro_batches for r in refined.mini_batches] == [
         r[0].num_micro_batches for r in plain.mini_batches

@@ -66,7 +66,7 @@ def deal_mini_batch(
             :func:`~trainer_lib.planning.partition.partition_mini_batch`).
         balance: ``"compute"`` (default) or ``"tokens"`` (:data:`Balance`).
         refine: with ``"compute"``, search the plan for a shorter predicted step
-            (:class:`~trainer_lib.planning.refine.Refinement`; opt-in), for at most its
+            (:class:`~trainer_lib.planning.refine.Refinement`; None: no search), for at most its
             ``plan_time_budget_s`` (seconds; default from the cost model's predicted step).
 
     Returns:
