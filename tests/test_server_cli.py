@@ -22,7 +22,7 @@ import msgspec
 import pytest
 from traffic import Traffic
 
-from helpers import VLLMServer, photo_bytes, refusal, rollout_sample, server_mismatch, start_server, warm_up
+from helpers import VLLMServer, photo_bytes, refusal, rollout_sample, served, server_mismatch
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
@@ -46,7 +46,7 @@ def media(tmp_path_factory):
 
 def cli(count: int, model_dir, output_root, log, media=None) -> Iterator[VLLMServer]:
     """A dev-mode server on ``count`` API processes, up once each of them has loaded the plugin."""
-    srv = start_server(
+    with served(
         model_dir,
         output_root,
         log,
@@ -59,15 +59,11 @@ def cli(count: int, model_dir, output_root, log, media=None) -> Iterator[VLLMSer
             "VLLM_SERVER_DEV_MODE": "1",
             "MMREF_HOLD_TIMEOUT_S": str(LEASE_S),
         },
-    )
-    try:
-        warm_up(srv)  # answered by whichever API process is up first
+    ) as srv:  # warmed up by whichever API process is up first
         deadline = time.monotonic() + 120
         while srv.log().count("mmref: serving refs") < count and time.monotonic() < deadline:
             time.sleep(0.5)  # the others may still be in the plugin's init_state
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
