@@ -31,8 +31,8 @@ gathered layer by layer), so the slowest rank of a slot sets its pace. The algor
    is still above the bound, steps 2-4 run again with minimum bin slack for FFD
    (:func:`~trainer_lib.planning.repack.min_slack_bins`), kept if it has fewer slots.
 5. **Deal.** Slot by slot, the bin with the most tokens goes to the rank with the fewest so far.
-   Before it, with ``refine`` (``plan_step``'s default), the slots' samples are searched for a shorter predicted
-   step (:mod:`~trainer_lib.planning.refine`; every rule kept, (G2) not promised).
+   Before it, with ``refine`` (``plan_step``'s default), the slots' samples are searched for a
+   shorter predicted step (:mod:`~trainer_lib.planning.refine`; every rule kept, (G2) not promised).
 
 Guarantees (proofs in docs/PACKING.md §3): (G1) rank token totals differ by at most the largest
 token spread inside one slot; (G2) with one isolation key, no image, no sample above the cap and a
