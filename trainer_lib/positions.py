@@ -18,6 +18,13 @@ them would merge into one group and consume one grid. For such runs the image ty
 the video path gives exactly the image positions (temporal index 0, spacing irrelevant), and
 the result equals vLLM's, which starts the next image at ``max + 1`` of the previous one.
 
+**Videos** (issue 44; docs/PACKING.md §11): their tokens are typed 2, their grids go in as
+``video_grid_thw`` in prompt order (beside the adjacent images above) and, where
+``get_rope_index`` takes it (Qwen2.5-VL), each video's ``second_per_grid_ts`` from its features:
+the time axis steps by ``tokens_per_second * second_per_grid_ts`` per temporal patch. Qwen3-VL's
+timestamps are prompt text between a video's per-patch runs (``ImageSpan.runs``), and its
+``get_rope_index`` splits the video grid per frame itself.
+
 Which families are MRoPE is the adapter registry's fact (``ImageAdapter.rope``); the 1D-RoPE
 families (Kimi) are not packed (:func:`trainer_lib.check_packable`).
 
@@ -146,8 +153,9 @@ def _segment_inputs(
     types: torch.Tensor, spans: Sequence[ImageSpan], lo: int, seconds: Iterator[torch.Tensor]
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """One sample's ``mm_token_type_ids`` and grid arguments for ``get_rope_index``: videos typed
-    2 (their ``second_per_grid_ts`` drawn from ``seconds``), images 1, an image right after an
-    image 2 (its grid then goes in as a video's, ``t == 1``, spacing 1.0); errors: see
+    2 (their ``second_per_grid_ts`` drawn from ``seconds``, passed only where it holds any), images
+    1, an image right after an image 2 (its grid then goes in as a video's, ``t == 1``, spacing
+    1.0); errors: see
     :func:`mrope_position_ids`."""
     seg_types = types.clone()
     grids: dict[int, list[tuple[int, ...]]] = {1: [], 2: []}
@@ -167,15 +175,16 @@ def _segment_inputs(
             seg_types[start - lo : start - lo + length] = kind
         grids[kind].append(im.grid)
         if kind == 2:
-            video_seconds.append(next(seconds, None) if im.is_video else torch.tensor(1.0))
-        prev_end, prev_kind, prev_grid, prev_video = sum(im.token_runs[-1]) - lo, kind, im.grid, im.is_video
+            video_seconds.append(next(seconds, None) if im.is_video else None)
+        end = sum(im.token_runs[-1]) - lo  # start + length of its last run, in the sample
+        prev_end, prev_kind, prev_grid, prev_video = end, kind, im.grid, im.is_video
     kwargs: dict[str, torch.Tensor | None] = {
         "image_grid_thw": torch.tensor(grids[1], dtype=torch.long) if grids[1] else None,
         "video_grid_thw": torch.tensor(grids[2], dtype=torch.long) if grids[2] else None,
     }
-    if any(s is not None for s in video_seconds):
+    if any(s is not None for s in video_seconds):  # an image passed as a video: t == 1, any spacing
         kwargs["second_per_grid_ts"] = torch.stack(
-            [torch.as_tensor(s, dtype=torch.float32) for s in video_seconds]
+            [torch.as_tensor(1.0 if s is None else s, dtype=torch.float32) for s in video_seconds]
         )
     return seg_types, kwargs
 

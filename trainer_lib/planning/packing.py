@@ -13,6 +13,9 @@ longer than the cap gets a bin of its own. Three rules keep a bin runnable:
   else by the placeholder token, and every run is split by the refs' grid-derived
   placeholder counts (adjacent images share one run). A mismatch raises
   :class:`protocol.errors.PlaceholderMismatch` naming the sample, the token id and both counts.
+  Videos (issue 44) are located the same way under the spec's video token (typed 2, transformers'
+  convention), each in its runs (``adapter.video_token_runs``), and sit among the images' spans in
+  prompt order; a text sample holding the video token is a stray placeholder too.
 
 The output wraps the wire struct :class:`protocol.structs.MicroBatch` in a trainer-side
 :class:`PackedMicroBatch`, which adds derived views: per-sample slots (offsets, image counts,
@@ -101,8 +104,9 @@ def analyze_entry(entry: PackEntry, spec: PackingSpec, position: int | None) -> 
     Raises:
         ValueError: an empty sample, a loss on its first token, a pad (``is_padding``) with a loss
             token (pads are zero-loss and out of every count), or a synthetic pad without the
-            spec's adapter or with refs.
-        PlaceholderMismatch: image tokens that do not match the refs (see :func:`locate_image_runs`).
+            spec's adapter or with refs, or a video ref with a spec that has no video token id.
+        PlaceholderMismatch: image or video tokens that do not match the refs (see
+            :func:`locate_image_runs`, :func:`locate_video_runs`).
     """
     placeholder_token_id, num_placeholders = spec.placeholder_token_id, spec.num_placeholders
     s = entry.sample
