@@ -28,6 +28,7 @@ from trainer_lib.materialize import materialize_micro_batch
 from trainer_lib.model_inputs import check_placeholders_match_features, packed_inputs
 from trainer_lib.planning.packing import pack_samples, rebuild_micro_batch
 from trainer_lib.positions import build_position_ids
+from trainer_lib.prepare import prepare_model_for_packing
 
 TOL = 1e-5
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
@@ -38,6 +39,7 @@ class VideoFamily(Family):
 
     def __init__(self, name: str, root) -> None:
         super().__init__(name, root)
+        assert prepare_model_for_packing(self.model) == "sdpa"  # the CPU backend, as the trainer sets it
         self.video_tok = self.adapter.video_token_id(self.model.config)
         self.clips = {
             "astronaut": offload_video(clip_bytes(), root, self.adapter),
@@ -225,3 +227,41 @@ def test_video_tripwire_names_the_video_token(families):
             num_placeholders=count,
             kind=2,
         )
+
+
+def forward_backward(fam: VideoFamily, m) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int]]:
+    """Logprobs, every parameter's gradient of a GRPO-like loss, and the rows each vision-tower call saw."""
+    rows: list[int] = []
+    hook = fam.model.model.visual.register_forward_hook(lambda mod, a, o: rows.append(a[0].shape[0]))
+    fam.model.zero_grad(set_to_none=True)
+    try:
+        inputs = packed_inputs(
+            m.packed, m.features, fam.model, fam.spec, image_index=m.image_index, video_index=m.video_index
+        )
+        out = packed_logprobs(fam.model, inputs)
+        weights = torch.linspace(0.5, 1.5, out.logprobs.shape[0])  # distinct per token
+        (out.logprobs * out.loss_mask * weights).sum().backward()
+    finally:
+        hook.remove()
+    grads = {n: p.grad.detach().clone() for n, p in fam.model.named_parameters() if p.grad is not None}
+    fam.model.zero_grad(set_to_none=True)
+    return out.logprobs.detach(), grads, rows
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_shared_clip_is_encoded_once_and_gradients_equal_the_per_slot_path(families, family):
+    """The RL group's clip (two video slots) runs the vision tower once under dedup; logprobs and
+    every gradient equal the per-slot path (fp32)."""
+    fam = families[family]
+    (mb,) = pack_samples(samples(fam), fam.spec, seq_len=4096).micro_batches
+    dedup = materialize_micro_batch(mb, fam.spec, fam.config)
+    per_slot = materialize_micro_batch(mb, fam.spec, fam.config, dedup=False)
+    lp_dedup, g_dedup, rows_dedup = forward_backward(fam, dedup)
+    lp_slot, g_slot, rows_slot = forward_backward(fam, per_slot)
+    videos = dedup.features["pixel_values_videos"].shape[0]
+    assert rows_dedup == [dedup.features["pixel_values"].shape[0], videos]  # images once, videos once
+    assert rows_slot[1] == per_slot.features["pixel_values_videos"].shape[0] > videos
+    assert (lp_dedup - lp_slot).abs().max().item() <= TOL
+    assert g_dedup.keys() == g_slot.keys() and any("visual" in n for n in g_dedup)
+    worst = max(((g_dedup[n] - g).norm() / g.norm().clamp_min(1e-30)).item() for n, g in g_slot.items())
+    assert worst <= 1e-5, worst
