@@ -14,6 +14,7 @@ __all__ = [
     "ANNEAL",
     "ANNEAL_STEPS",
     "BASE",
+    "BUDGET",
     "COMPUTE",
     "DESCENT",
     "compute_target_rows",
@@ -27,7 +28,11 @@ TARGET_IDLE, TARGET_WASTE, TARGET_PLAN, TARGET_FLOP_IDLE = 0.02, 0.04, 200_000, 
 BASE, COMPUTE = "balanced, tokens (#13)", "balanced, compute (#29)"
 """The plan before issue 29 (the step-time reference) and ``plan_step``'s default since."""
 DESCENT, ANNEAL = "balanced, compute + descent", "balanced, compute + descent + anneal"
-"""The default plan with the opt-in search (``Refinement``): descent, then annealing too."""
+"""The default plan with the opt-in search (``Refinement``): descent alone, then annealing too
+(``ANNEAL_STEPS``, no time budget)."""
+BUDGET = "balanced, compute + search (default budget)"
+"""The default plan with ``Refinement()``: descent and annealing within the default
+``plan_time_budget_s`` (2% of the predicted step on the cost model's card, 2-45 ms)."""
 ANNEAL_STEPS = 1_000_000
 """The annealed plan's steps per mini-batch (``Refinement.anneal_steps``)."""
 
@@ -104,8 +109,8 @@ def _sorted_groups_idle(inputs: list[tuple], slots: list[int], dp: int) -> float
     slots of ``dp``, the fewest encodes that keep the language levelled. Text-only bins last."""
     total = 0.0
     for (_, _, _, vision, extra), m in zip(inputs, slots, strict=True):
-        language, level, cost = {}, sum(extra["language_cost"]) / (dp * m), {}
-        for g, v, c in zip(extra["groups"], vision, extra["language_cost"], strict=True):
+        language, level, cost = {}, sum(extra["language"]) / (dp * m), {}
+        for g, v, c in zip(extra["groups"], vision, extra["language"], strict=True):
             if g is not None:
                 language[g], cost[g] = language.get(g, 0.0) + c, v
         bins = [cost[g] for g in sorted(cost, key=cost.__getitem__, reverse=True)

@@ -166,10 +166,10 @@ def main() -> None:
         ("term", "measured", "FLOPs"),
         ratio,
     )
-    print(
+    print(  # a fit below 0 is noise: printed as 0
         "\nA cost model in this card's seconds, for plan_step(cost_model=...) (docs/PACKING.md §3.4):\n"
         "    CostModel(llm_per_token={:.4g}, llm_per_token_sq={:.4g}, vision_per_token={:.4g}, "
-        "vision_per_token_sq={:.4g})".format(*(max(c, 0.0) for c in (a, b, av, bv)))  # a fit below 0: noise
+        "vision_per_token_sq={:.4g}, seconds_per_unit=1.0)".format(*(max(c, 0.0) for c in (a, b, av, bv)))
     )
     mix = make_step(np.random.default_rng(args.seed))
     names = ("language linear (T)", "language attention (l^2)", "vision linear (V)", "vision attention (v^2)")

@@ -20,8 +20,11 @@ samples (``bench/_baselines.py``): **today** (``plan_step`` before issue 13), **
 (Karmarkar-Karp rank shares, each packed alone), **balanced, tokens (#13)** (``plan_step(...,
 balance="tokens")``, the plan before issue 29), **balanced, compute (#29)** (``plan_step``'s
 default: samples sharing an image kept together, FLOPs balanced per slot), and that plan with the
-opt-in search (``refine=Refinement()``: **+ descent**; ``Refinement(anneal_steps=1_000_000)``:
-**+ descent + anneal**, timed once per draw: ~0.1 s per mini-batch). Columns
+opt-in search (``Refinement(anneal_steps=0)``: **+ descent**; ``Refinement(anneal_steps=1_000_000,
+plan_time_budget_s=math.inf)``: **+ descent + anneal**, timed once per draw: ~0.2 s per
+mini-batch; ``Refinement()``: **+ search (default budget)**, descent and annealing within the
+default ``plan_time_budget_s``, 2% of the predicted step on the cost model's card, 2-45 ms).
+Columns
 (docs/PACKING.md §7 defines them):
 
 - **waste, capacity** = 1 - real tokens / ``sum(max(cap, len(mb)))`` (empty room + pads), with its
@@ -45,7 +48,8 @@ opt-in search (``refine=Refinement()``: **+ descent**; ``Refinement(anneal_steps
 - **plan** samples/s: single rank and *today*: ``plan_bins`` (first-fit-decreasing from
   lengths/kinds/keys, the issue's 200k reference); *verl KK*: KK + ``plan_bins`` per share;
   *balanced*: ``partition_mini_batch`` (vision costs included); **plan_step ms/1024**: the whole
-  plan end to end (analysis, planning, every ``MicroBatch`` built), per 1024 samples;
+  plan end to end (analysis, planning, every ``MicroBatch`` built), per 1024 samples, and
+  **per mini-batch** (the planning time a step spends per optimizer step);
 - **pack** samples/s (single rank): ``pack_samples`` end to end.
 """
 
@@ -53,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 from pathlib import Path
 
@@ -67,6 +72,7 @@ from _pack_targets import (
     ANNEAL,
     ANNEAL_STEPS,
     BASE,
+    BUDGET,
     COMPUTE,
     DESCENT,
     compute_target_rows,
@@ -80,6 +86,7 @@ from protocol.refs import RawRefBody, format_mmraw
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, plan_bins
 from trainer_lib.planning.cost import CostModel
+from trainer_lib.planning.items import MiniBatchItems
 from trainer_lib.planning.packing import analyze_entry, pack_samples
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import mini_batch_entries, plan_step
@@ -194,12 +201,14 @@ PLANS = {
     "balanced, tokens (#13)": (plan_step, {"balance": "tokens"}),
     "balanced, tokens, stretch_cap": (plan_step, {"balance": "tokens", "stretch_cap": True}),
     "balanced, compute (#29)": (plan_step, {}),
-    DESCENT: (plan_step, {"refine": Refinement()}),
-    ANNEAL: (plan_step, {"refine": Refinement(anneal_steps=ANNEAL_STEPS)}),
+    DESCENT: (plan_step, {"refine": Refinement(anneal_steps=0)}),
+    ANNEAL: (plan_step, {"refine": Refinement(anneal_steps=ANNEAL_STEPS, plan_time_budget_s=math.inf)}),
+    BUDGET: (plan_step, {"refine": Refinement()}),
 }
 """Name: (plan function, its options). The balanced plans also get the cost model; "compute" is
 ``plan_step``'s default since issue 29 (it falls back to tokens where a sample exceeds the cap);
-the last two add the opt-in search (``Refinement``: descent, then annealing)."""
+the last three add the opt-in search (``Refinement``: descent, then annealing; the last one
+within the default time budget)."""
 
 
 def plans_for(cap: int) -> list[str]:
@@ -236,14 +245,16 @@ def run_single(rng, mix: dict, cap: int, steps: int, repeats: int, prompts: int)
 
 
 def mini_batch_inputs(samples, dp: int, mbs: int, cm: CostModel) -> list[tuple]:
-    """Per mini-batch: lengths, keys, kinds, vision costs, and the compute plan's image groups and
-    language costs, as ``plan_step`` derives them."""
+    """Per mini-batch: lengths, keys, kinds, vision costs, and the compute plan's image groups,
+    language costs and the costs' unit in the card's seconds (``MiniBatchItems`` keywords), as
+    ``plan_step`` derives them."""
     out = []
     for entries in mini_batch_entries(samples, SPEC, dp_size=dp, mini_batch_size=mbs):
         an = [analyze_entry(e, SPEC, e.sample_index) for e in entries]
         keys = [e.sample.isolation_key for e in entries]
         costs = [cm.vision(a.image_tokens) for a in an]
-        extra = {"groups": [a.image_key for a in an], "language_cost": [cm.language(a.length) for a in an]}
+        extra = {"groups": [a.image_key for a in an], "language": [cm.language(a.length) for a in an]}
+        extra["unit_seconds"] = cm.seconds_per_unit  # the search's default budget reads it
         out.append(([a.length for a in an], keys, [a.kind for a in an], costs, extra))
     return out
 
@@ -267,13 +278,15 @@ def plan_rate(name: str, inputs: list[tuple], dp: int, cap: int, repeats: int) -
     def balanced() -> None:
         stretch, refine = "stretch" in name, PLANS[name][1].get("refine")
         for lengths, keys, kinds, vision, extra in inputs:
-            partition_mini_batch(
-                lengths, dp_size=dp, cap=cap, keys=keys, kinds=kinds, vision_cost=vision, reserve=RESERVE,
-                stretch_cap=stretch, **(extra if "compute" in name else {}), refine=refine,
+            items = MiniBatchItems(
+                lengths, dp=dp, cap=cap, keys=keys, kinds=kinds, vision=vision, reserve=RESERVE,
+                stretch=stretch, **(extra if "compute" in name else {}),
             )  # fmt: skip
+            partition_mini_batch(items, refine)
 
     fn = {"today": today, "verl KK": verl}.get(name, balanced)
-    return n / timeit(fn, repeat=1 if name == ANNEAL else repeats * 3).best  # annealing: ~0.1 s/mini-batch
+    slow = name in (ANNEAL, BUDGET)  # annealing: ~0.3 s / up to 0.045 s per mini-batch
+    return n / timeit(fn, repeat=1 if slow else repeats * 3).best
 
 
 def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
@@ -395,17 +408,20 @@ def main() -> None:
                 f"{np.mean(p['flop']):.2%} ({np.mean(p['flop_slot']):.2%})",
                 f"{p['enc'] / max(p['slots'], 1):.3f}", f"{p['step'] / r[BASE]['step_slot']:.3f}",
                 f"{np.median(p['plan']):,.0f}", f"{np.median(p['ms']):.0f}",
+                f"{np.median(p['ms']) * mbs / 1024:.1f}",
             ))  # fmt: skip
         if mbs == 256 and "LoRA" not in name:
             targets += [
                 row for plan in plans_for(cap) if "tokens" in plan for row in target_rows(name, plan, r)
             ]
             targets += [
-                row for plan in (COMPUTE, DESCENT, ANNEAL) for row in compute_target_rows(name, r, plan)
+                row
+                for plan in (COMPUTE, DESCENT, ANNEAL, BUDGET)
+                for row in compute_target_rows(name, r, plan)
             ]
     header = ("scenario", "plan", "micro-batches/rank (floor)", "waste, capacity (floor)", "waste, compute")
     header += ("sync idle (floor)", "FLOP idle, dedup (per slot)", "images encoded / image slots")
-    header += ("step FLOPs vs #13 per slot", "plan samples/s", "plan_step ms/1024")
+    header += ("step FLOPs vs #13 per slot", "plan samples/s", "plan_step ms/1024", "plan_step ms/mini-batch")
     print_table(
         f"data-parallel plans side by side ({args.steps} steps per row, seed {args.seed})", header, rows
     )

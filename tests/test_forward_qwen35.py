@@ -17,10 +17,9 @@ import pytest
 import torch
 
 import trainer_lib.linear_attention as la
-from helpers import Family, chat, reference_logprobs, run_packed, vllm_positions
+from helpers import Family, gradients, reference_logprobs, relative, run_packed
 from trainer_lib import (
     PackingUnsupported,
-    build_position_ids,
     check_packable,
     linear_attention_path,
     materialize_micro_batch,
@@ -78,20 +77,6 @@ def test_packed_forward_matches_transformers_one_sample_at_a_time(families, fami
     assert worst <= TOL
 
 
-def gradients(model, loss_fn) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    loss_fn().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
-def relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    assert got.keys() == want.keys()
-    num = sum(((got[k] - want[k]) ** 2).sum() for k in want)
-    return float(torch.sqrt(num / sum((w**2).sum() for w in want.values())))
-
-
 @pytest.mark.parametrize(
     ("family", "checkpointing"),
     [("qwen3_5", False), ("qwen3_5", True), ("qwen3_5_moe", True), ("qwen3_vl_moe", False)],
@@ -127,29 +112,6 @@ def test_gradients_match_transformers_one_sample_at_a_time(families, family, che
     rel = relative(got, want)
     print(f"\n{family} gradients{' (checkpointed)' if checkpointing else ''}: relative {rel:.2e}")
     assert len(want) > 60 and rel <= GRAD_RTOL
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_positions_match_vllm_including_adjacent_images(families, family):
-    fam = families[family]
-    r, t = fam.refs, fam.tok
-    samples = [
-        chat([r["coffee"], r["astronaut"], r["chelsea"]], "three in a row", "ok", t, adjacent=True),
-        chat([], "text only", "fine", t),
-        chat([r["astronaut"], r["rocket"]], "two apart", "no", t),
-    ]
-    mb = pack(fam, samples).micro_batches[0]
-    pos = build_position_ids(mb, fam.model)
-    assert torch.equal(build_position_ids(mb, fam.model.config), pos)
-    for slot in mb.slots:
-        seg = slice(slot.start, slot.start + slot.length)
-        assert torch.equal(pos[0, 0, seg], torch.arange(slot.length))
-        spans = [
-            (im.start - slot.start, im.length, list(im.grid))
-            for im in mb.images[slot.first_image : slot.first_image + slot.num_images]
-        ]
-        want = vllm_positions(family, fam.model.config, samples[slot.sample_index].input_ids, spans)
-        assert torch.equal(pos[1:, 0, seg], want), f"sample {slot.sample_index}"
 
 
 # --- refusals -----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import trainer_lib.linear_attention as la
-from helpers import ensure_tiny_model, photo_bytes
+from helpers import ensure_tiny_model, gradients, photo_bytes, relative
 from protocol.adapters import ImageAdapter, load_adapter, offload_image
 from protocol.images import load_image
 from protocol.placeholders import expand_image_placeholders
@@ -134,21 +134,6 @@ def packed(fam: Family, model=None, *, boundaries: bool = True, **overrides) -> 
 
 def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
-
-
-def gradients(model, loss_fn) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    loss_fn().backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return grads
-
-
-def relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    assert got.keys() == want.keys()
-    num = sum(((got[k] - want[k]) ** 2).sum() for k in want)
-    den = sum((want[k] ** 2).sum() for k in want)
-    return float(torch.sqrt(num / den))
 
 
 # --- forward ------------------------------------------------------------------------------------

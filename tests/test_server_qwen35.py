@@ -23,7 +23,8 @@ import msgspec
 import pytest
 import torch
 
-from helpers import VLLMServer, ensure_tiny_model, photo_bytes, rollout, start_server, tokens_and_logprobs
+from helpers import VLLMServer, ensure_tiny_model, photo_bytes, rollout, tokens_and_logprobs
+from helpers import served as warmed_up
 from protocol.adapters import ImageAdapter, load_adapter, offload_image
 from protocol.placeholders import expand_image_placeholders
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
@@ -75,15 +76,8 @@ def served(request, tmp_path_factory) -> Iterator[Served]:
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
     # processed_logprobs: the sampling distribution's logprobs, what the e2e test recomputes
     args = ("--dtype", SERVE_DTYPES[family], "--logprobs-mode", "processed_logprobs")
-    server = start_server(model, root, root / "server.log", extra_args=args)
-    try:
-        with server.client() as c:  # the first request on a fresh engine warms it up
-            c.post(
-                "/v1/completions", json={"model": str(model), "prompt": "hi", "max_tokens": 1}
-            ).raise_for_status()
+    with warmed_up(model, root, root / "server.log", extra_args=args) as server:
         yield Served(family, server, adapter, tokenizer, refs, jpegs)
-    finally:
-        server.stop()
 
 
 def prompt_ids(served: Served, refs: list[RawMMRef]) -> list[int]:

@@ -10,11 +10,13 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
   (:mod:`trainer_lib.spec`).
 - :func:`make_pad_sample`, :func:`padded_sample_count` — padding samples
   (:mod:`trainer_lib.planning.padding`).
-- :func:`partition_mini_batch` — balanced data-parallel slots (:mod:`trainer_lib.planning.partition`; the
-  slot rules and bound in :mod:`trainer_lib.planning.slot_bound`, tighter packings where first fit misses
-  the bound in :mod:`trainer_lib.planning.repack`).
+- :func:`partition_mini_batch` — balanced data-parallel slots of a :class:`MiniBatchItems` (one
+  mini-batch's samples and rules, :mod:`trainer_lib.planning.items`) (:mod:`trainer_lib.planning.partition`;
+  the bound in :mod:`trainer_lib.planning.slot_bound`, tighter packings where first fit misses the bound in
+  :mod:`trainer_lib.planning.repack`).
 - :class:`CostModel` — FLOPs per sample, the predicted sync idle (:mod:`trainer_lib.planning.cost`).
-- :class:`Refinement` — the opt-in search for a shorter predicted step (:mod:`trainer_lib.planning.refine`).
+- :class:`Refinement` — the opt-in search for a shorter predicted step, within ``plan_time_budget_s``
+  seconds per mini-batch (:mod:`trainer_lib.planning.refine`).
 - :func:`deal_mini_batch` — one mini-batch as every rank's micro-batches (:mod:`trainer_lib.planning.ranks`).
 - :func:`plan_step`, :class:`StepPlan`, :class:`RankLoad` — a whole step (:mod:`trainer_lib.planning.plan`).
 - :func:`build_position_ids`, :func:`cu_seqlens` — MRoPE positions, sample boundaries
@@ -62,6 +64,7 @@ from trainer_lib.mismatch import (
 from trainer_lib.model_inputs import PackedInputs, check_placeholders_match_features, packed_inputs
 from trainer_lib.packed_call import CU_SEQLENS_KWARG, PackingUnsupported
 from trainer_lib.planning.cost import CostModel
+from trainer_lib.planning.items import MiniBatchItems
 from trainer_lib.planning.packing import PackEntry, pack_samples, rebuild_micro_batch
 from trainer_lib.planning.padding import make_pad_sample, padded_sample_count
 from trainer_lib.planning.partition import partition_mini_batch
@@ -86,6 +89,7 @@ __all__ = [
     "MaterializeStats",
     "MaterializedBatch",
     "MaterializedMicroBatch",
+    "MiniBatchItems",
     "MismatchStats",
     "PackEntry",
     "PackedBatch",

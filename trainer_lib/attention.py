@@ -42,6 +42,7 @@ def _kernel_params(kernel: Callable[..., Any]) -> frozenset[str]:
     return frozenset(inspect.signature(kernel).parameters)
 
 
+# over 6 parameters by design: transformers' attention interface (ALL_ATTENTION_FUNCTIONS) fixes it
 def _varlen_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -69,7 +69,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """``(hidden [N, H], weight [V, H], bias [V] | None, targets int64 [N])`` -> float32 ``[N]``
     logprobs and float32 ``[N]`` entropy; see the module docstring for the arithmetic."""
 
-    @staticmethod
+    @staticmethod  # over 6 parameters by design: autograd.Function.forward takes its inputs positionally
     def forward(
         ctx: Any,
         hidden: torch.Tensor,

@@ -73,7 +73,7 @@ HF_SURFACE: tuple[Touchpoint, ...] = (
     row("transformers.utils:TensorType", "class", "transformers/utils/generic.py",
         "protocol/adapters/kimi_vl.py"),
     row("transformers.models.kimi_k25.image_processing_kimi_k25:Kimi_K25ImageProcessor", "class",
-        "transformers/models/kimi_k25/image_processing_kimi_k25.py", "tests/test_adapters_kimi.py"),
+        "transformers/models/kimi_k25/image_processing_kimi_k25.py", "tests/adapters/test_adapters_kimi.py"),
     row("transformers.models.qwen3_vl.processing_qwen3_vl:Qwen3VLProcessor._calculate_timestamps", "method",
         "transformers/models/qwen3_vl/processing_qwen3_vl.py", "protocol/adapters/video.py",
         key="Qwen3VLProcessor._calculate_timestamps", private=True,

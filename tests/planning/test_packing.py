@@ -517,7 +517,7 @@ def test_step_plan_reports_each_rank_and_the_predicted_idle():
         make_sample([3] * 50),
         make_sample([5] * 10),
     ]
-    plan = plan_step(samples, FAKE, dp_size=2, mini_batch_size=4, seq_len=64)
+    plan = plan_step(samples, FAKE, dp_size=2, mini_batch_size=4, seq_len=64, refine=None)  # as constructed
     (ranks,) = plan.mini_batches
     assert [[mb.num_tokens for mb in r.micro_batches] for r in ranks] == [[56, 6], [53, 12]]
     loads = plan.rank_loads[0]

@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 
 from trainer_lib.planning import grouped, partition
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
-from trainer_lib.planning.cost import CostModel, sync_idle
+from trainer_lib.planning.cost import H100_FORWARD_FLOPS_PER_S, CostModel, sync_idle
+from trainer_lib.planning.items import EITHER, MiniBatchItems
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import plan_step
 from trainer_lib.planning.refine import Refinement
 from trainer_lib.planning.repack import min_slack_bins
-from trainer_lib.planning.slot_bound import EITHER, SlotRules, min_micro_batches
+from trainer_lib.planning.slot_bound import min_micro_batches
 
 
 def slot_spread(part, k: int) -> int:
@@ -58,17 +59,19 @@ def test_partition_rules(batch, dp, reserve, stretch, by_compute, one_key, clip,
         keys = ["a"] * len(lengths)
         lengths = [min(n, cap) for n in lengths] if clip else lengths
     part = partition_mini_batch(
-        lengths,
-        dp_size=dp,
-        cap=cap,
-        keys=keys,
-        kinds=kinds,
-        vision_cost=vision,
-        reserve=reserve,
-        stretch_cap=stretch,
-        groups=groups if by_compute else None,
-        language_cost=[n * (1 + n / (4 * cap)) for n in lengths] if by_compute else None,
-        refine=refine,
+        MiniBatchItems(
+            lengths,
+            dp=dp,
+            cap=cap,
+            keys=keys,
+            kinds=kinds,
+            vision=vision,
+            reserve=reserve,
+            stretch=stretch,
+            groups=groups if by_compute else None,
+            language=[n * (1 + n / (4 * cap)) for n in lengths] if by_compute else None,
+        ),
+        refine,
     )
     reserve = reserve if dp > 1 else 0  # one rank: nothing to align, no pad
     m = part.num_micro_batches
@@ -112,7 +115,7 @@ def test_one_key_spread_is_at_most_the_largest_sample(cap, data, dp, stray):
     (spread at most the largest sample). So the ranks differ by at most the largest sample."""
     lengths = data.draw(st.lists(st.integers(1, cap), min_size=1, max_size=120))
     kinds = [STRAY if stray and i % 7 == 0 else NEUTRAL for i in range(len(lengths))]
-    part = partition_mini_batch(lengths, dp_size=dp, cap=cap, kinds=kinds)
+    part = partition_mini_batch(MiniBatchItems(lengths, dp=dp, cap=cap, kinds=kinds))
     largest, m = max(lengths), part.num_micro_batches
     for k in range(m - 1):
         assert slot_spread(part, k) < largest
@@ -162,7 +165,7 @@ def test_lpt_bins_fills_the_least_loaded_bin_and_skips_what_no_longer_fits():
 
 
 def test_equal_samples_fill_every_slot_exactly():
-    part = partition_mini_batch([1000] * 64, dp_size=4, cap=4000)
+    part = partition_mini_batch(MiniBatchItems([1000] * 64, dp=4, cap=4000))
     assert part.num_micro_batches == 4 == min_micro_batches([1000] * 64, dp_size=4, cap=4000)
     assert part.tokens == [[4000] * 4] * 4
 
@@ -171,7 +174,7 @@ def test_a_light_last_slot_is_spread_over_every_rank():
     """FFD alone gives 8 full bins and one of 2 x 300: the last slot becomes 4 bins of 300 tokens
     spread over 4 ranks, not one rank with 600 and three with nothing."""
     lengths = [500] * 16 + [300] * 4
-    part = partition_mini_batch(lengths, dp_size=4, cap=1000)
+    part = partition_mini_batch(MiniBatchItems(lengths, dp=4, cap=1000))
     assert part.num_micro_batches == 3
     assert [row[:2] for row in part.tokens] == [[1000, 1000]] * 4
     assert [row[2] for row in part.tokens] == [300] * 4
@@ -182,7 +185,7 @@ def test_stray_text_gets_a_text_slot_on_every_rank_topped_up_with_plain_text():
     all ranks or none: it gets a text slot, which plain text fills on the other ranks."""
     lengths = [900] * 8 + [400] * 6 + [350]
     kinds = [PIXELS] * 8 + [NEUTRAL] * 6 + [STRAY]
-    part = partition_mini_batch(lengths, dp_size=4, cap=1000, kinds=kinds, reserve=6)
+    part = partition_mini_batch(MiniBatchItems(lengths, dp=4, cap=1000, kinds=kinds, reserve=6))
     assert part.slot_has_pixels == [True, True, False]
     text_slot = [row[2] for row in part.ranks]
     assert sorted(i for b in text_slot for i in b) == list(range(8, 15))
@@ -193,10 +196,10 @@ def test_text_near_the_cap_never_sits_in_a_vision_slot():
     """A text sample within ``reserve`` tokens of the cap has no room for the image pad."""
     lengths = [600, 600, 998]
     kinds = [PIXELS, PIXELS, NEUTRAL]
-    part = partition_mini_batch(lengths, dp_size=2, cap=1000, kinds=kinds, reserve=6)
+    part = partition_mini_batch(MiniBatchItems(lengths, dp=2, cap=1000, kinds=kinds, reserve=6))
     assert part.slot_has_pixels == [True, False]
     assert sorted(part.ranks[r][1] for r in range(2)) == [[], [2]]
-    relaxed = partition_mini_batch(lengths, dp_size=2, cap=1000, kinds=kinds, reserve=2)
+    relaxed = partition_mini_batch(MiniBatchItems(lengths, dp=2, cap=1000, kinds=kinds, reserve=2))
     assert relaxed.num_micro_batches == 2 and relaxed.slot_has_pixels == [True, True]
 
 
@@ -206,10 +209,11 @@ def test_a_text_slot_paced_by_its_longest_sample_takes_text_up_to_that_length():
     slots then do without: the slots' maxima sum to 600 + 600 + 998 (before: 800 + 600 + 998)."""
     lengths = [400] * 4 + [998] + [200] * 8
     kinds = [PIXELS] * 4 + [NEUTRAL] * 9
-    part = partition_mini_batch(
-        lengths, dp_size=2, cap=1000, kinds=kinds, reserve=6, groups=["a", "b"] * 2 + [None] * 9,
-        language_cost=lengths, vision_cost=[1.0] * 4 + [0.0] * 9,
+    items = MiniBatchItems(
+        lengths, dp=2, cap=1000, kinds=kinds, reserve=6, groups=["a", "b"] * 2 + [None] * 9,
+        language=lengths, vision=[1.0] * 4 + [0.0] * 9,
     )  # fmt: skip
+    part = partition_mini_batch(items)
     assert part.slot_has_pixels == [True, True, False]
     assert sorted(row[2] for row in part.tokens) == [800, 998]
     assert sum(max(row[k] for row in part.tokens) for k in range(3)) == 600 + 600 + 998
@@ -218,24 +222,24 @@ def test_a_text_slot_paced_by_its_longest_sample_takes_text_up_to_that_length():
 def test_keys_with_few_samples_still_give_every_rank_the_same_slots():
     lengths = [400] * 20 + [100]
     keys = ["big"] * 20 + ["lora-x"]
-    part = partition_mini_batch(lengths, dp_size=4, cap=1000, keys=keys)
+    part = partition_mini_batch(MiniBatchItems(lengths, dp=4, cap=1000, keys=keys))
     assert {len(row) for row in part.ranks} == {part.num_micro_batches}
     lone = [(r, k) for r, row in enumerate(part.ranks) for k, b in enumerate(row) if 20 in b]
     assert len(lone) == 1 and part.ranks[lone[0][0]][lone[0][1]] == [20]
 
 
 def test_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="dp_size"):
-        partition_mini_batch([1], dp_size=0, cap=10)
+    with pytest.raises(ValueError, match="dp, cap >= 1"):
+        partition_mini_batch(MiniBatchItems([1], dp=0, cap=10))
     with pytest.raises(ValueError, match="reserve"):
-        partition_mini_batch([1], dp_size=1, cap=10, reserve=10)
+        partition_mini_batch(MiniBatchItems([1], dp=1, cap=10, reserve=10))
     with pytest.raises(ValueError, match="kinds"):
-        partition_mini_batch([1, 2], dp_size=1, cap=10, kinds=[NEUTRAL])
+        partition_mini_batch(MiniBatchItems([1, 2], dp=1, cap=10, kinds=[NEUTRAL]))
     with pytest.raises(ValueError, match=">= 1"):
-        partition_mini_batch([0], dp_size=1, cap=10)
+        partition_mini_batch(MiniBatchItems([0], dp=1, cap=10))
     with pytest.raises(ValueError, match="NEUTRAL"):
-        partition_mini_batch([1], dp_size=1, cap=10, kinds=[7])
-    assert partition_mini_batch([], dp_size=3, cap=10).ranks == [[], [], []]
+        partition_mini_batch(MiniBatchItems([1], dp=1, cap=10, kinds=[7]))
+    assert partition_mini_batch(MiniBatchItems([], dp=3, cap=10)).ranks == [[], [], []]
 
 
 def test_sync_idle_counts_each_stage_at_its_slowest_rank():
@@ -278,6 +282,7 @@ def test_cost_model_reads_the_other_qwen_families(family):
 
     cm = CostModel.from_config(AutoConfig.from_pretrained(ensure_tiny_model(family)))
     assert min(cm.llm_per_token, cm.llm_per_token_sq, cm.vision_per_token, cm.vision_per_token_sq) > 0
+    assert cm.seconds_per_unit == 1 / H100_FORWARD_FLOPS_PER_S  # FLOPs in the fitted card's seconds
 
 
 def test_cost_model_names_the_supported_families():
@@ -419,11 +424,15 @@ def test_a_group_remainder_joins_a_bin_holding_its_images_while_within_the_level
     lengths, language = [50, 10, 30, 30, 10, 5], [50.0, 10.0, 30.0, 70.0, 10.0, 5.0]
     groups = ["A", "B", "B", "A", "A", None]
 
+    kinds = [NEUTRAL if g is None else PIXELS for g in groups]
+    items = MiniBatchItems(lengths, dp=3, cap=100, kinds=kinds, groups=groups, language=language)
+    assert items.image_sets == groups
+
     def level(**kw) -> list[list[int]]:
         bins = grouped._Bins(3)
         for j in range(3):
             bins.add(j, j, language[j], lengths[j], groups[j])
-        assert grouped._level(bins, [3, 4, 5], lengths, groups, language, cap=100, reserve=0, **kw)
+        assert grouped._level(bins, [3, 4, 5], items, **kw)
         return bins.items
 
     assert level(level=65.0) == [[0, 4], [1, 3], [2, 5]]  # 70 joins no A bin within 65: LPT
@@ -437,7 +446,7 @@ def test_text_slots_are_evened_by_language_cost():
     lengths = [60, 40, 20, 20, 20, 20, 10, 10]
     language = [n * (1 + n / 50) for n in lengths]
     slot = [(100, [0, 1]), (100, [2, 3, 4, 5, 6, 7])]
-    (after,) = grouped.even_text_slots([slot], lengths=lengths, language=language, cap=100)
+    (after,) = grouped.even_text_slots([slot], MiniBatchItems(lengths, dp=2, cap=100, language=language))
     cost = [sum(language[i] for i in b) for _, b in after]
     assert max(cost) < max(sum(language[i] for i in b) for _, b in slot)
     assert sorted(i for _, b in after for i in b) == list(range(8))
@@ -448,10 +457,10 @@ def test_long_samples_share_a_slot_and_stretching_fills_it():
     """Two 1500-token samples above a 1000-token cap run alone: they share one slot, whose other
     bins hold at most the cap; with stretch_cap they take up to 1500 tokens instead of idling."""
     lengths = [1500, 1500] + [500] * 12
-    strict = partition_mini_batch(lengths, dp_size=4, cap=1000)
+    strict = partition_mini_batch(MiniBatchItems(lengths, dp=4, cap=1000))
     assert sorted(row[0] for row in strict.tokens) == [1000, 1000, 1500, 1500]
     assert strict.num_micro_batches == 2
-    stretched = partition_mini_batch(lengths, dp_size=4, cap=1000, stretch_cap=True)
+    stretched = partition_mini_batch(MiniBatchItems(lengths, dp=4, cap=1000, stretch=True))
     assert [row[0] for row in stretched.tokens] == [1500] * 4
     assert stretched.num_micro_batches == 2  # 6 x 500 left for 4 ranks: LPT, spread one sample
     assert sorted(row[1] for row in stretched.tokens) == [500, 500, 1000, 1000]
@@ -475,10 +484,10 @@ def test_relocate_keeps_limits_and_never_lightens_a_bin(bins, items, limit):
         state.append([sum(lengths[start:]), list(range(start, len(lengths))), limit, False])
     extra = list(range(len(lengths), len(lengths) + len(items)))
     lengths += items
-    keys, place = ["k"] * len(lengths), [EITHER] * len(lengths)
+    mini_batch = MiniBatchItems(lengths, dp=1, cap=limit, keys=["k"] * len(lengths))
+    assert mini_batch.place == [EITHER] * len(lengths)
     before = [c[0] for c in state]
-    mb = SlotRules(lengths, keys, [NEUTRAL] * len(lengths), place, limit, 0, 1)
-    if partition._relocate(mb, extra, state):
+    if partition._relocate(mini_batch, extra, state):
         assert sorted(i for c in state for i in c[1]) == list(range(len(lengths)))
         for c, was in zip(state, before, strict=True):
             assert c[0] == sum(lengths[i] for i in c[1]) <= limit and c[0] >= was
@@ -492,8 +501,8 @@ def test_a_slot_one_trade_can_empty_is_dropped():
     lengths = [3070, 1852, 1551, 1206, 3612, 1688, 1511, 1010, 521]
     bins = [[sum(lengths[:4]), [0, 1, 2, 3], 8186, True], [sum(lengths[4:8]), [4, 5, 6, 7], 8186, True]]
     assert all(c[2] - c[0] < 521 for c in bins)
-    mb = SlotRules(lengths, ["k"] * 9, [NEUTRAL] * 9, [EITHER] * 9, 8192, 6, 2)
-    assert partition._relocate(mb, [8], bins)
+    items = MiniBatchItems(lengths, dp=2, cap=8192, keys=["k"] * 9, reserve=6)
+    assert partition._relocate(items, [8], bins)
     assert sorted(i for c in bins for i in c[1]) == list(range(9))
     assert all(c[0] == sum(lengths[i] for i in c[1]) <= 8186 for c in bins)
 
@@ -537,7 +546,7 @@ def test_the_slot_bound_is_reached_where_first_fit_and_one_trade_miss_it():
     the plan is re-made with minimum bin slack and holds the one slot the bound allows."""
     lengths = [46, 46, 32, 22, 18, 17, 17]
     assert min_micro_batches(lengths, dp_size=2, cap=100) == 1
-    part = partition_mini_batch(lengths, dp_size=2, cap=100)
+    part = partition_mini_batch(MiniBatchItems(lengths, dp=2, cap=100))
     assert part.num_micro_batches == 1 and sorted(part.tokens) == [[98], [100]]
 
 
@@ -548,7 +557,7 @@ def test_two_samples_above_the_cap_never_share_a_bin_across_keys():
     ``stretch_cap`` a bin may hold up to the slot's longest sample."""
     lengths, keys = [300, 120, 110, 5], ["b", "a", "a", "b"]
     for stretch in (False, True):
-        plan = partition_mini_batch(lengths, dp_size=3, cap=100, keys=keys, stretch_cap=stretch)
+        plan = partition_mini_batch(MiniBatchItems(lengths, dp=3, cap=100, keys=keys, stretch=stretch))
         limit = max(lengths) if stretch else 100
         bins = [b for rank in plan.ranks for b in rank if b]
         assert sorted(i for b in bins for i in b) == [0, 1, 2, 3]

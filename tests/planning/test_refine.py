@@ -5,6 +5,7 @@ needs, gives the same plans compiled and as plain Python, and shortens the step 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,12 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import REPO
-from trainer_lib.planning import search
+from trainer_lib.planning import refine, search
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY
+from trainer_lib.planning.items import EITHER, TEXT, VISION, MiniBatchItems, places
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import plan_step
 from trainer_lib.planning.refine import Refinement, refine_slots
-from trainer_lib.planning.slot_bound import EITHER, TEXT, VISION, places
 
 
 def step_cost(slots, language, vision, groups) -> float:
@@ -40,10 +41,9 @@ def test_a_sample_moves_to_level_its_slot():
     lengths = [8, 4, 4, 6, 6]
     slots = [[(12, [0, 1]), (4, [2])], [(6, [3]), (6, [4])]]
     groups = [None] * 5
-    out = refine_slots(
-        slots, Refinement(), lengths=lengths, place=[EITHER] * 5, groups=groups,
-        language=lengths, vision=[0.0] * 5, cap=100, reserve=0,
-    )  # fmt: skip
+    items = MiniBatchItems(lengths, dp=2, cap=100, groups=groups)  # no pixels: every place EITHER
+    assert items.place == [EITHER] * 5
+    out = refine_slots(slots, items, Refinement())
     assert step_cost(out, lengths, [0.0] * 5, groups) == 14
     assert sorted(sorted(b) for _, b in out[0]) == [[0], [1, 2]] and out[1] == slots[1]
     assert [t for slot in out for t, _ in slot] == [
@@ -58,10 +58,11 @@ def test_a_swap_keeps_each_image_set_in_one_bin():
     lengths, language = [5, 5, 5, 5], [5.0] * 4
     groups, vision = ["g1", "g2", "g1", "g2"], [10.0] * 4
     slots = [[(10, [0, 1]), (10, [2, 3])]]
-    out = refine_slots(
-        slots, Refinement(), lengths=lengths, place=[VISION] * 4, groups=groups,
-        language=language, vision=vision, cap=100, reserve=0,
-    )  # fmt: skip
+    items = MiniBatchItems(
+        lengths, dp=2, cap=100, kinds=[PIXELS] * 4, groups=groups, language=language, vision=vision
+    )
+    assert items.place == [VISION] * 4
+    out = refine_slots(slots, items, Refinement())
     assert step_cost(slots, language, vision, groups) == 30
     assert step_cost(out, language, vision, groups) == 20
     assert sorted(len({groups[i] for i in b}) for _, b in out[0]) == [1, 1]
@@ -77,12 +78,14 @@ def test_the_rules_hold_where_a_gain_would_break_them(image_set):
     lengths = [18, 2, 10, 2, 9]
     kinds = [NEUTRAL, NEUTRAL, PIXELS, NEUTRAL, STRAY]
     groups = [None, None, image_set, None, None]
-    place = places(lengths, kinds, cap, reserve)
-    slots = [[(20, [0, 1]), (9, [4])], [(10, [2]), (2, [3])]]  # slot 1 runs the tower
-    out = refine_slots(
-        slots, Refinement(anneal_steps=2000), lengths=lengths, place=place, groups=groups,
-        language=[float(n) for n in lengths], vision=[0.0, 0.0, 7.0, 0.0, 0.0], cap=cap, reserve=reserve,
+    items = MiniBatchItems(
+        lengths, dp=2, cap=cap, kinds=kinds, groups=groups, language=[float(n) for n in lengths],
+        vision=[0.0, 0.0, 7.0, 0.0, 0.0], reserve=reserve,
     )  # fmt: skip
+    place = items.place
+    assert place == places(lengths, kinds, cap, reserve)
+    slots = [[(20, [0, 1]), (9, [4])], [(10, [2]), (2, [3])]]  # slot 1 runs the tower
+    out = refine_slots(slots, items, Refinement(anneal_steps=2000))
     for k, slot in enumerate(out):
         images = any(kinds[i] == PIXELS for _, b in slot for i in b)
         for tokens, b in slot:
@@ -112,14 +115,14 @@ def test_the_search_never_lengthens_the_step_and_keeps_the_slots(bench_mix, seed
     sample once, and its predicted step is at most the plan's without the search; annealing
     starts from the descent's plan, so it ends at most there."""
     lengths, keys, kinds, vision, extra = bench_inputs(bench_mix, seed)[0]
-    kwargs = dict(dp_size=8, cap=cap, keys=keys, kinds=kinds, vision_cost=vision, reserve=6, **extra)
-    plain = partition_mini_batch(lengths, **kwargs)
-    descent = partition_mini_batch(lengths, **kwargs, refine=Refinement())
-    refined = partition_mini_batch(lengths, **kwargs, refine=Refinement(anneal_steps=anneal))
+    kwargs = dict(dp=8, cap=cap, keys=keys, kinds=kinds, vision=vision, reserve=6, **extra)
+    plain = partition_mini_batch(MiniBatchItems(lengths, **kwargs))
+    descent = partition_mini_batch(MiniBatchItems(lengths, **kwargs), Refinement(anneal_steps=0))
+    refined = partition_mini_batch(MiniBatchItems(lengths, **kwargs), Refinement(anneal_steps=anneal))
 
     def cost(part) -> float:
         slots = [[(0, part.ranks[r][k]) for r in range(8)] for k in range(part.num_micro_batches)]
-        return step_cost(slots, extra["language_cost"], vision, extra["groups"])
+        return step_cost(slots, extra["language"], vision, extra["groups"])
 
     assert refined.num_micro_batches == plain.num_micro_batches
     assert sorted(i for row in refined.ranks for b in row for i in b) == list(range(len(lengths)))
@@ -128,8 +131,11 @@ def test_the_search_never_lengthens_the_step_and_keeps_the_slots(bench_mix, seed
 
 def test_the_same_seed_gives_the_same_plan(bench_mix):
     lengths, keys, kinds, vision, extra = bench_inputs(bench_mix, 3)[1]
-    kwargs = dict(dp_size=8, cap=16384, keys=keys, kinds=kinds, vision_cost=vision, reserve=6, **extra)
-    runs = [partition_mini_batch(lengths, **kwargs, refine=Refinement(anneal_steps=20_000)) for _ in range(2)]
+    kwargs = dict(dp=8, cap=16384, keys=keys, kinds=kinds, vision=vision, reserve=6, **extra)
+    runs = [
+        partition_mini_batch(MiniBatchItems(lengths, **kwargs), Refinement(anneal_steps=20_000))
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -140,13 +146,14 @@ def test_the_python_kernels_give_the_compiled_plans(bench_mix, tmp_path):
     (tmp_path / "inputs.json").write_text(json.dumps(inputs))
     script = (
         "import json, sys\n"
+        "from trainer_lib.planning.items import MiniBatchItems\n"
         "from trainer_lib.planning.partition import partition_mini_batch\n"
         "from trainer_lib.planning.refine import Refinement\n"
         "lengths, keys, kinds, vision, extra = json.load(open(sys.argv[1]))\n"
-        "part = partition_mini_batch(lengths, dp_size=8, cap=16384, keys=[tuple(k) for k in keys],\n"
-        "    kinds=kinds, vision_cost=vision, reserve=6, language_cost=extra['language_cost'],\n"
-        "    groups=[g if g is None else tuple(g) for g in extra['groups']],\n"
-        "    refine=Refinement(anneal_steps=3000))\n"
+        "items = MiniBatchItems(lengths, dp=8, cap=16384, keys=[tuple(k) for k in keys],\n"
+        "    kinds=kinds, vision=vision, reserve=6, language=extra['language'],\n"
+        "    groups=[g if g is None else tuple(g) for g in extra['groups']])\n"
+        "part = partition_mini_batch(items, Refinement(anneal_steps=3000))\n"
         "print(json.dumps(part.ranks))\n"
     )
     plans = []
@@ -169,7 +176,7 @@ def test_the_search_shortens_the_step_on_the_bench_mix(bench_mix):
     pack, cm = bench_mix
     samples = pack.make_step(np.random.default_rng(2))
     kwargs = dict(dp_size=8, mini_batch_size=256, seq_len=16384, micro_batch_max_tokens=8192, cost_model=cm)
-    plain = plan_step(samples, pack.SPEC, **kwargs)
+    plain = plan_step(samples, pack.SPEC, **kwargs, refine=None)
     refined = plan_step(samples, pack.SPEC, **kwargs, refine=Refinement())
     assert [r[0].num_micro_batches for r in refined.mini_batches] == [
         r[0].num_micro_batches for r in plain.mini_batches
@@ -182,10 +189,8 @@ def test_costless_samples_leave_nothing_to_search():
     """Where every sample costs nothing, every plan costs the same: the search, annealing too,
     returns the plan as it was (before, the annealing's temperature divided by zero)."""
     slots = [[(3, [0]), (2, [1])], [(4, [2]), (1, [3])]]
-    out = refine_slots(
-        slots, Refinement(anneal_steps=100), lengths=[3, 2, 4, 1], place=[EITHER] * 4,
-        groups=[None] * 4, language=[0.0] * 4, vision=[0.0] * 4, cap=10, reserve=0,
-    )  # fmt: skip
+    items = MiniBatchItems([3, 2, 4, 1], dp=2, cap=10, groups=[None] * 4, language=[0.0] * 4)
+    out = refine_slots(slots, items, Refinement(anneal_steps=100))
     assert out == slots
 
 
@@ -218,7 +223,79 @@ def test_the_annealing_draws_from_splitmix64():
     assert out == expected
 
 
+def _bench_items(bench_mix, seed: int, j: int) -> MiniBatchItems:
+    """Mini-batch ``j`` of a bench step (dp 8, 256 samples, cap 16k), costs in the card's time."""
+    assert bench_inputs(bench_mix, seed)[j][4]["unit_seconds"] == bench_mix[1].seconds_per_unit
+    lengths, keys, kinds, vision, extra = bench_inputs(bench_mix, seed)[j]
+    return MiniBatchItems(
+        lengths, dp=8, cap=16384, keys=keys, kinds=kinds, vision=vision, reserve=6, **extra
+    )  # fmt: skip
+
+
+def _step(items: MiniBatchItems, part) -> float:
+    slots = [[(0, part.ranks[r][k]) for r in range(items.dp)] for k in range(part.num_micro_batches)]
+    return step_cost(slots, items.language, items.vision, items.groups)
+
+
+def test_the_default_budget_is_two_percent_of_the_step_within_its_floor_and_cap():
+    assert refine.default_budget_s(None) == refine.BUDGET_FLOOR_S == 0.002  # no time on a card
+    assert refine.default_budget_s(1.0) == pytest.approx(0.02)
+    assert refine.default_budget_s(0.01) == refine.BUDGET_FLOOR_S
+    assert refine.default_budget_s(100.0) == refine.BUDGET_CAP_S == 0.045
+    assert Refinement(plan_time_budget_s=0.3).budget_s(1.0) == 0.3  # given: as given
+
+
+def test_the_budget_buys_iterations_at_the_measured_rates(bench_mix):
+    """A budget is a count at the constant rates, never a clock: 5 descent changes' worth of
+    budget is ``changes=5``, 3000 annealing steps' worth is ``anneal_steps=3000``."""
+    items = _bench_items(bench_mix, 4, 0)
+    by_time = Refinement(anneal_steps=0, plan_time_budget_s=5.5 / refine.DESCENT_CHANGES_PER_S)
+    by_count = Refinement(changes=5, anneal_steps=0, plan_time_budget_s=math.inf)
+    assert partition_mini_batch(items, by_time) == partition_mini_batch(items, by_count)
+    by_time = Refinement(changes=0, plan_time_budget_s=3000.5 / refine.ANNEAL_STEPS_PER_S)
+    by_count = Refinement(changes=0, anneal_steps=3000, plan_time_budget_s=math.inf)
+    assert partition_mini_batch(items, by_time) == partition_mini_batch(items, by_count)
+    assert partition_mini_batch(items, by_count) != partition_mini_batch(items)  # it did search
+
+
+def test_budget_zero_gives_the_plan_as_constructed(bench_mix):
+    for j in range(4):
+        items = _bench_items(bench_mix, 5, j)
+        plain = partition_mini_batch(items)
+        assert partition_mini_batch(items, Refinement(plan_time_budget_s=0.0)) == plain
+        assert partition_mini_batch(items, Refinement(changes=0, anneal_steps=0)) == plain
+
+
+@pytest.mark.parametrize("budget", [1e-5, 1e-4, 1e-3, None])
+def test_a_budget_never_leaves_the_step_longer_than_no_search(bench_mix, budget):
+    """Any budget, however small, ends at most where the constructed plan is (the descent only
+    lowers the step, the annealing returns the best plan it saw); the default budget (None:
+    2% of a ~2.5 s step on the card, capped at 45 ms) shortens it."""
+    for j in range(4):
+        items = _bench_items(bench_mix, 6, j)
+        plain = partition_mini_batch(items)
+        refined = partition_mini_batch(items, Refinement(plan_time_budget_s=budget))
+        assert refined.num_micro_batches == plain.num_micro_batches
+        assert _step(items, refined) <= _step(items, plain) * (1 + 1e-12)
+        if budget is None:
+            assert _step(items, refined) < _step(items, plain) * (1 - 1e-4)
+
+
+def test_the_same_seed_gives_the_same_plan_within_the_default_budget(bench_mix):
+    items = _bench_items(bench_mix, 3, 1)
+    runs = [partition_mini_batch(items, Refinement(seed=11)) for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
 def test_bad_refinements_are_refused():
+    with pytest.raises(ValueError, match="plan_time_budget_s"):
+        Refinement(plan_time_budget_s=-0.1)
+    with pytest.raises(ValueError, match="plan_time_budget_s"):
+        Refinement(plan_time_budget_s=math.nan)
+    with pytest.raises(ValueError, match="anneal_steps"):
+        Refinement(plan_time_budget_s=math.inf)  # no bound on the annealing
+    with pytest.raises(ValueError, match="unit_seconds"):
+        MiniBatchItems([1], dp=1, cap=10, unit_seconds=0.0)
     with pytest.raises(ValueError, match="changes and anneal_steps"):
         Refinement(changes=-1)
     with pytest.raises(ValueError, match="changes and anneal_steps"):

@@ -7,9 +7,12 @@ them (docs/PACKING.md §1, §3):
   :class:`~trainer_lib.planning.plan.StepPlan` reports each rank's load.
 - :mod:`~trainer_lib.planning.padding` — zero-loss pads and the padded sample count.
 - :mod:`~trainer_lib.planning.ranks` — one mini-batch as every rank's micro-batches.
-- :mod:`~trainer_lib.planning.partition` — balanced data-parallel slots, with the slot rules and
-  bound of :mod:`~trainer_lib.planning.slot_bound` and the tighter packings of
-  :mod:`~trainer_lib.planning.repack`.
+- :mod:`~trainer_lib.planning.items` — one mini-batch's samples and rules
+  (:class:`~trainer_lib.planning.items.MiniBatchItems`), built once, read by every step below.
+- :mod:`~trainer_lib.planning.partition` — balanced data-parallel slots, with the bound of
+  :mod:`~trainer_lib.planning.slot_bound` and the tighter packings of
+  :mod:`~trainer_lib.planning.repack`; the search (on by default, within a time budget) of
+  :mod:`~trainer_lib.planning.refine` (kernels in :mod:`~trainer_lib.planning.search`).
 - :mod:`~trainer_lib.planning.grouped` — the vision section balanced by compute, image groups
   kept together, after :mod:`~trainer_lib.planning.heavy_slot`'s slot of the samples that set
   their own pace.

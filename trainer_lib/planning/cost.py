@@ -13,7 +13,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CostModel", "sync_idle"]
+__all__ = ["H100_FORWARD_FLOPS_PER_S", "CostModel", "sync_idle"]
+
+H100_FORWARD_FLOPS_PER_S = 1.07e14
+"""Forward FLOPs (as :meth:`CostModel.from_config` counts them) per second of forward+backward on
+the card the cost model was fitted on: an H100 80GB lent 2026-12 (docs/PACKING.md "GPU
+measurements": ``bench/cost_model.py``'s fit of Qwen2-VL-2B shapes, random bf16 weights). Per
+term: language linear 123, attention 95, vision linear 75, attention 192 TFLOP/s; 107 weighs
+them by their shares of a step's seconds on ``bench/pack.py``'s mix (54.3 / 6.4 / 34.8 / 4.5%).
+It turns a FLOP plan's predicted step into seconds (the plan's search budget,
+:mod:`~trainer_lib.planning.refine`)."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +39,11 @@ class CostModel:
     llm_per_token_sq: float
     vision_per_token: float = 0.0
     vision_per_token_sq: float = 0.0
+    seconds_per_unit: float | None = None
+    """Seconds of forward+backward on the card that one unit of this model's cost takes:
+    ``1 / H100_FORWARD_FLOPS_PER_S`` for :meth:`from_config`'s FLOPs, 1.0 for coefficients fitted
+    in seconds (``bench/cost_model.py``); None: not known (the plan's search then gets its
+    floor budget)."""
 
     def language(self, num_tokens: int) -> float:
         """FLOPs of the language model (and LM head) for one ``num_tokens``-token sample."""
@@ -74,7 +88,7 @@ class CostModel:
         per_patch += (v.depth - full) * 4 * width * window
         per_patch += 2 * v.in_channels * v.temporal_patch_size * v.patch_size**2 * width
         per_token = merge * per_patch + mergers * 2 * (merge * width) * (merge * width + out)
-        return cls(llm, llm_sq, per_token, full * 4 * width * merge**2)
+        return cls(llm, llm_sq, per_token, full * 4 * width * merge**2, 1.0 / H100_FORWARD_FLOPS_PER_S)
 
 
 def sync_idle(

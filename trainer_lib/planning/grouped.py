@@ -45,6 +45,7 @@ import heapq
 from collections.abc import Hashable, Sequence
 
 from trainer_lib.planning.heavy_slot import heavy_slot
+from trainer_lib.planning.items import MiniBatchItems
 
 __all__ = ["BIG_TEXT", "FILL", "HEAVY", "even_text_slots", "grouped_vision_slots"]
 
@@ -82,110 +83,87 @@ class _Bins:
 
 
 def grouped_vision_slots(
-    items: Sequence[int],
-    *,
-    lengths: Sequence[int],
-    groups: Sequence[Hashable | None],
-    language: Sequence[float],
-    vision: Sequence[float],
-    num_slots: int,
-    dp: int,
-    cap: int,
-    reserve: int,
+    section: Sequence[int], items: MiniBatchItems, num_slots: int
 ) -> list[list[tuple[int, list[int]]]] | None:
-    """``num_slots`` slots of ``dp`` ``(tokens, sample indices)`` bins holding ``items``.
+    """``num_slots`` slots of ``items.dp`` ``(tokens, sample indices)`` bins holding ``section``.
 
     Args:
-        items: the section's samples (indices into the per-sample lists).
-        lengths: tokens per sample.
-        groups: per sample, the key of its image set (samples with equal keys show the same
-            images); None for a sample without images.
-        language: per sample, its language-model cost.
-        vision: per sample, the vision-tower cost of its images (a group's members all carry it;
-            a bin costs each of its groups once).
-        cap: tokens a bin may hold; a bin without images keeps ``reserve`` of them free (the
-            synthetic-image pad a micro-batch without an image gets in a vision slot).
+        section: the section's samples (indices into ``items``).
+        items: the mini-batch: tokens per sample; ``image_sets`` (each sample's image set, None
+            without images: samples with equal keys show the same images); ``language`` per
+            sample; ``vision``, the tower cost of a sample's images (a group's members all carry
+            it; a bin costs each of its groups once); ``cap``, the tokens a bin may hold, of which
+            a bin without images keeps ``reserve`` free (the synthetic-image pad a micro-batch
+            without an image gets in a vision slot).
 
     Returns:
         The slots (empty bins as ``(0, [])``), or None when the samples do not fit
         ``num_slots * dp`` bins this way (the caller falls back to the token-balanced plan).
     """
-    nbins = num_slots * dp
-    if nbins < 1 or sum(lengths[i] for i in items) > nbins * cap:
+    lengths, groups, language, cap = items.lengths, items.image_sets, items.language, items.cap
+    nbins = num_slots * items.dp
+    if nbins < 1 or sum(lengths[i] for i in section) > nbins * cap:
         return None
-    args = (lengths, groups, language, vision, dp, cap, reserve)
-    level = sum(language[i] for i in items) / nbins
-    heavy = sorted((i for i in items if language[i] > HEAVY * level), key=lambda i: -language[i])
-    fits = all(lengths[i] <= (cap if groups[i] is not None else cap - reserve) for i in heavy)
-    if heavy and len(heavy) <= dp and num_slots > 1 and fits:
-        slot, taken = heavy_slot(
-            items, heavy, lengths=lengths, groups=groups, language=language, vision=vision,
-            cap=cap, reserve=reserve, dp=dp,
-        )  # fmt: skip
-        rest = _vision_slots([i for i in items if i not in taken], num_slots - 1, *args)
+    level = sum(language[i] for i in section) / nbins
+    heavy = sorted((i for i in section if language[i] > HEAVY * level), key=lambda i: -language[i])
+    fits = all(lengths[i] <= (cap if groups[i] is not None else cap - items.reserve) for i in heavy)
+    if heavy and len(heavy) <= items.dp and num_slots > 1 and fits:
+        slot, taken = heavy_slot(section, heavy, items)
+        rest = _vision_slots([i for i in section if i not in taken], num_slots - 1, items)
         if rest is not None:
             return [*rest, slot]
-    return _vision_slots(items, num_slots, *args)
+    return _vision_slots(section, num_slots, items)
 
 
 def _vision_slots(
-    items: Sequence[int],
-    num_slots: int,
-    lengths: Sequence[int],
-    groups: Sequence[Hashable | None],
-    language: Sequence[float],
-    vision: Sequence[float],
-    dp: int,
-    cap: int,
-    reserve: int,
+    section: Sequence[int], num_slots: int, items: MiniBatchItems
 ) -> list[list[tuple[int, list[int]]]] | None:
-    """Steps 1-4: ``num_slots`` slots of ``dp`` bins holding ``items`` (arguments as
+    """Steps 1-4: ``num_slots`` slots of ``dp`` bins holding ``section`` (arguments as
     :func:`grouped_vision_slots`), or None where they do not fit."""
+    lengths, groups, language, cap, dp = items.lengths, items.image_sets, items.language, items.cap, items.dp
     nbins = num_slots * dp
-    if sum(lengths[i] for i in items) > nbins * cap:
+    if sum(lengths[i] for i in section) > nbins * cap:
         return None
     members: dict[Hashable, list[int]] = {}
     text = []
-    for i in items:
+    for i in section:
         (text if groups[i] is None else members.setdefault(groups[i], [])).append(i)
-    level = sum(language[i] for i in items) / nbins
+    level = sum(language[i] for i in section) / nbins
     filler = sum(language[i] for i in text) / nbins  # text per bin: what step 2 levels with
     bins = _Bins(nbins)
-    text = _place_big_text(bins, text, lengths, language, level, cap - reserve)
-    left = _fill_groups(bins, members, lengths, language, vision, level - FILL * filler, cap)
-    if left is None or not _level(bins, left + text, lengths, groups, language, cap, reserve, level):
+    text = _place_big_text(bins, text, items, level)
+    left = _fill_groups(bins, members, items, level - FILL * filler)
+    if left is None or not _level(bins, left + text, items, level):
         return None
-    cost = {g: vision[m[0]] for g, m in members.items()}
+    cost = {g: items.vision[m[0]] for g, m in members.items()}
     order = _slot_order(bins, cost, level, dp)
     slots = [order[s * dp : (s + 1) * dp] for s in range(num_slots)]
     for slot in slots:
-        _even(bins, slot, lengths, groups, language, cost, cap, reserve)
+        _even(bins, slot, items, cost)
     return [[(bins.tokens[j], sorted(bins.items[j])) for j in slot] for slot in slots]
 
 
 def even_text_slots(
-    slots: list[list[tuple[int, list[int]]]], *, lengths: Sequence[int], language: Sequence[float], cap: int
+    slots: list[list[tuple[int, list[int]]]], items: MiniBatchItems
 ) -> list[list[tuple[int, list[int]]]]:
     """The text slots (packed by tokens, no images) re-dealt by language cost: each slot's samples,
-    largest first, to its bin with the least language cost that has room (LPT, as step 2); a slot
-    whose samples do not fit this way is kept as it was."""
+    largest first, to its bin with the least language cost that has room (``items.cap``; LPT, as
+    step 2); a slot whose samples do not fit this way is kept as it was."""
     out = []
-    no_images: list[Hashable | None] = [None] * len(lengths)
     for slot in slots:
         bins = _Bins(len(slot))
         todo = [i for _, held in slot for i in held]
-        if _level(bins, todo, lengths, no_images, language, cap, 0):
+        if _level(bins, todo, items, text=True):
             slot = [(bins.tokens[j], sorted(bins.items[j])) for j in range(len(slot))]
         out.append(slot)
     return out
 
 
-def _place_big_text(
-    bins: _Bins, text: list[int], lengths: Sequence[int], language: Sequence[float], level: float, room: int
-) -> list[int]:
-    """Text samples above ``BIG_TEXT`` of the room, largest first, into the last bins (up to the
-    level, within ``room`` tokens), before the groups fill the bins from the first: placed after
-    the groups they may fit nowhere. Returns the text left for step 2."""
+def _place_big_text(bins: _Bins, text: list[int], items: MiniBatchItems, level: float) -> list[int]:
+    """Text samples above ``BIG_TEXT`` of the room (``cap - reserve``), largest first, into the last
+    bins (up to the level, within the room), before the groups fill the bins from the first: placed
+    after the groups they may fit nowhere. Returns the text left for step 2."""
+    lengths, language, room = items.lengths, items.language, items.cap - items.reserve
     big = sorted((i for i in text if lengths[i] > BIG_TEXT * room), key=lambda i: -language[i])
     b, placed = len(bins.load) - 1, set()
     for i in big:
@@ -203,17 +181,12 @@ def _place_big_text(
 
 
 def _fill_groups(
-    bins: _Bins,
-    members: dict[Hashable, list[int]],
-    lengths: Sequence[int],
-    language: Sequence[float],
-    vision: Sequence[float],
-    level: float,
-    cap: int,
+    bins: _Bins, members: dict[Hashable, list[int]], items: MiniBatchItems, level: float
 ) -> list[int] | None:
     """Step 1: each group, densest vision first, from a fresh bin, bin after bin up to ``level``
     (an empty bin takes one sample even above it). Returns the samples left for step 2, or None
     when the groups alone need more bins than there are."""
+    lengths, language, vision, cap = items.lengths, items.language, items.vision, items.cap
     nbins, b = len(bins.load), 0
     left: list[int] = []
     for group in sorted(members, key=lambda g: -vision[members[g][0]]):
@@ -237,19 +210,16 @@ def _fill_groups(
 
 
 def _level(
-    bins: _Bins,
-    todo: list[int],
-    lengths: Sequence[int],
-    groups: Sequence[Hashable | None],
-    language: Sequence[float],
-    cap: int,
-    reserve: int,
-    level: float | None = None,
+    bins: _Bins, todo: list[int], items: MiniBatchItems, level: float | None = None, *, text: bool = False
 ) -> bool:
     """Step 2: ``todo`` largest first into the bin with the least language cost that has room
     (``cap``, less ``reserve`` for a sample without images joining a bin without images); with a
     ``level``, a sample whose image set some bins hold joins the least loaded of them that stays
-    within it (no new encode). False when one fits nowhere."""
+    within it (no new encode). ``text``: the samples are taken as text (no image set, no pad to
+    make room for: a text slot). False when one fits nowhere."""
+    lengths, language, cap = items.lengths, items.language, items.cap
+    groups = [None] * items.n if text else items.image_sets
+    reserve = 0 if text else items.reserve
     heap = [(load, j) for j, load in enumerate(bins.load)]
     heapq.heapify(heap)
     holders: dict[Hashable, list[int]] = {}
@@ -300,22 +270,20 @@ def _slot_order(bins: _Bins, cost: dict[Hashable, float], level: float, dp: int)
     return rest[:at] + heavy + rest[at:]
 
 
-def _even(
-    bins: _Bins,
-    slot: list[int],
-    lengths: Sequence[int],
-    groups: Sequence[Hashable | None],
-    language: Sequence[float],
-    cost: dict[Hashable, float],
-    cap: int,
-    reserve: int,
-) -> None:
+def _even(bins: _Bins, slot: list[int], items: MiniBatchItems, cost: dict[Hashable, float]) -> None:
     """Step 4 on one slot: the heaviest bin moves a sample to, or swaps one with, another bin of
     the slot (the partner: one of the two samples around half the gap, by bisection), choosing the
     change that lowers the pair's maximum most, where no bin's vision cost rises above the slot's
     largest (a sample joins a bin holding its images, or one whose tower finishes before the
     slot's slowest anyway) and tokens stay within ``cap`` (less ``reserve`` in a bin left without
     images); until no change helps."""
+    lengths, groups, language, cap, reserve = (
+        items.lengths,
+        items.image_sets,
+        items.language,
+        items.cap,
+        items.reserve,
+    )
     load, tokens = bins.load, bins.tokens
     vision = {j: sum(cost[g] for g in bins.groups[j]) for j in slot}
     ceiling = max(vision.values())
@@ -350,9 +318,9 @@ def _even(
         if best[1] < 0:
             return
         _, a, b, lo = best
-        _move(bins, a, hi, lo, lengths, groups, language)
+        _move(bins, a, hi, lo, items)
         if b >= 0:
-            _move(bins, b, lo, hi, lengths, groups, language)
+            _move(bins, b, lo, hi, items)
         for j in (hi, lo):
             vision[j] = sum(cost[g] for g in bins.groups[j])
 
@@ -365,20 +333,13 @@ def _holds_image(held: dict[Hashable, int], leaving: Hashable | None, joining: H
     return bool(held) and not (leaving is not None and len(held) == 1 and held[leaving] == 1)
 
 
-def _move(
-    bins: _Bins,
-    i: int,
-    src: int,
-    dst: int,
-    lengths: Sequence[int],
-    groups: Sequence[Hashable | None],
-    language: Sequence[float],
-) -> None:
+def _move(bins: _Bins, i: int, src: int, dst: int, items: MiniBatchItems) -> None:
     """Sample ``i`` from bin ``src`` to bin ``dst``, costs and group counts kept."""
+    lengths, language = items.lengths, items.language
     bins.items[src].remove(i)
     bins.load[src] -= language[i]
     bins.tokens[src] -= lengths[i]
-    g = groups[i]
+    g = items.image_sets[i]
     if g is not None:
         bins.groups[src][g] -= 1
         if not bins.groups[src][g]:

@@ -10,7 +10,9 @@ within a tower budget, so that the slot's ranks wait less for the heavy one. Pur
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
+
+from trainer_lib.planning.items import MiniBatchItems
 
 __all__ = ["HEAVY_SLOT_VISION", "heavy_slot"]
 
@@ -22,29 +24,23 @@ cost at most this share of the costliest group's (or the heavy bins' own, if mor
 
 
 def heavy_slot(
-    items: Sequence[int],
-    heavy: Sequence[int],
-    *,
-    lengths: Sequence[int],
-    groups: Sequence[Hashable | None],
-    language: Sequence[float],
-    vision: Sequence[float],
-    cap: int,
-    reserve: int,
-    dp: int,
+    section: Sequence[int], heavy: Sequence[int], items: MiniBatchItems
 ) -> tuple[list[tuple[int, list[int]]], set[int]]:
-    """One slot of ``dp`` bins: the ``heavy`` samples (1 to ``dp`` of ``items``, costliest first) one
-    per bin, then the other samples of ``items``, largest language cost first, each into the bin
-    with the least language cost that has room for it (``cap`` tokens; ``cap - reserve`` in a bin
-    without images: the synthetic pad's room) without passing the first heavy sample's cost, a
-    new image set only within the tower budget (:data:`HEAVY_SLOT_VISION`).
+    """One slot of ``items.dp`` bins: the ``heavy`` samples (1 to ``dp`` of ``section``, costliest
+    first) one per bin, then the other samples of ``section``, largest language cost first, each
+    into the bin with the least language cost that has room for it (``cap`` tokens; ``cap -
+    reserve`` in a bin without images: the synthetic pad's room) without passing the first heavy
+    sample's cost, a new image set (``items.image_sets``) only within the tower budget
+    (:data:`HEAVY_SLOT_VISION`).
 
     Arguments as :func:`~trainer_lib.planning.grouped.grouped_vision_slots`.
 
     Returns:
         The slot's ``(tokens, sample indices)`` bins, and the samples it holds.
     """
-    cost = {groups[i]: vision[i] for i in items if groups[i] is not None}
+    lengths, groups, language, vision = items.lengths, items.image_sets, items.language, items.vision
+    cap, reserve, dp = items.cap, items.reserve, items.dp
+    cost = {groups[i]: vision[i] for i in section if groups[i] is not None}
     load = [language[i] for i in heavy] + [0.0] * (dp - len(heavy))
     tokens = [lengths[i] for i in heavy] + [0] * (dp - len(heavy))
     held = [{groups[i]} - {None} for i in heavy] + [set() for _ in range(dp - len(heavy))]
@@ -53,7 +49,7 @@ def heavy_slot(
     ceiling = max(max(images), HEAVY_SLOT_VISION * max(cost.values(), default=0.0))
     pace, taken = language[heavy[0]], set(heavy)
     lightest, emptiest = min(load), min(tokens)
-    for i in sorted((i for i in items if i not in taken), key=lambda i: -language[i]):
+    for i in sorted((i for i in section if i not in taken), key=lambda i: -language[i]):
         if lightest + language[i] > pace or emptiest + lengths[i] > cap:  # joins no bin
             continue
         g, best = groups[i], -1

@@ -23,7 +23,11 @@ from trainer_lib.planning.ranks import Balance, deal_mini_batch
 from trainer_lib.planning.refine import Refinement
 from trainer_lib.spec import PackingSpec
 
-__all__ = ["RankLoad", "StepPlan", "encoded_image_tokens", "mini_batch_entries", "plan_step"]
+__all__ = ["SEARCH", "RankLoad", "StepPlan", "encoded_image_tokens", "mini_batch_entries", "plan_step"]
+
+SEARCH = Refinement()
+""":func:`plan_step`'s default search (issue 43): the descent, then the annealing, within the
+default time budget per mini-batch (``Refinement.plan_time_budget_s`` None)."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,7 @@ def plan_step(
     cost_model: CostModel | None = None,
     stretch_cap: bool = False,
     balance: Balance = "compute",
-    refine: Refinement | None = None,
+    refine: Refinement | None = SEARCH,
 ) -> StepPlan:
     """Pad, split into mini-batches, deal each to the ranks as balanced micro-batches.
 
@@ -185,9 +189,11 @@ def plan_step(
             once per micro-batch (the trainer's dedup); ``"tokens"``: issue 13's token-balanced
             plan (each slot's tokens even, vision slots grouped by vision cost).
         refine: with ``"compute"``, search each mini-batch's plan for a shorter predicted step
-            (:class:`~trainer_lib.planning.refine.Refinement`: descent, optionally annealing;
-            opt-in: planning ~2x slower with the descent, ~100x with 1M annealing steps;
-            docs/PACKING.md §3.8).
+            (:class:`~trainer_lib.planning.refine.Refinement`: the descent, then the annealing;
+            docs/PACKING.md §3.8), for at most ``refine.plan_time_budget_s`` seconds per
+            mini-batch, counted in iterations at measured rates, so the plan is deterministic.
+            Default :data:`SEARCH` (``Refinement()``: 2% of the mini-batch's predicted step on
+            ``cost_model``'s card, 2-45 ms); None: the plan as constructed, no search.
         stretch_cap: off by default. On: in a micro-batch slot where some rank runs a sample
             longer than the cap, the other ranks' micro-batches may hold up to that sample's
             length instead of idling (no micro-batch exceeds the step's longest sample, which

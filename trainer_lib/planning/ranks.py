@@ -25,6 +25,7 @@ from typing import Literal
 from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
 from trainer_lib.planning.bins import PIXELS
 from trainer_lib.planning.cost import CostModel
+from trainer_lib.planning.items import MiniBatchItems
 from trainer_lib.planning.packing import PackEntry, SampleAnalysis, analyze_entry, build_micro_batch
 from trainer_lib.planning.padding import make_pad_sample, pad_key
 from trainer_lib.planning.partition import partition_mini_batch
@@ -65,7 +66,8 @@ def deal_mini_batch(
             :func:`~trainer_lib.planning.partition.partition_mini_batch`).
         balance: ``"compute"`` (default) or ``"tokens"`` (:data:`Balance`).
         refine: with ``"compute"``, search the plan for a shorter predicted step
-            (:class:`~trainer_lib.planning.refine.Refinement`; opt-in, slower).
+            (:class:`~trainer_lib.planning.refine.Refinement`; None: no search), for at most its
+            ``plan_time_budget_s`` (seconds; default from the cost model's predicted step).
 
     Returns:
         ``dp_size`` :class:`~trainer_lib.PackedBatch` es in rank order: micro-batch ``k`` runs the
@@ -82,22 +84,20 @@ def deal_mini_batch(
     analyses = [analyze_entry(e, spec, e.sample_index) for e in entries]
     kinds = [a.kind for a in analyses]
     aligned = dp_size > 1 and PIXELS in kinds and spec.adapter is not None
-    part = partition_mini_batch(
+    items = MiniBatchItems(
         [a.length for a in analyses],
-        dp_size=dp_size,
+        dp=dp_size,
         cap=cap,
         keys=[e.sample.isolation_key for e in entries],
         kinds=kinds,
-        vision_cost=[
-            cost_model.vision(a.image_tokens) if cost_model is not None else sum(a.image_tokens)
-            for a in analyses
-        ],
-        reserve=spec.image_pad_length if aligned else 0,
-        stretch_cap=stretch_cap,
+        vision=[cost_model.vision(a.image_tokens) if cost_model else sum(a.image_tokens) for a in analyses],
+        language=None if cost_model is None else [cost_model.language(a.length) for a in analyses],
         groups=[a.image_key for a in analyses] if balance == "compute" else None,
-        language_cost=None if cost_model is None else [cost_model.language(a.length) for a in analyses],
-        refine=refine,  # searched only where groups are given (balance="compute")
+        reserve=spec.image_pad_length if aligned else 0,
+        stretch=stretch_cap,
+        unit_seconds=None if cost_model is None else cost_model.seconds_per_unit,
     )
+    part = partition_mini_batch(items, refine)  # searched only where groups are given ("compute")
     last_key = pad_key(entries[-1].sample if entries else None)  # the sample-count pads' key
     build = functools.partial(_micro_batch, entries, analyses, spec, last_key)
     return [

@@ -20,19 +20,39 @@ tower, a stray-placeholder or near-cap text sample in one that does not; a bin h
 synthetic pad needs the room); a bin above the cap (a sample longer than it, or a stretched slot)
 is left as it is. Only single-key mini-batches are refined.
 
+**Budget.** Both stages run for at most :attr:`Refinement.plan_time_budget_s` per mini-batch,
+converted to iteration counts by rates measured once (:data:`DESCENT_CHANGES_PER_S`,
+:data:`ANNEAL_STEPS_PER_S`), never by reading a clock: the same inputs give the same plan on any
+machine. The descent gets the budget first; what its changes leave (at the measured rate) goes
+to the annealing. Default budget (:func:`default_budget_s`): :data:`BUDGET_SHARE` of the
+mini-batch's predicted step on the cost model's card, at least :data:`BUDGET_FLOOR_S`, at most
+:data:`BUDGET_CAP_S` (docs/DESIGN-DECISIONS.md, "Issue 43: the plan's search under a time
+budget").
+
 Costs: both stages are compiled with numba (:mod:`~trainer_lib.planning.search`)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
 
-from trainer_lib.planning.search import anneal, bins_of, descend
-from trainer_lib.planning.slot_bound import VISION, SlotRules
+from trainer_lib.planning.items import VISION, MiniBatchItems
+from trainer_lib.planning.search import SearchState, anneal, bins_of, descend
 
-__all__ = ["Refinement", "refine_plan", "refine_slots"]
+__all__ = [
+    "ANNEAL_STEPS_PER_S",
+    "BUDGET_CAP_S",
+    "BUDGET_FLOOR_S",
+    "BUDGET_SHARE",
+    "DESCENT_CHANGES_PER_S",
+    "Refinement",
+    "default_budget_s",
+    "refine_plan",
+    "refine_slots",
+]
 
 _Bins = list[tuple[int, list[int]]]
 _EPS = 1e-6
@@ -40,74 +60,109 @@ _EPS = 1e-6
 _T0, _T1 = 4e-4, 2e-6
 """Annealing temperatures at the first and last step, as shares of the mean slot cost."""
 
+BUDGET_SHARE = 0.02
+"""The default budget's share of the mini-batch's predicted step (issue 43: planning <= 2%)."""
+BUDGET_FLOOR_S = 0.002
+"""The default budget's floor, seconds: the descent to its optimum on ``bench/pack.py``'s
+mini-batches, and what a step without a time on the card (no cost model) gets."""
+BUDGET_CAP_S = 0.045
+"""The default budget's cap, seconds: the search's share of issue 43's 50 ms of planning per
+mini-batch, 5 ms left to the construction (~1 ms at cap 16k) and the descent's overshoot."""
+DESCENT_CHANGES_PER_S = 60_000.0
+"""Descent changes per second, compiled, its final round without a change included: measured
+once by ``bench/search_rate.py`` (``bench/pack.py``'s mix, dp 8, mini-batch 256, cap 16k, 12
+mini-batches) on the project's shared 2-core AMD EPYC VM, 2026-12-04: 59.7k at load 8, 72.0k at
+load 3-5 (docs/DESIGN-DECISIONS.md, "Issue 43: the plan's search under a time budget")."""
+ANNEAL_STEPS_PER_S = 3_500_000.0
+"""Annealing steps per second, compiled, measured as :data:`DESCENT_CHANGES_PER_S`: 4.81M at load
+8, 6.38M at load 3-5; and 3.7M in ``bench/pack.py``'s 1M-step row (load ~4): the lowest, rounded
+down, so that a budget holds on this loaded machine too."""
+
 
 @dataclass(frozen=True)
 class Refinement:
     """How hard to search (:func:`refine_slots`).
 
+    The search stops at whichever comes first: its counts or its time budget, the budget
+    converted to counts by measured rates (module docstring), so plans are deterministic.
+
     Attributes:
         changes: most descent changes per mini-batch (each lowers the predicted step).
-        anneal_steps: annealing steps per mini-batch after the descent (0: none). On
-            ``bench/pack.py``'s mix, 1M steps take ~0.1 s per 256-sample mini-batch (compiled).
+        anneal_steps: most annealing steps per mini-batch after the descent (0: none; None: as
+            many as the budget allows). On ``bench/pack.py``'s mix, 1M steps take ~0.2 s per
+            256-sample mini-batch on this project's CPU (compiled; :data:`ANNEAL_STEPS_PER_S`).
         seed: the annealing's random seed, in ``[0, 2**64)`` (plans are reproducible; every rank
             gets the same).
+        plan_time_budget_s: seconds of search per mini-batch (descent, then annealing), >= 0;
+            0: the plan as constructed; ``math.inf``: the counts alone decide (``anneal_steps``
+            then must be given). None (default): :func:`default_budget_s` of the mini-batch's
+            predicted step on the cost model's card.
+
+    Raises:
+        ValueError: a negative count or budget, a seed outside ``[0, 2**64)``, or no bound on the
+            annealing (``anneal_steps=None`` with an infinite budget).
     """
 
     changes: int = 1000
-    anneal_steps: int = 0
+    anneal_steps: int | None = None
     seed: int = 0
+    plan_time_budget_s: float | None = None
 
     def __post_init__(self) -> None:
-        if self.changes < 0 or self.anneal_steps < 0:
+        if self.changes < 0 or (self.anneal_steps is not None and self.anneal_steps < 0):
             raise ValueError(
                 f"changes and anneal_steps must be >= 0, got {self.changes}, {self.anneal_steps}"
             )
         if not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        budget = self.plan_time_budget_s
+        if budget is not None and not budget >= 0:  # NaN too
+            raise ValueError(f"plan_time_budget_s must be >= 0 seconds, got {budget}")
+        if budget == math.inf and self.anneal_steps is None:
+            raise ValueError("an infinite plan_time_budget_s needs anneal_steps (a bound on the search)")
+
+    def budget_s(self, step_s: float | None) -> float:
+        """Seconds of search for a mini-batch whose predicted step takes ``step_s`` seconds on
+        the card (None: not known): :attr:`plan_time_budget_s`, or :func:`default_budget_s`."""
+        return default_budget_s(step_s) if self.plan_time_budget_s is None else self.plan_time_budget_s
 
 
-def refine_plan(
-    mb: SlotRules,
-    slots: list[_Bins],
-    refine: Refinement | None,
-    groups: Sequence[Hashable | None] | None,
-    language: Sequence[float],
-    vision: Sequence[float],
-) -> list[_Bins]:
+def default_budget_s(step_s: float | None) -> float:
+    """The default search budget, seconds, of a mini-batch whose predicted step takes ``step_s``
+    seconds (None: not known, the floor): :data:`BUDGET_SHARE` of it within
+    ``[BUDGET_FLOOR_S, BUDGET_CAP_S]``. E.g. a 1.5 s step: 0.03 s."""
+    if step_s is None:
+        return BUDGET_FLOOR_S
+    return min(BUDGET_CAP_S, max(BUDGET_FLOOR_S, BUDGET_SHARE * step_s))
+
+
+def _within(limit: int | None, affordable: float) -> int:
+    """``min(limit, floor(affordable))``, ``limit`` None meaning none (``affordable`` finite)."""
+    if math.isinf(affordable):  # an infinite budget: Refinement requires a limit then
+        return limit if limit is not None else 0
+    return int(affordable) if limit is None else min(limit, int(affordable))
+
+
+def refine_plan(items: MiniBatchItems, slots: list[_Bins], refine: Refinement | None) -> list[_Bins]:
     """A partition's ``slots`` (:mod:`~trainer_lib.planning.partition`) searched by
-    :func:`refine_slots` where ``refine`` asks for it, with ``groups`` and one isolation key (as
-    the compute plan applies); its empty slots are dropped first. Otherwise ``slots`` as given."""
-    if refine is None or groups is None or not mb.one_key:
+    :func:`refine_slots` where ``refine`` asks for it, with ``items.groups`` and one isolation key
+    (as the compute plan applies); its empty slots are dropped first. Otherwise ``slots`` as given."""
+    if refine is None or items.groups is None or not items.one_key:
         return slots
-    return refine_slots(
-        [slot for slot in slots if any(b for _, b in slot)], refine, lengths=mb.lengths, place=mb.place,
-        groups=groups, language=language, vision=vision, cap=mb.cap, reserve=mb.reserve,
-    )  # fmt: skip
+    return refine_slots([slot for slot in slots if any(b for _, b in slot)], items, refine)
 
 
-def refine_slots(
-    slots: list[_Bins],
-    refine: Refinement,
-    *,
-    lengths: Sequence[int],
-    place: Sequence[int],
-    groups: Sequence[Hashable | None],
-    language: Sequence[float],
-    vision: Sequence[float],
-    cap: int,
-    reserve: int,
-) -> list[_Bins]:
+def refine_slots(slots: list[_Bins], items: MiniBatchItems, refine: Refinement) -> list[_Bins]:
     """``slots`` (each a list of ``dp`` ``(tokens, sample indices)`` bins) with their samples
     re-dealt to lower the predicted step (module docstring).
 
     Args:
-        place: per sample, :data:`~trainer_lib.planning.slot_bound.VISION`, ``TEXT`` or
-            ``EITHER`` (:func:`~trainer_lib.planning.slot_bound.places`).
-        groups: per sample, its image set's key (None: no image); a bin costs each set once.
-        language: per sample, its language-model cost (any unit consistent with ``vision``).
-        vision: per sample, its image set's vision-tower cost.
-        cap, reserve: tokens a bin may hold, and what a tower-running bin without an image keeps
-            free.
+        slots: the plan's slots over ``items``' samples.
+        items: the mini-batch: per sample its tokens, place (vision, text or either), image set
+            (``groups``, None: no image; a bin costs each set once), language and vision cost (any
+            consistent unit); the cap a bin may hold, and the ``reserve`` a tower-running bin
+            without an image keeps free.
+        refine: how hard to search.
 
     Returns:
         The same number of slots of the same width, every sample index once; no image joins a
@@ -116,63 +171,63 @@ def refine_slots(
     dp, S = len(slots[0]) if slots else 0, len(slots)
     if S == 0 or dp == 0:
         return slots
-    st = _state(slots, lengths, place, groups, language, vision, cap)
-    args = (dp, S, *st, cap, reserve)
-    descend(*args, refine.changes, _EPS)
-    V, L = st[_V].reshape(S, dp), st[_L].reshape(S, dp)
-    per_slot = float(np.sum(V.max(1) + L.max(1))) / S  # 0: every plan costs nothing, none to search
-    if refine.anneal_steps and per_slot > 0:
+    state = _state(slots, items)
+    step = _step_cost(state, S, dp)
+    budget = refine.budget_s(None if items.unit_seconds is None else step * items.unit_seconds)
+    changes = _within(refine.changes, budget * DESCENT_CHANGES_PER_S)
+    made = descend(state, dp, items.cap, items.reserve, changes, _EPS) if changes else 0
+    left = max(budget - made / DESCENT_CHANGES_PER_S, 0.0)  # seconds, at the measured rate
+    steps = _within(refine.anneal_steps, left * ANNEAL_STEPS_PER_S)
+    if made == 0 and steps == 0:
+        return slots  # nothing changed: the plan as constructed (budget 0 among others)
+    per_slot = _step_cost(state, S, dp) / S  # 0: every plan costs nothing, none to search
+    if steps and per_slot > 0:
         with np.errstate(over="ignore"):  # SplitMix64 wraps by design (as Python, numpy warns)
             seed = np.uint64(refine.seed)
-            bin_of = anneal(*args, refine.anneal_steps, seed, _T0 * per_slot, _T1 * per_slot)
+            bin_of = anneal(state, dp, items.cap, items.reserve, steps, seed, _T0 * per_slot, _T1 * per_slot)
     else:
-        bin_of = bins_of(st[_MEMBERS], st[_COUNT], len(lengths))
+        bin_of = bins_of(state.members, state.count, items.n)
     held: list[list[int]] = [[] for _ in range(S * dp)]
     for i in np.argsort(bin_of, kind="stable").tolist():
         held[int(bin_of[i])].append(i)
+    lengths = items.lengths
     return [
         [(sum(lengths[i] for i in held[k * dp + r]), held[k * dp + r]) for r in range(dp)] for k in range(S)
     ]
 
 
-_MEMBERS, _COUNT, _V, _L = 5, 6, 9, 10
-"""Positions in :func:`_state`'s tuple."""
+def _step_cost(state: SearchState, S: int, dp: int) -> float:
+    """The predicted step of ``state``'s plan: per slot, its slowest bin's vision cost plus its
+    slowest bin's language cost, summed (the costs' unit)."""
+    return float(np.sum(state.V.reshape(S, dp).max(1) + state.L.reshape(S, dp).max(1)))
 
 
-def _state(
-    slots: list[_Bins],
-    lengths: Sequence[int],
-    place: Sequence[int],
-    groups: Sequence[Hashable | None],
-    language: Sequence[float],
-    vision: Sequence[float],
-    cap: int,
-) -> tuple:
-    """The search's arrays: per slot whether it runs the tower; per sample its place, language
-    cost, tokens and image-set id; per bin its samples, their count, per-set counts, distinct
-    sets, vision and language cost, tokens and whether it is frozen (above the cap)."""
-    dp, S, n = len(slots[0]), len(slots), len(lengths)
+def _state(slots: list[_Bins], items: MiniBatchItems) -> SearchState:
+    """The search's arrays (:class:`~trainer_lib.planning.search.SearchState`) of ``slots``."""
+    dp, S, n = len(slots[0]), len(slots), items.n
     ids: dict[Hashable, int] = {}
+    groups = items.groups if items.groups is not None else [None] * n
     grp = np.array([-1 if g is None else ids.setdefault(g, len(ids)) for g in groups], np.int64)
     gcost = np.zeros(max(len(ids), 1))
     has = grp >= 0
-    gcost[grp[has]] = np.asarray(vision, np.float64)[has]
+    gcost[grp[has]] = np.asarray(items.vision, np.float64)[has]
     bin_of = np.empty(n, np.int64)
     for k, slot in enumerate(slots):
         for r, (_, held) in enumerate(slot):
             bin_of[held] = k * dp + r
-    nbins, size = S * dp, np.asarray(lengths, np.int64)
+    nbins, size = S * dp, np.asarray(items.lengths, np.int64)
     count = np.bincount(bin_of, minlength=nbins)
     order = np.argsort(bin_of, kind="stable")
     members = np.full((nbins, n), -1, np.int64)
     members[bin_of[order], np.arange(n) - np.repeat(np.cumsum(count) - count, count)] = order
     cnt = np.zeros((nbins, len(gcost)), np.int64)
     np.add.at(cnt, (bin_of[has], grp[has]), 1)
+    place = items.place
     vis_slot = np.array([any(place[i] == VISION for _, held in slot for i in held) for slot in slots])
     tokens = np.bincount(bin_of, size, minlength=nbins).astype(np.int64)
-    lang = np.asarray(language, np.float64)
-    return (
-        vis_slot, np.asarray(place, np.int64), lang, size, grp, members, count, cnt,
-        (cnt > 0).sum(1), (cnt > 0) @ gcost, np.bincount(bin_of, lang, minlength=nbins),
-        tokens, tokens > cap, gcost,
+    lang = np.asarray(items.language, np.float64)
+    return SearchState(
+        vis_slot=vis_slot, where=np.asarray(place, np.int64), lang=lang, size=size, grp=grp,
+        members=members, count=count, cnt=cnt, nd=(cnt > 0).sum(1), V=(cnt > 0) @ gcost,
+        L=np.bincount(bin_of, lang, minlength=nbins), T=tokens, frozen=tokens > items.cap, gcost=gcost,
     )  # fmt: skip

@@ -37,6 +37,12 @@ class Computer:
         return self.value
 
 
+def gated(value: bytes) -> tuple[ByteBudgetLRU[bytes], asyncio.Event, Computer]:
+    """A 1 MiB cache, a gate, and a computation of ``value`` that waits for the gate."""
+    gate = asyncio.Event()
+    return sized_cache(1 << 20), gate, Computer(value, gate)
+
+
 async def settle(rounds: int = 5) -> None:
     for _ in range(rounds):
         await asyncio.sleep(0)
@@ -48,9 +54,7 @@ async def put(cache: ByteBudgetLRU[bytes], key: str, value: bytes) -> bytes:
 
 def test_concurrent_callers_compute_once():
     async def main():
-        cache = sized_cache(1 << 20)
-        gate = asyncio.Event()
-        compute = Computer(b"pixels", gate)
+        cache, gate, compute = gated(b"pixels")
         tasks = [asyncio.create_task(cache.get_or_compute("k", compute)) for _ in range(16)]
         await settle()
         assert compute.calls == 1
@@ -97,9 +101,7 @@ def test_failure_is_not_cached_and_next_call_retries():
 
 def test_cancelling_a_waiter_does_not_cancel_the_shared_work():
     async def main():
-        cache = sized_cache(1 << 20)
-        gate = asyncio.Event()
-        compute = Computer(b"value", gate)
+        cache, gate, compute = gated(b"value")
         first = asyncio.create_task(cache.get_or_compute("k", compute))  # starts the work
         others = [asyncio.create_task(cache.get_or_compute("k", compute)) for _ in range(3)]
         await settle()
@@ -123,9 +125,7 @@ def test_cancelling_a_waiter_does_not_cancel_the_shared_work():
 
 def test_cancelling_the_only_waiter_keeps_work_for_a_later_caller():
     async def main():
-        cache = sized_cache(1 << 20)
-        gate = asyncio.Event()
-        compute = Computer(b"value", gate)
+        cache, gate, compute = gated(b"value")
         only = asyncio.create_task(cache.get_or_compute("k", compute))
         await settle()
         only.cancel()

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import SERVER_ARGS, VLLMServer, photo_array, start_server, warm_up
+from helpers import SERVER_ARGS, VLLMServer, photo_array, served
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1500)]
 
@@ -39,18 +39,14 @@ RECEIVER_GB = "0.0005"
 @pytest.fixture(scope="module")
 def handles_server(qwen2_vl_dir, output_root, tmp_path_factory) -> Iterator[VLLMServer]:
     log = tmp_path_factory.mktemp("handles") / "server.log"
-    srv = start_server(
+    with served(
         qwen2_vl_dir,
         output_root,
         log,
         extra_args=(*SERVER_ARGS, "--mm-processor-cache-gb", RECEIVER_GB),
         extra_env={"VLLM_SERVER_DEV_MODE": "1"},  # /reset_mm_cache, /pause, /resume
-    )
-    try:
-        warm_up(srv)
+    ) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -45,7 +45,7 @@ def test_pyproject_declares_the_same_range():
 def test_default_body_limit_admits_what_stock_serves():
     """The tiny test server (max_model_len 2048, 1176 float32 values per patch row, 4 rows per
     placeholder): stock vLLM served a 48,189,113-byte body (30 max-size float32 images, measured:
-    tests/test_route_parity.py sends it to both servers); the limit admits it and a data URL of
+    tests/plugin/test_route_parity.py sends it to both servers); the limit admits it and a data URL of
     one MMREF_MAX_IMAGE_BYTES image, and grows with the context length."""
     per_placeholder = 4 * 1176 * 4 + 24 / 64
     limit = default_body_limit(

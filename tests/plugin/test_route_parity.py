@@ -31,7 +31,7 @@ import msgspec
 import pytest
 import torch
 
-from helpers import SERVER_ARGS, VLLMServer, photo_bytes, refusal, start_server, warm_up
+from helpers import SERVER_ARGS, VLLMServer, photo_bytes, refusal, served
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
 
@@ -44,20 +44,16 @@ def stock(qwen2_vl_dir, output_root, tmp_path_factory) -> Iterator[VLLMServer]:
     """Stock vLLM (no endpoint plugin) with the session plugin server's flags (and vLLM's dev
     routes, which change no answer)."""
     log = tmp_path_factory.mktemp("stock") / "server.log"
-    srv = start_server(
+    with served(
         qwen2_vl_dir,
         output_root,
         log,
         plugin=False,
         extra_args=SERVER_ARGS,
         extra_env={"VLLM_SERVER_DEV_MODE": "1"},  # /pause and /resume for the last test's control
-    )
-    try:
+    ) as srv:
         assert "Loaded endpoint plugin" not in srv.log()
-        warm_up(srv)
         yield srv
-    finally:
-        srv.stop()
 
 
 def data_url(name: str, size: tuple[int, int] | None = None) -> str:
