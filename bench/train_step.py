@@ -93,7 +93,9 @@ def run_step(model, spec, config, micro_batches, dedup: bool) -> dict:
         for mb in micro_batches:
             t0 = time.perf_counter()
             m = materialize_micro_batch(mb, spec, config, dedup=dedup, resolved=resolved)
-            inputs = packed_inputs(m.packed, m.features, model, spec, image_index=m.image_index)
+            inputs = packed_inputs(
+                m.packed, m.features, model, spec, image_index=m.image_index, video_index=m.video_index
+            )
             t1 = time.perf_counter()
             out = packed_logprobs(model, inputs)
             loss = -(out.logprobs * out.loss_mask).sum() / max(int(out.loss_mask.sum()), 1)

@@ -32,6 +32,7 @@ __all__ = [
     "expand_image_placeholders",
     "grid_placeholder_count",
     "locate_image_runs",
+    "locate_video_runs",
     "video_token_runs",
 ]
 
@@ -202,6 +203,46 @@ def locate_image_runs(
             ref=ref,
         )
     return _split_runs(mask, counts, refs, placeholder_token_id, where)
+
+
+def locate_video_runs(
+    input_ids: Sequence[int],
+    refs: Sequence[RawMMRef],
+    video_token_id: int,
+    *,
+    runs: Sequence[Sequence[int]],
+    mm_token_type_ids: Sequence[int] | None = None,
+    sample: int | None = None,
+) -> list[list[tuple[int, int]]]:
+    """Each video's placeholder runs in one prompt: per video, ``[(start, length)]`` in prompt order.
+
+    :func:`locate_image_runs` under the video token: video positions are where
+    ``mm_token_type_ids == 2`` when given (transformers' convention: 0 text, 1 image, 2 video), else
+    where ``input_ids == video_token_id``; each contiguous run is split by the videos' runs in
+    order, then the runs are grouped back per video.
+
+    Example (Qwen2.5-VL: one run per video; Qwen3-VL: one per temporal patch, text between)::
+
+        ids = [T, V, V, V, T, V, V]                      V = video_token_id
+        locate_video_runs(ids, refs, V, runs=[[3], [2]]) == [[(1, 3)], [(5, 2)]]
+        locate_video_runs(ids, refs, V, runs=[[3, 2]]) == [[(1, 3), (5, 2)]]
+
+    Args:
+        refs: the videos in prompt order (named in errors).
+        runs: per video, its runs' token counts (``adapter.video_token_runs(grid)``).
+
+    Raises:
+        PlaceholderMismatch: see :func:`locate_image_runs` (its messages say "image" for the
+            token id they name).
+    """
+    types = None if mm_token_type_ids is None else [1 if int(t) == 2 else 0 for t in mm_token_type_ids]
+    flat = [int(c) for per in runs for c in per]
+    found = iter(
+        locate_image_runs(
+            input_ids, refs, video_token_id, mm_token_type_ids=types, counts=flat, sample=sample
+        )
+    )
+    return [[next(found) for _ in per] for per in runs]
 
 
 def _split_runs(

@@ -67,10 +67,10 @@ class MMRefs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """The images of one sample, in prompt order."""
 
     items: list[RawMMRef]
-    mm_token_type_ids: list[Annotated[int, Meta(ge=0, le=1)]] | None = None
+    mm_token_type_ids: list[Annotated[int, Meta(ge=0, le=2)]] | None = None
     """Per token of the sample (prompt and completion; a sample's ``input_ids`` length): 0 text,
-    1 image placeholder. Locates image runs without trusting raw token ids (a text token equal
-    to the placeholder id is not an image)."""
+    1 image placeholder, 2 video placeholder (transformers' convention). Locates image and video
+    runs without trusting raw token ids (a text token equal to the placeholder id is not an image)."""
 
 
 def _check_token_arrays(obj: Any) -> int:
@@ -179,8 +179,9 @@ class MicroBatch(msgspec.Struct, kw_only=True, array_like=True, gc=False, omit_d
     sample_count: _NonNegInt
     mm_refs: list[RawMMRef] = msgspec.field(default_factory=list)
     """Every sample's refs, concatenated in sample order."""
-    mm_token_type_ids: list[Annotated[int, Meta(ge=0, le=1)]] | None = None
-    """Per token: 0 text, 1 image placeholder (locates image runs without trusting token ids)."""
+    mm_token_type_ids: list[Annotated[int, Meta(ge=0, le=2)]] | None = None
+    """Per token: 0 text, 1 image placeholder, 2 video placeholder (transformers' convention;
+    locates image and video runs without trusting token ids)."""
     images_per_sample: list[_NonNegInt] | None = None
     """Per packed sample: how many of ``mm_refs`` (and synthetic pad images) it owns, in order."""
     is_padding: list[bool] | None = None

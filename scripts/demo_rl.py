@@ -102,7 +102,9 @@ def train_step(
     optimizer.zero_grad()
     trainer, server, masks, loss = [], [], [], 0.0
     for m in batches:
-        inputs = packed_inputs(m.packed, m.features, model, spec, image_index=m.image_index)
+        inputs = packed_inputs(
+            m.packed, m.features, model, spec, image_index=m.image_index, video_index=m.video_index
+        )
         out = packed_logprobs(model, inputs, suppressed_token_ids=suppressed)
         wire = m.packed.micro_batch
         old = torch.tensor(wire.inference_logprobs)

@@ -10,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.errors import InvalidRequest, PlaceholderMismatch
-from protocol.placeholders import check_range, expand_image_placeholders, locate_image_runs
+from protocol.placeholders import (
+    check_range,
+    expand_image_placeholders,
+    locate_image_runs,
+    locate_video_runs,
+    video_token_runs,
+)
 from protocol.structs import RawMMRef
 
 P = 261  # <|image_pad|> of the tiny Qwen models
@@ -45,6 +51,30 @@ def test_images_in_separate_runs():
 def test_mixed_runs():
     ids = [T, P, P, P, T, P, P]
     assert locate_image_runs(ids, [], P, counts=[1, 2, 2]) == [(1, 1), (2, 2), (5, 2)]
+
+
+# --- locate_video_runs (issue 44, part 3) ---------------------------------------------------------
+
+V = 262  # <|video_pad|> of the tiny Qwen models
+
+
+def test_video_runs_one_per_video_or_one_per_temporal_patch():
+    ids = [T, V, V, V, T, V, V]
+    assert locate_video_runs(ids, [], V, runs=[[3], [2]]) == [[(1, 3)], [(5, 2)]]
+    assert locate_video_runs(ids, [], V, runs=[[3, 2]]) == [[(1, 3), (5, 2)]]  # Qwen3-VL: text between
+    assert video_token_runs([2, 2, 6], 2, per_frame=True) == [3, 3]
+    assert locate_video_runs([T, V, V, V, V], [], V, runs=[[2], [2]]) == [[(1, 2)], [(3, 2)]]  # adjacent
+
+
+def test_video_runs_read_type_2_beside_images():
+    ids = [T, P, P, T, V, V, V, T]
+    types = [0, 1, 1, 0, 2, 2, 2, 0]
+    assert locate_video_runs(ids, [], V, runs=[[3]], mm_token_type_ids=types) == [[(4, 3)]]
+    assert locate_image_runs(ids, [], P, mm_token_type_ids=types, counts=[2]) == [(1, 2)]
+    with pytest.raises(PlaceholderMismatch, match="typed as text"):  # a video token typed as text
+        locate_video_runs(ids, [], V, runs=[[2]], mm_token_type_ids=[0, 1, 1, 0, 0, 2, 2, 0])
+    with pytest.raises(PlaceholderMismatch, match="needing 4"):
+        locate_video_runs(ids, [], V, runs=[[4]])
 
 
 def test_no_images_no_placeholders():

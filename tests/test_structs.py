@@ -168,11 +168,11 @@ def test_raw_mm_ref_is_frozen():
 
 
 def test_mm_refs_rejects_unknown_fields_and_bad_token_types():
-    good = {"items": [raw_ref_dict()], "mm_token_type_ids": [0, 1, 1, 0]}
-    assert msgspec.json.decode(msgspec.json.encode(good), type=MMRefs).mm_token_type_ids == [0, 1, 1, 0]
+    good = {"items": [raw_ref_dict()], "mm_token_type_ids": [0, 1, 1, 0, 2]}  # 2: video (transformers')
+    assert msgspec.json.decode(msgspec.json.encode(good), type=MMRefs).mm_token_type_ids == [0, 1, 1, 0, 2]
     for bad in (
         {**good, "extra": 1},
-        {**good, "mm_token_type_ids": [0, 2]},
+        {**good, "mm_token_type_ids": [0, 3]},
         {**good, "mm_token_type_ids": [0, -1]},
         {"items": [{**raw_ref_dict(), "raw_image_id": "x"}]},
     ):

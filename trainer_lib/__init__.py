@@ -40,7 +40,7 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
 - :class:`MaterializeConfig` — ``MMREF_*`` settings (:mod:`trainer_lib.config`).
 """
 
-from protocol.placeholders import locate_image_runs
+from protocol.placeholders import locate_image_runs, locate_video_runs
 from trainer_lib.attention import VARLEN_ATTENTION, register_varlen_attention
 from trainer_lib.config import MaterializeConfig
 from trainer_lib.distributed import RankFailed, check_all_ranks, fail_fast
@@ -114,6 +114,7 @@ __all__ = [
     "fail_fast",
     "linear_attention_path",
     "locate_image_runs",
+    "locate_video_runs",
     "logprob_mismatch",
     "make_pad_sample",
     "materialize",

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from trainer_lib.attention import VARLEN_ATTENTION
-from trainer_lib.hf_surface import attn_implementation, image_features, takes_encoder_outputs
+from trainer_lib.hf_surface import attn_implementation, image_features, takes_encoder_outputs, video_features
 from trainer_lib.linear_attention import linear_attention_path
 from trainer_lib.logprob_head import DEFAULT_CHUNK_SIZE, SUPPRESSED_LOGIT, token_logprobs
 from trainer_lib.model_inputs import PackedInputs
@@ -66,23 +66,54 @@ class ForwardResult:
     checkpointing on, as :func:`~trainer_lib.prepare_model_for_packing` leaves it by default)."""
 
 
-def _repeated_image_features(model: torch.nn.Module, pixels: torch.Tensor, inputs: PackedInputs) -> Any:
-    """Vision tower once per distinct image, embeddings indexed per image of the micro-batch.
+def _repeated_features(enc: Any, index: torch.Tensor) -> Any:
+    """A vision tower's output for the distinct images (or videos), re-indexed per slot.
 
-    Uses transformers' own ``get_image_features`` and the model's own ``mm_encoder_outputs``
-    forward argument, whose embedding merge (``masked_scatter`` into the placeholder positions) is
-    the model's (5.19: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE):
-    ``pooler_output`` is a tuple of per-image embeddings ``[tokens_i, hidden]``, and Qwen3-VL's
-    ``deepstack_features`` a list (per layer) of such tuples; both are re-indexed by
-    ``inputs.image_index`` (a tuple of views, no copy). Gradients of repeated images accumulate
-    into the one vision forward (tested equal to the per-slot path in fp32: ``tests/test_dedup.py``).
+    ``enc`` is transformers' own ``get_image_features`` / ``get_video_features`` output, fed to
+    the model's own ``mm_encoder_outputs`` forward argument, whose embedding merge
+    (``masked_scatter`` into the placeholder positions) is the model's (5.19: Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE): ``pooler_output`` is a tuple of per-item
+    embeddings ``[tokens_i, hidden]``, and Qwen3-VL's ``deepstack_features`` a list (per layer) of
+    such tuples; both are re-indexed by ``index`` (a tuple of views, no copy). Gradients of
+    repeated items accumulate into the one vision forward (tested equal to the per-slot path in
+    fp32: ``tests/test_dedup.py``).
     """
-    enc = image_features(model, pixels, inputs.image_grid_thw)
-    index = inputs.image_index.tolist()
-    enc.pooler_output = tuple(enc.pooler_output[i] for i in index)
+    rows = index.tolist()
+    enc.pooler_output = tuple(enc.pooler_output[i] for i in rows)
     if getattr(enc, "deepstack_features", None) is not None:
-        enc.deepstack_features = [tuple(layer[i] for i in index) for layer in enc.deepstack_features]
+        enc.deepstack_features = [tuple(layer[i] for i in rows) for layer in enc.deepstack_features]
     return enc
+
+
+def _vision_kwargs(model: torch.nn.Module, inputs: PackedInputs) -> dict[str, Any]:
+    """The vision arguments of ``model.model(...)``: ``pixel_values``/``image_grid_thw`` and
+    ``pixel_values_videos``/``video_grid_thw`` (the model's own video path), or, with
+    deduplicated features, ``mm_encoder_outputs`` holding each modality's tower output once per
+    distinct item, re-indexed per slot (:func:`_repeated_features`; a model forward without
+    ``mm_encoder_outputs`` gets one pixel copy per slot instead, :func:`_per_slot_pixels`)."""
+    dtype = next(model.parameters()).dtype
+    kwargs: dict[str, Any] = {}
+    encoded: dict[str, Any] = {}
+    dedup = inputs.image_index is not None or inputs.video_index is not None
+    for name, pixels, grid, index, encode in (
+        ("image", inputs.pixel_values, inputs.image_grid_thw, inputs.image_index, image_features),
+        ("video", inputs.pixel_values_videos, inputs.video_grid_thw, inputs.video_index, video_features),
+    ):
+        if pixels is None:
+            continue
+        pixels = pixels.to(dtype)
+        if dedup and takes_encoder_outputs(model):  # the forward refuses pixels beside encoder outputs
+            enc = encode(model, pixels, grid)
+            encoded[name] = enc if index is None else _repeated_features(enc, index)
+            pixels, grid = None, grid if index is None else grid[index]
+        elif index is not None:
+            pixels, grid = _per_slot_pixels(model, pixels, grid, index)
+        prefix = "pixel_values" if name == "image" else "pixel_values_videos"
+        kwargs[prefix] = pixels
+        kwargs[f"{name}_grid_thw"] = grid
+    if encoded:
+        kwargs["mm_encoder_outputs"] = encoded
+    return kwargs
 
 
 def _per_slot_pixels(
@@ -133,9 +164,11 @@ def packed_logprobs(
     """Forward one packed micro-batch; per-token logprobs and entropy of the packed tokens.
 
     Runs ``model.model(input_ids, position_ids [4,1,L], pixel_values, image_grid_thw,
-    attention_mask=None, use_cache=False)`` then the LM head of :mod:`trainer_lib.logprob_head`
-    in ``chunk_size``-token chunks (float32; each chunk's logits recomputed in the backward, never
-    kept). Gradients flow when enabled. The sample boundaries (``cu_seqlens``) go down as
+    pixel_values_videos, video_grid_thw, attention_mask=None, use_cache=False)`` (or the vision
+    towers' outputs once per distinct image or video as ``mm_encoder_outputs``) then the LM head
+    of :mod:`trainer_lib.logprob_head` in ``chunk_size``-token chunks (float32; each chunk's
+    logits recomputed in the backward, never kept). Gradients flow when enabled. The sample
+    boundaries (``cu_seqlens``) go down as
     :data:`~trainer_lib.packed_call.CU_SEQLENS_KWARG` only where a layer reads them: the
     ``mmref_varlen`` backend and linear-attention layers. A model sharded by
     :func:`~trainer_lib.shard_model` runs through its FSDP2 forward method (parameters gathered,
@@ -205,22 +238,12 @@ def packed_forward_tensors(
         kwargs[CU_SEQLENS_KWARG] = inputs.cu_seqlens
     if backend == VARLEN_ATTENTION:
         kwargs[MAX_SEQLEN_KWARG] = inputs.max_seqlen
-    dtype = next(model.parameters()).dtype
-    pixels = None if inputs.pixel_values is None else inputs.pixel_values.to(dtype)
-    grid = inputs.image_grid_thw
-    if pixels is not None and inputs.image_index is not None:
-        if takes_encoder_outputs(model):
-            kwargs["mm_encoder_outputs"] = {"image": _repeated_image_features(model, pixels, inputs)}
-            pixels, grid = None, grid[inputs.image_index]
-        else:
-            pixels, grid = _per_slot_pixels(model, pixels, grid, inputs.image_index)
+    kwargs.update(_vision_kwargs(model, inputs))
     out = model.model(
         input_ids=inputs.input_ids,
         position_ids=inputs.position_ids,
         attention_mask=None,
         use_cache=False,  # with a cache object transformers' sdpa/eager mask spans the whole pack
-        pixel_values=pixels,
-        image_grid_thw=grid,
         **kwargs,
     )
     hidden = out.last_hidden_state[0, :-1]  # position t predicts token t+1

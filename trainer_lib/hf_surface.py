@@ -24,6 +24,7 @@ __all__ = [
     "sdpa_attention_forward",
     "set_attn_implementation",
     "takes_encoder_outputs",
+    "video_features",
 ]
 
 
@@ -84,6 +85,13 @@ def image_features(model: Any, pixel_values: Any, image_grid_thw: Any) -> Any:
     (``transformers/models/qwen2_vl/modeling_qwen2_vl.py`` and the Qwen-VL families after it): the
     vision tower's output, ``pooler_output`` a tuple of per-image embeddings."""
     return model.model.get_image_features(pixel_values, image_grid_thw, return_dict=True)
+
+
+def video_features(model: Any, pixel_values_videos: Any, video_grid_thw: Any) -> Any:
+    """``model.model.get_video_features(pixel_values_videos, video_grid_thw, return_dict=True)``
+    (``transformers/models/qwen2_vl/modeling_qwen2_vl.py``, same in Qwen2.5-VL and Qwen3-VL): the
+    vision tower on a video's frames, ``pooler_output`` a tuple of per-video embeddings."""
+    return model.model.get_video_features(pixel_values_videos, video_grid_thw, return_dict=True)
 
 
 def takes_encoder_outputs(model: Any) -> bool:

@@ -41,7 +41,7 @@ from protocol.structs import TrainingSample
 from trainer_lib import metrics
 from trainer_lib.collate import FeatureWriter
 from trainer_lib.config import MaterializeConfig
-from trainer_lib.materialize_video import add_videos, materialize_videos, video_refs
+from trainer_lib.materialize_video import add_videos, materialize_videos, split_video_features, video_refs
 from trainer_lib.micro_batch import PackedMicroBatch, SampleSlot, replace_loss_mask
 from trainer_lib.pool import run_on_pool
 from trainer_lib.sources import checked_refs, describe_source, image_source
@@ -323,6 +323,10 @@ class MaterializedMicroBatch:
     image_index: torch.Tensor | None = None
     """int64 ``[num images of the micro-batch]`` with ``dedup``: row of ``image_grid_thw`` per image
     (pass it to :func:`~trainer_lib.packed_inputs`)."""
+    video_index: torch.Tensor | None = None
+    """The same for videos (``features`` then holds ``pixel_values_videos``, ``video_grid_thw``
+    and Qwen2.5-VL's ``second_per_grid_ts``, each distinct video once): pass it as
+    ``packed_inputs(..., video_index=m.video_index)``."""
 
 
 def materialize_micro_batch(
@@ -333,7 +337,7 @@ def materialize_micro_batch(
     dedup: bool = True,
     resolved: Resolved | None = None,
 ) -> MaterializedMicroBatch:
-    """Features for every image of the micro-batch, in pack order.
+    """Features for every image and video of the micro-batch, in pack order.
 
     Real images go through :func:`materialize` with ``spec.adapter``, the pixel mode
     ``spec.raw_pixels`` and the settings of ``config`` (asset root, missing-image policy,
@@ -369,7 +373,8 @@ def materialize_micro_batch(
     synthetic = [  # a grid from the wire is bounded before anything is sized by it
         adapter.zero_features(adapter.check_grid(im.grid)).tensors for im in packed.images if im.ref is None
     ]
-    parts: list[Mapping[str, torch.Tensor]] = ([batch.features] if batch.features else []) + synthetic
+    images, videos = split_video_features(batch.features)
+    parts: list[Mapping[str, torch.Tensor]] = ([images] if images else []) + synthetic
     if len(parts) > 1:  # real and pad images: one concatenation
         features = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     else:  # no second copy of the real images' features
@@ -377,11 +382,15 @@ def materialize_micro_batch(
     image_index = None
     if dedup and features:
         real = batch.image_index if batch.image_index is not None else torch.empty(0, dtype=torch.int64)
-        n_real = len(batch.features.get(adapter.grid_field, ())) if batch.features else 0
+        n_real = len(images.get(adapter.grid_field, ()))
         image_index = torch.cat([real, torch.arange(n_real, n_real + len(synthetic), dtype=torch.int64)])
     packed = _zero_losses(packed, real_slots, batch.samples)
     return MaterializedMicroBatch(
-        packed=packed, features=features, stats=batch.stats, image_index=image_index
+        packed=packed,
+        features={**features, **videos},
+        stats=batch.stats,
+        image_index=image_index,
+        video_index=batch.video_index,
     )
 
 

@@ -37,8 +37,17 @@ from protocol.structs import RawMMRef, TrainingSample
 from trainer_lib.pool import run_on_pool
 from trainer_lib.sources import raw_body
 
-__all__ = ["VideoFeatures", "add_videos", "materialize_videos", "video_refs"]
+__all__ = [
+    "VIDEO_FEATURES",
+    "VideoFeatures",
+    "add_videos",
+    "materialize_videos",
+    "split_video_features",
+    "video_refs",
+]
 
+VIDEO_FEATURES = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+"""The feature names a family's videos add (``VideoMixin.collate_videos``: the HF processor's)."""
 _REPLACEABLE = (AssetNotFound, VideoUnreadable, HashMismatch, AssetTooLarge)
 """Errors a zero stand-in may replace (as for images); the others mean the batch is wrong."""
 
@@ -120,6 +129,14 @@ def materialize_videos(
     else:
         out.features = adapter.collate_videos([items[r.ref] for refs in per_sample for r in refs])
     return out
+
+
+def split_video_features(
+    features: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(image features, video features)`` of a batch's features (:data:`VIDEO_FEATURES`)."""
+    videos = {k: v for k, v in features.items() if k in VIDEO_FEATURES}
+    return {k: v for k, v in features.items() if k not in videos}, videos
 
 
 def add_videos(batch: Any, videos: VideoFeatures) -> None:

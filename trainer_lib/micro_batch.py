@@ -20,7 +20,9 @@ __all__ = ["ImageSpan", "PackedBatch", "PackedMicroBatch", "SampleSlot", "replac
 
 @dataclass(frozen=True)
 class ImageSpan:
-    """One image of a micro-batch: where its placeholder run sits in the pack.
+    """One image or video of a micro-batch: where its placeholder run sits in the pack (a video's
+    ref has ``modality == "video"``: its tokens are the video token, typed 2 in
+    ``mm_token_type_ids``).
 
     Example: a sample packed at offset 100 whose image run starts at token 5 of the sample and
     has 16 placeholders gives ``ImageSpan(slot=k, start=105, length=16, grid=(1, 8, 8), ...)``.
@@ -36,6 +38,19 @@ class ImageSpan:
     ref: RawMMRef | None
     """The image's ref; None for a synthetic pad image (zero features from
     ``adapter.zero_features(grid)``)."""
+    runs: tuple[tuple[int, ...], ...] = ()
+    """A video's placeholder runs ``(start in the pack, length)`` where it has more than one
+    (Qwen3-VL: one per temporal patch, its timestamp text between; ``length`` is then their sum);
+    empty: the one run ``(start, length)``."""
+
+    @property
+    def is_video(self) -> bool:
+        return self.ref is not None and self.ref.modality == "video"
+
+    @property
+    def token_runs(self) -> tuple[tuple[int, ...], ...]:
+        """Its placeholder runs, ``(start in the pack, length)`` each."""
+        return self.runs or ((self.start, self.length),)
 
 
 @dataclass(frozen=True)
@@ -75,12 +90,13 @@ class PackedMicroBatch:
     """The wire struct; everything below can be rebuilt from it (:func:`rebuild_micro_batch`)."""
     slots: tuple[SampleSlot, ...]
     images: tuple[ImageSpan, ...]
-    """Every image in pack order (sample order, then prompt order): the order the features are
-    concatenated in and the order transformers' ``masked_scatter`` fills the placeholders."""
+    """Every image and video in pack order (sample order, then prompt order): the order the
+    features of each modality are concatenated in and the order transformers' ``masked_scatter``
+    fills each modality's placeholders. ``MicroBatch.images_per_sample`` counts both."""
 
     @property
     def mm_token_type_ids(self) -> list[int]:
-        """Per token: 0 text, 1 image placeholder (transformers' convention)."""
+        """Per token: 0 text, 1 image placeholder, 2 video placeholder (transformers' convention)."""
         return self.micro_batch.mm_token_type_ids or []
 
     @property
@@ -124,12 +140,18 @@ class PackedMicroBatch:
 
     @property
     def placeholder_count(self) -> int:
-        """Placeholder tokens of all images (== feature rows the model scatters)."""
+        """Placeholder tokens of all images and videos (== feature rows the model scatters)."""
         return sum(im.length for im in self.images)
 
     @property
     def image_grids(self) -> list[tuple[int, ...]]:
-        return [im.grid for im in self.images]
+        """Grids of the images (videos: :attr:`video_grids`), pack order."""
+        return [im.grid for im in self.images if not im.is_video]
+
+    @property
+    def video_grids(self) -> list[tuple[int, ...]]:
+        """Grids of the videos, pack order."""
+        return [im.grid for im in self.images if im.is_video]
 
     @property
     def images_per_sample(self) -> list[int]:

@@ -50,6 +50,13 @@ class PackedInputs:
     image_index: torch.Tensor | None = None
     """int64 ``[num images]`` when ``pixel_values``/``image_grid_thw`` hold distinct images only:
     the row of ``image_grid_thw`` each image of the micro-batch shows."""
+    pixel_values_videos: torch.Tensor | None = None
+    """float32 ``[sum(t*h*w), C * temporal_patch * patch**2]``: every video in pack order (or each
+    distinct video once, with :attr:`video_index`); None without videos (issue 44)."""
+    video_grid_thw: torch.Tensor | None = None
+    """int64 ``[num videos, 3]`` (rows of the distinct videos with :attr:`video_index`)."""
+    video_index: torch.Tensor | None = None
+    """int64 ``[num videos]`` with deduplicated video features: the row each video shows."""
 
     def to(self, device: torch.device | str) -> PackedInputs:
         """The same inputs on ``device`` (``non_blocking`` copies)."""
@@ -66,6 +73,9 @@ class PackedInputs:
             pixel_values=move(self.pixel_values),
             image_grid_thw=move(self.image_grid_thw),
             image_index=move(self.image_index),
+            pixel_values_videos=move(self.pixel_values_videos),
+            video_grid_thw=move(self.video_grid_thw),
+            video_index=move(self.video_index),
         )
 
 
@@ -75,6 +85,7 @@ def packed_inputs(
     model_or_config: Any,
     spec: PackingSpec,
     image_index: torch.Tensor | None = None,
+    video_index: torch.Tensor | None = None,
 ) -> PackedInputs:
     """Build the model inputs and run the placeholder tripwire.
 
@@ -83,68 +94,92 @@ def packed_inputs(
             with replaced images zeroed).
         features: its features in pack order, as :func:`~trainer_lib.materialize_micro_batch`
             returns them (Qwen-VL: ``pixel_values`` float32 ``[sum(t*h*w), C*T*P*P]``,
-            ``image_grid_thw`` int64 ``[N, 3]``); ``{}`` without images.
+            ``image_grid_thw`` int64 ``[N, 3]``; videos: ``pixel_values_videos``,
+            ``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts`` float32 ``[N_videos]``);
+            ``{}`` without images or videos.
         model_or_config: the HF model or its config (for ``get_rope_index``).
-        spec: the family's facts: the placeholder id, and the adapter's placeholder count per
+        spec: the family's facts: the placeholder ids, and the adapter's placeholder count per
             grid (the feature rows the model scatters).
         image_index: int64 ``[num images]`` with deduplicated features (``dedup=True``): the row of
             ``image_grid_thw`` each image of the micro-batch shows.
+        video_index: the same for videos (``MaterializedMicroBatch.video_index``).
 
     Returns:
         :class:`PackedInputs` on CPU.
 
     Raises:
         ValueError: placeholder tokens != feature rows (:func:`check_placeholders_match_features`),
-            features whose grids differ from the micro-batch's images, images without features,
-            or images and a spec without an adapter.
+            features whose grids differ from the micro-batch's images or videos, images or videos
+            without features, or a spec without an adapter.
     """
     ids = torch.as_tensor(packed.micro_batch.input_ids, dtype=torch.long).unsqueeze(0)
-    pixel_values = grid = None
-    if packed.images or features:
-        _check_features(packed, features, ids, spec, image_index)
-        pixel_values, grid = features["pixel_values"], features["image_grid_thw"]
+    types = torch.as_tensor(packed.mm_token_type_ids).unsqueeze(0)
+    image = _checked_modality(packed, features, (ids, types), spec, image_index)
+    video = _checked_modality(packed, features, (ids, types), spec, video_index, video=True)
+    seconds = None
+    if video is not None and "second_per_grid_ts" in features:
+        seconds = (
+            features["second_per_grid_ts"]
+            if video_index is None
+            else features["second_per_grid_ts"][video_index]
+        )
     starts = torch.zeros(packed.num_tokens, dtype=torch.bool)
     starts[[s.start for s in packed.slots]] = True
     return PackedInputs(
         input_ids=ids,
-        position_ids=build_position_ids(packed, model_or_config),
+        position_ids=build_position_ids(packed, model_or_config, second_per_grid_ts=seconds),
         cu_seqlens=cu_seqlens(packed.seq_lens),
         max_seqlen=max(packed.seq_lens),
         loss_mask=torch.as_tensor(packed.micro_batch.loss_mask, dtype=torch.bool) & ~starts,
-        pixel_values=pixel_values,
-        image_grid_thw=grid,
-        image_index=image_index if pixel_values is not None else None,
+        pixel_values=None if image is None else features["pixel_values"],
+        image_grid_thw=image,
+        image_index=image_index if image is not None else None,
+        pixel_values_videos=None if video is None else features["pixel_values_videos"],
+        video_grid_thw=video,
+        video_index=video_index if video is not None else None,
     )
 
 
-def _check_features(
+def _checked_modality(
     packed: PackedMicroBatch,
     features: Mapping[str, torch.Tensor],
-    ids: torch.Tensor,
+    ids_and_types: tuple[torch.Tensor, torch.Tensor],
     spec: PackingSpec,
-    image_index: torch.Tensor | None,
-) -> None:
-    """The features are the micro-batch's images (same grids, in pack order) and their rows match
-    the placeholder tokens (:func:`check_placeholders_match_features`); errors: see :func:`packed_inputs`."""
-    if not features:
-        raise ValueError(f"{len(packed.images)} images in the micro-batch but no features")
-    grid = features["image_grid_thw"]
-    per_image = grid if image_index is None else grid[image_index]
-    if per_image.tolist() != [list(g) for g in packed.image_grids]:
-        hint = " (deduplicated features: pass image_index=m.image_index)" if image_index is None else ""
+    index: torch.Tensor | None,
+    video: bool = False,
+) -> torch.Tensor | None:
+    """The features' grid tensor of one modality (None: the micro-batch has none of it and the
+    features hold none), after checking its grids are the micro-batch's (pack order) and its rows
+    match the placeholder tokens (:func:`check_placeholders_match_features`); errors: see
+    :func:`packed_inputs`."""
+    name, key = ("videos", "video_grid_thw") if video else ("images", "image_grid_thw")
+    want = packed.video_grids if video else packed.image_grids
+    if not want and key not in features:
+        return None
+    if key not in features:
+        raise ValueError(f"{len(want)} {name} in the micro-batch but no features")
+    grid = features[key]
+    per_item = grid if index is None else grid[index]
+    if per_item.tolist() != [list(g) for g in want]:
+        arg = "video_index=m.video_index" if video else "image_index=m.image_index"
+        hint = f" (deduplicated features: pass {arg})" if index is None else ""
         raise ValueError(
-            f"feature grids {per_image.tolist()} differ from the micro-batch's images "
-            f"{packed.image_grids}{hint}"
+            f"feature grids {per_item.tolist()} differ from the micro-batch's {name} {want}{hint}"
         )
-    if spec.num_placeholders is None:
-        raise ValueError("counting an image's feature rows needs the spec's adapter")
+    if spec.adapter is None or (video and spec.video_token_id is None):
+        raise ValueError(
+            f"counting the feature rows of {name} needs the spec's adapter (with a video processor)"
+        )
+    ids, types = ids_and_types
     check_placeholders_match_features(
         ids,
-        spec.placeholder_token_id,
-        {"image_grid_thw": per_image},
-        mm_token_type_ids=torch.as_tensor(packed.mm_token_type_ids).unsqueeze(0),
-        num_placeholders=spec.num_placeholders,
+        spec.video_token_id if video else spec.placeholder_token_id,
+        {"image_grid_thw": per_item},
+        mm_token_type_ids=types,
+        num_placeholders=spec.adapter.video_num_placeholders if video else spec.num_placeholders,  # type: ignore[attr-defined]
+        kind=2 if video else 1,
     )
+    return grid
 
 
 def check_placeholders_match_features(
@@ -154,6 +189,7 @@ def check_placeholders_match_features(
     *,
     mm_token_type_ids: Any = None,
     num_placeholders: Callable[[Sequence[int]], int] | None = None,
+    kind: int = 1,
 ) -> int:
     """The tripwire before ``masked_scatter``: placeholder tokens must equal feature rows.
 
@@ -167,10 +203,14 @@ def check_placeholders_match_features(
         features: the rows that will be scattered: image embeddings ``[N, hidden]`` (a tensor or
             array: ``N = shape[0]``), an int ``N``, or the family's feature mapping with an
             ``image_grid_thw`` ``[num_images, 3]`` entry (``N = sum(num_placeholders(grid))``).
-        mm_token_type_ids: optional ``[L]``/``[1, L]``; when given, its image positions must be
-            exactly the placeholder-token positions.
+        mm_token_type_ids: optional ``[L]``/``[1, L]``; when given, its positions of ``kind``
+            must be exactly the placeholder-token positions.
         num_placeholders: ``adapter.num_placeholders`` (placeholder tokens of one image of a
             grid), required with a grid mapping.
+        kind: the modality checked, transformers' ``mm_token_type_ids`` value: 1 image (with
+            ``<|image_pad|>``), 2 video (with ``<|video_pad|>``; the mapping's grids are then
+            ``video_grid_thw`` rows under the ``image_grid_thw`` key and ``num_placeholders`` is
+            ``adapter.video_num_placeholders``).
 
     Returns:
         The placeholder count ``N``.
@@ -191,19 +231,20 @@ def check_placeholders_match_features(
         n_features, shapes = features, f"{features} rows"
     else:
         n_features, shapes = int(features.shape[0]), f"features {tuple(features.shape)}"
+    modality = "video" if kind == 2 else "image"
     if n_tokens != n_features:
         raise ValueError(
-            f"image placeholder token id {placeholder_token_id}: {n_tokens} tokens in input_ids "
+            f"{modality} placeholder token id {placeholder_token_id}: {n_tokens} tokens in input_ids "
             f"{tuple(ids.shape)} but {n_features} feature rows ({shapes})"
         )
     if mm_token_type_ids is not None:
         types = _as_array(mm_token_type_ids)
-        typed = types == 1
+        typed = types == kind
         is_tok = ids == placeholder_token_id
         if typed.shape != is_tok.shape or bool((typed != is_tok).any()):
             raise ValueError(
-                f"image placeholder token id {placeholder_token_id}: {int(is_tok.sum())} tokens in "
-                f"input_ids {tuple(ids.shape)} but {int(typed.sum())} image-typed positions in "
+                f"{modality} placeholder token id {placeholder_token_id}: {int(is_tok.sum())} tokens in "
+                f"input_ids {tuple(ids.shape)} but {int(typed.sum())} {modality}-typed positions in "
                 f"mm_token_type_ids {tuple(types.shape)} (not the same positions); features: {shapes}"
             )
     return n_tokens

@@ -103,7 +103,9 @@ def sample_logprobs(
         _add_stats(stats, m.stats)
         pixels = m.features.get("pixel_values")
         pixel_bytes += 0 if pixels is None else pixels.numel() * pixels.element_size()
-        inputs = packed_inputs(m.packed, m.features, model, spec, image_index=m.image_index)
+        inputs = packed_inputs(
+            m.packed, m.features, model, spec, image_index=m.image_index, video_index=m.video_index
+        )
         result = packed_logprobs(
             model, inputs, temperature=temperature, suppressed_token_ids=suppressed_token_ids
         )

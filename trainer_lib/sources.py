@@ -97,8 +97,8 @@ def _check_sample(
     if placeholder_token_id is None:
         return
     type_ids = sample.mm_refs.mm_token_type_ids if sample.mm_refs else None
-    if not refs:
-        check_no_typed_images(type_ids, sample=index)
+    if not refs:  # video positions (typed 2) are materialize_video's to check
+        check_no_typed_images(None if type_ids is None else [int(t == 1) for t in type_ids], sample=index)
         return
     locate_image_runs(sample.input_ids, refs, placeholder_token_id, mm_token_type_ids=type_ids, sample=index)
 

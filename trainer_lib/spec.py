@@ -47,6 +47,9 @@ class PackingSpec:
     raw_pixels: bool = False
     """The pixel mode: False, the normalized pixels an HF model takes (the trainer's); True,
     vLLM's raw pixels under ``mm_device_do_normalize`` (to compare with such a server)."""
+    video_token_id: int | None = None
+    """The video placeholder id (``adapter.video_token_id(config)``, ``<|video_pad|>``); None: the
+    family takes no videos here (a video ref then fails packing as a placeholder mismatch)."""
 
     def __post_init__(self) -> None:
         if self.pad_tokens < 1:
@@ -64,10 +67,13 @@ class PackingSpec:
         raw_pixels: bool = False,
     ) -> PackingSpec:
         """The spec of ``adapter``'s family for a model (or its HF config): the placeholder id is
-        ``adapter.placeholder_token_id(config)``."""
+        ``adapter.placeholder_token_id(config)``, the video one ``adapter.video_token_id(config)``
+        where the adapter has a video processor."""
         config = getattr(model_or_config, "config", model_or_config)
+        videos = getattr(adapter, "video_processor", None) is not None  # VideoMixin, attached
         return cls(
             placeholder_token_id=adapter.placeholder_token_id(config),
+            video_token_id=adapter.video_token_id(config) if videos else None,
             pad_token_id=pad_token_id,
             adapter=adapter,
             pad_tokens=pad_tokens,
@@ -80,6 +86,14 @@ class PackingSpec:
         """``adapter.num_placeholders`` (placeholder tokens of one image of a grid); None without
         an adapter."""
         return None if self.adapter is None else self.adapter.num_placeholders
+
+    @property
+    def video_token_runs(self) -> Callable[[Sequence[int]], list[int]] | None:
+        """``adapter.video_token_runs`` (a video grid's placeholder runs, prompt order); None without
+        an adapter or without videos."""
+        if self.adapter is None or self.video_token_id is None:
+            return None
+        return self.adapter.video_token_runs  # type: ignore[attr-defined]
 
     @functools.cached_property
     def image_pad_grid(self) -> tuple[int, ...]:

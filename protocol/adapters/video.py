@@ -166,6 +166,17 @@ class VideoMixin:
 
     # --- grids and placeholders -------------------------------------------------------
 
+    def video_token_id(self, hf_config: Any) -> int:
+        """The video placeholder token id (``<|video_pad|>``) from the model's HF config
+        (``config.video_token_id``, what transformers' ``get_placeholder_mask`` scatters video rows
+        into), as :meth:`placeholder_token_id` gives the image one.
+
+        Raises:
+            UnsupportedFamily: no video path for this family or no video processor attached.
+        """
+        self._video_processor()
+        return int(hf_config.video_token_id)
+
     def video_num_placeholders(self, grid: Sequence[int]) -> int:
         """``<|video_pad|>`` tokens of a video with this ``[t, h, w]`` grid."""
         return sum(self.video_token_runs(grid))

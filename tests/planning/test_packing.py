@@ -556,3 +556,44 @@ def test_a_pad_with_a_loss_token_is_refused():
     quiet = msgspec.structs.replace(pad, loss_mask=[False] * len(pad.loss_mask))
     packed = pack_samples([real, quiet], SPEC, seq_len=64)
     assert packed.num_samples == 1 and packed.num_loss_tokens == sum(real.loss_mask)
+
+
+# --- video segments (issue 44, part 3) ---------------------------------------------------------------
+
+VIDEO_TOK = 262  # <|video_pad|> of the tiny models
+VSPEC = PackingSpec(placeholder_token_id=TOK, pad_token_id=PAD, video_token_id=VIDEO_TOK)
+"""No adapter, a video token: each video is one run of its ref's ``num_placeholders``."""
+
+
+def _as_video(sample: TrainingSample) -> TrainingSample:
+    """``sample`` with its images turned into videos (same runs, under the video token)."""
+    refs = [
+        msgspec.structs.replace(r, modality="video", media_type="video/mp4") for r in sample.mm_refs.items
+    ]
+    ids = [VIDEO_TOK if t == TOK else t for t in sample.input_ids]
+    return msgspec.structs.replace(
+        sample, input_ids=ids, mm_refs=msgspec.structs.replace(sample.mm_refs, items=refs)
+    )
+
+
+def test_video_spans_pack_type_2_and_round_trip():
+    video = _as_video(make_sample([1, 2], [make_ref(2, 3), make_ref(1, 1, salt=1)]))
+    image = make_sample([3], [make_ref(2, 2)], typed=True)
+    text = make_sample([4, 5, 6])
+    (mb,) = pack_samples([video, image, text], VSPEC, seq_len=4096).micro_batches
+    assert [im.is_video for im in mb.images] == [True, True, False]
+    assert mb.video_grids == [(1, 4, 6), (1, 2, 2)] and mb.image_grids == [(1, 4, 4)]
+    ids, types = np.array(mb.micro_batch.input_ids), np.array(mb.mm_token_type_ids)
+    assert np.array_equal(types == 2, ids == VIDEO_TOK) and np.array_equal(types == 1, ids == TOK)
+    assert mb.micro_batch.images_per_sample == [2, 1, 0] and mb.placeholder_count == 6 + 1 + 4
+    back = rebuild_micro_batch(decode_microbatch(encode(mb.micro_batch)), VSPEC)
+    assert back.micro_batch == mb.micro_batch and back.images == mb.images
+
+
+def test_video_refs_need_the_video_token_and_stray_video_tokens_stay_apart():
+    video = _as_video(make_sample([1, 2], [make_ref(2, 3)]))
+    with pytest.raises(ValueError, match="no video token id"):
+        pack_samples([video], SPEC, seq_len=4096)
+    stray = make_sample([1, VIDEO_TOK, 2])  # a literal <|video_pad|> in text
+    assert pack_samples([video, stray], VSPEC, seq_len=4096).num_micro_batches == 2
+    assert pack_samples([stray, make_sample([3])], VSPEC, seq_len=4096).num_micro_batches == 1

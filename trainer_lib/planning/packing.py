@@ -13,6 +13,9 @@ longer than the cap gets a bin of its own. Three rules keep a bin runnable:
   else by the placeholder token, and every run is split by the refs' grid-derived
   placeholder counts (adjacent images share one run). A mismatch raises
   :class:`protocol.errors.PlaceholderMismatch` naming the sample, the token id and both counts.
+  Videos (issue 44) are located the same way under the spec's video token (typed 2, transformers'
+  convention), each in its runs (``adapter.video_token_runs``), and sit among the images' spans in
+  prompt order; a text sample holding the video token is a stray placeholder too.
 
 The output wraps the wire struct :class:`protocol.structs.MicroBatch` in a trainer-side
 :class:`PackedMicroBatch`, which adds derived views: per-sample slots (offsets, image counts,
@@ -40,6 +43,7 @@ from protocol.placeholders import (
     check_placeholder_counts,
     grid_placeholder_count,
     locate_image_runs,
+    locate_video_runs,
 )
 from protocol.structs import MicroBatch, MMRefs, RawMMRef, TrainingSample
 from trainer_lib.micro_batch import ImageSpan, PackedBatch, PackedMicroBatch, SampleSlot
@@ -75,16 +79,20 @@ class SampleAnalysis:
     """:data:`~trainer_lib.planning.bins.PIXELS` (images, real or synthetic), ``STRAY`` (text holding the
     placeholder token) or ``NEUTRAL``."""
     spans: list[tuple[int, int, tuple[int, ...], RawMMRef | None]]
-    """(start in sample, length, grid, ref) per image, in prompt order."""
+    """(start in sample, length, grid, ref) per image or video, in prompt order; a video's
+    ``length`` is all its placeholder tokens (its runs: :attr:`runs`)."""
+    runs: dict[int, tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=dict)
+    """Per span index, a video's placeholder runs (start in sample, length) where it has more than
+    one (Qwen3-VL: one per temporal patch, its timestamp text between)."""
 
     @property
     def image_tokens(self) -> list[int]:
-        """Placeholder tokens per image."""
+        """Placeholder tokens per image or video (what its vision encode costs)."""
         return [span[1] for span in self.spans]
 
     @property
     def image_key(self) -> tuple[str, ...] | None:
-        """The sha256 of each real image, prompt order (samples with equal keys show the same
+        """The sha256 of each real image or video, prompt order (samples with equal keys show the same
         images: one encode per micro-batch under dedup); None without real images."""
         return tuple(span[3].sha256 for span in self.spans if span[3] is not None) or None
 
@@ -96,8 +104,9 @@ def analyze_entry(entry: PackEntry, spec: PackingSpec, position: int | None) -> 
     Raises:
         ValueError: an empty sample, a loss on its first token, a pad (``is_padding``) with a loss
             token (pads are zero-loss and out of every count), or a synthetic pad without the
-            spec's adapter or with refs.
-        PlaceholderMismatch: image tokens that do not match the refs (see :func:`locate_image_runs`).
+            spec's adapter or with refs, or a video ref with a spec that has no video token id.
+        PlaceholderMismatch: image or video tokens that do not match the refs (see
+            :func:`locate_image_runs`, :func:`locate_video_runs`).
     """
     placeholder_token_id, num_placeholders = spec.placeholder_token_id, spec.num_placeholders
     s = entry.sample
@@ -127,15 +136,60 @@ def analyze_entry(entry: PackEntry, spec: PackingSpec, position: int | None) -> 
         return SampleAnalysis(n, PIXELS, [(runs[0][0], runs[0][1], grid, None)])
     if not refs:
         check_no_typed_images(type_ids, sample=position)
-        stray = placeholder_token_id in s.input_ids
+        stray = placeholder_token_id in s.input_ids or (
+            spec.video_token_id is not None and spec.video_token_id in s.input_ids
+        )
         return SampleAnalysis(n, STRAY if stray else NEUTRAL, [])
+    images = [r for r in refs if r.modality != "video"]
     if num_placeholders is not None:
-        check_placeholder_counts(refs, num_placeholders, sample=position)
+        check_placeholder_counts(images, num_placeholders, sample=position)
     runs = locate_image_runs(
-        s.input_ids, refs, placeholder_token_id, mm_token_type_ids=type_ids, sample=position
+        s.input_ids, images, placeholder_token_id, mm_token_type_ids=type_ids, sample=position
     )
-    spans = [(start, length, tuple(r.grid), r) for (start, length), r in zip(runs, refs, strict=True)]
-    return SampleAnalysis(n, PIXELS, spans)
+    spans = [(start, length, tuple(r.grid), r) for (start, length), r in zip(runs, images, strict=True)]
+    if len(images) == len(refs):
+        return SampleAnalysis(n, PIXELS, spans)
+    videos = [r for r in refs if r.modality == "video"]
+    ordered = sorted(
+        [(span, ()) for span in spans] + _video_spans(s.input_ids, videos, type_ids, spec, position),
+        key=lambda pair: pair[0][0],
+    )
+    multi = {k: video_runs for k, (_, video_runs) in enumerate(ordered) if len(video_runs) > 1}
+    return SampleAnalysis(n, PIXELS, [span for span, _ in ordered], multi)
+
+
+def _video_spans(
+    input_ids: list[int],
+    videos: list[RawMMRef],
+    type_ids: list[int] | None,
+    spec: PackingSpec,
+    position: int | None,
+) -> list[tuple[tuple[int, int, tuple[int, ...], RawMMRef], tuple[tuple[int, int], ...]]]:
+    """Each video's span ``(first start, tokens, grid, ref)`` and its runs, located under the
+    spec's video token (:func:`protocol.placeholders.locate_video_runs`); with the spec's adapter
+    each ref's count is checked against ``adapter.video_num_placeholders`` and its runs are
+    ``adapter.video_token_runs`` (without it: one run of ``num_placeholders``).
+
+    Raises:
+        ValueError: the spec has no video token id.
+        PlaceholderMismatch: see :func:`locate_video_runs`.
+    """
+    if spec.video_token_id is None:
+        raise ValueError(
+            f"sample {position} has {len(videos)} video ref(s) but the spec has no video token id "
+            f"(PackingSpec.from_adapter with an adapter that has a video processor)"
+        )
+    token_runs = spec.video_token_runs
+    if token_runs is not None:
+        check_placeholder_counts(videos, spec.adapter.video_num_placeholders, sample=position)  # type: ignore[union-attr]
+    runs = [token_runs(r.grid) if token_runs is not None else [r.num_placeholders] for r in videos]
+    found = locate_video_runs(
+        input_ids, videos, spec.video_token_id, runs=runs, mm_token_type_ids=type_ids, sample=position
+    )
+    return [
+        ((per[0][0], sum(n for _, n in per), tuple(r.grid), r), tuple(per))
+        for per, r in zip(found, videos, strict=True)
+    ]
 
 
 def build_micro_batch(
@@ -178,7 +232,9 @@ def _layout(
     start = 0
     for e, a in zip(entries, analyses, strict=True):
         first = len(images)
-        images += [ImageSpan(len(slots), start + offset, n, grid, ref) for offset, n, grid, ref in a.spans]
+        for k, (offset, n, grid, ref) in enumerate(a.spans):
+            runs = tuple((start + o, m) for o, m in a.runs.get(k, ()))
+            images.append(ImageSpan(len(slots), start + offset, n, grid, ref, runs))
         slots.append(
             SampleSlot(
                 sample_index=e.sample_index,
@@ -209,9 +265,10 @@ def _concatenate(
         return list(itertools.chain.from_iterable(getattr(s, name) for s in samples))
 
     input_ids = cat("input_ids")
-    type_ids = [0] * len(input_ids)  # 0 text, 1 image placeholder
+    type_ids = [0] * len(input_ids)  # transformers' convention: 0 text, 1 image, 2 video placeholder
     for im in images:
-        type_ids[im.start : im.start + im.length] = [1] * im.length
+        for start, length in im.token_runs:
+            type_ids[start : start + length] = [2 if im.is_video else 1] * length
     return MicroBatch(
         input_ids=input_ids,
         loss_mask=cat("loss_mask"),
