@@ -1,6 +1,7 @@
 """``scripts/demo_rl.py``'s GRPO step on the tiny Qwen2-VL: the loss is averaged over the loss
 tokens left after materializing, so a sample whose image is gone (zero loss under the default
-``placeholder_zero_loss``) does not scale the others' loss down."""
+``placeholder_zero_loss``) does not scale the others' loss down. And ``scripts/demo.py --video``
+end to end (its own server)."""
 
 from __future__ import annotations
 
