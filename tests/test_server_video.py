@@ -5,7 +5,8 @@ One server per family (Qwen2.5-VL, Qwen3-VL; module-scoped, one at a time), floa
 (``--limit-mm-per-prompt``). The oracle is vLLM's own video path on the same server: the same clip
 as a ``data:video/mp4;base64,...`` URL, which the plugin's connector hands to vLLM's connector
 unchanged (``VideoMediaIO`` with the loader of the model's video processor), so the answer is stock
-vLLM's. The clip by ref must give the same greedy tokens and logprobs. A bad clip behind a ref is
+vLLM's; and, once per family, a stock server (no plugin) given the data URL. The clip by ref must
+give the same greedy tokens and logprobs. A bad clip behind a ref is
 the typed 4xx before vLLM sees a frame, and the server then still answers.
 """
 
@@ -62,9 +63,11 @@ def served(request, tmp_path_factory) -> Iterator[Served]:
         server.stop()
 
 
-def chat(served: Served, url: str):
+def chat(served: Served | VLLMServer, url: str):
+    """The chat route's answer to the clip at ``url`` and the text (on a stock server too)."""
+    server = served.server if isinstance(served, Served) else served
     body = {
-        "model": str(served.server.model),
+        "model": str(server.model),
         "messages": [
             {
                 "role": "user",
@@ -73,7 +76,7 @@ def chat(served: Served, url: str):
         ],
         **GREEDY,
     }
-    with served.server.client() as c:
+    with server.client() as c:
         return c.post("/v1/chat/completions", json=body)
 
 
@@ -212,3 +215,23 @@ def test_token_route_video_ref_slot_gives_the_mm_refs_answer(served):
         assert refusal(answer) == (400, "invalid_request")
         return
     assert tokens_and_logprobs(answer) == tokens_and_logprobs(by_mm_refs(served, served.ref))
+
+
+def test_the_ref_answers_as_stock_vllm_answers_the_data_url(served, tmp_path):
+    """Differential against stock vLLM (no plugin, its own media connector): the same clip as a
+    data URL there, by ref here: the same greedy tokens and logprobs on the chat route and, for
+    Qwen2.5-VL, on the token route (``mm_refs``)."""
+    stock = start_server(
+        served.server.model, served.root, tmp_path / "stock.log", plugin=False, extra_args=VIDEO_ON
+    )
+    try:
+        want_tokens, want_logprobs = tokens_and_logprobs(chat(stock, data_url(clip_bytes())))
+    finally:
+        stock.stop()
+    routes = {"chat": chat(served, served.ref.ref)}
+    if served.family == "qwen2_5_vl":
+        routes["token route"] = by_mm_refs(served, served.ref)
+    for route, answer in routes.items():
+        tokens, logprobs = tokens_and_logprobs(answer)
+        assert len(tokens) == 8 and tokens == want_tokens, route
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) <= 1e-5, route
