@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trainer_lib.planning import grouped, partition
-from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
+from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, TopUp, lpt_bins, plan_bins
 from trainer_lib.planning.cost import H100_FORWARD_FLOPS_PER_S, CostModel, sync_idle
 from trainer_lib.planning.items import EITHER, MiniBatchItems
 from trainer_lib.planning.partition import partition_mini_batch
@@ -158,7 +158,7 @@ def test_lpt_bins_fills_the_least_loaded_bin_and_skips_what_no_longer_fits():
     keys = [None] * 5
     # needed: 5 | 4; optional, largest first, only within 7: 3 -> the 4-bin (7); the next 3 fits
     # no bin any more (least load 5), the 1 joins the 5-bin
-    bins, left = lpt_bins([0, 1], lengths, keys, 2, 10, optional=[2, 3, 4], target=7)
+    bins, left = lpt_bins([0, 1], lengths, keys, 2, 10, TopUp([2, 3, 4], target=7))
     assert bins == [[0, 4], [1, 2]] and left == [3]
     assert lpt_bins([0, 1, 2], [8, 8, 8], keys[:3], 2, 10) is None  # 8 + 8 > 10 in one bin
     assert lpt_bins([0, 1], lengths, ["a", "b", None, None, None], 1, 10) is None  # two keys, one bin
