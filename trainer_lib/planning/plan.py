@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 from protocol.structs import TrainingSample
 from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
-from trainer_lib.planning.bins import bin_capacity
 from trainer_lib.planning.cost import CostModel, sync_idle
 from trainer_lib.planning.packing import PackEntry
 from trainer_lib.planning.padding import make_pad_sample, pad_key, padded_sample_count
-from trainer_lib.planning.ranks import Balance, deal_mini_batch
+from trainer_lib.planning.ranks import Balance, StepShape, deal_mini_batch
 from trainer_lib.planning.refine import Refinement
 from trainer_lib.spec import PackingSpec
 
@@ -203,7 +202,9 @@ def plan_step(
         ValueError, PlaceholderMismatch, GridMismatch: see
             :func:`~trainer_lib.planning.ranks.deal_mini_batch`.
     """
-    cap = bin_capacity(seq_len, micro_batch_max_tokens)
+    shape = StepShape(
+        dp_size, mini_batch_size, seq_len, micro_batch_max_tokens, critic_mini_batch_size, stretch_cap
+    )
     chunks = mini_batch_entries(
         samples,
         spec,
@@ -212,16 +213,7 @@ def plan_step(
         critic_mini_batch_size=critic_mini_batch_size,
     )
     mini_batches = [
-        deal_mini_batch(
-            entries,
-            spec,
-            dp_size=dp_size,
-            cap=cap,
-            cost_model=cost_model,
-            stretch_cap=stretch_cap,
-            balance=balance,
-            refine=refine,
-        )
+        deal_mini_batch(entries, spec, shape, cost_model=cost_model, balance=balance, refine=refine)
         for entries in chunks
     ]
     pads = sum(e.sample.is_padding for entries in chunks for e in entries)
