@@ -38,6 +38,7 @@ from trainer_lib import (
     LogprobOptions,
     MaterializeConfig,
     PackingSpec,
+    StepShape,
     logprob_mismatch,
     materialize_micro_batch,
     packed_inputs,
@@ -93,7 +94,7 @@ def train_step(
     """One optimizer step of the GRPO-style objective over ``samples`` (see the module doc);
     ``suppressed``: the token ids the sampler never drew, out of the trainer's softmax too."""
     t0 = time.monotonic()
-    plan = plan_step(samples, spec, dp_size=1, mini_batch_size=len(samples), seq_len=2048)
+    plan = plan_step(samples, spec, StepShape(dp_size=1, mini_batch_size=len(samples), seq_len=2048))
     (ranks,) = plan.mini_batches  # one mini-batch: one optimizer step
     resolved: dict = {}  # each distinct image decoded once per step, encoded once per micro-batch
     batches = [materialize_micro_batch(p, spec, config, resolved=resolved) for p in ranks[0].micro_batches]
