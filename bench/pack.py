@@ -18,12 +18,13 @@ The mix (GRPO-style steps; every number is a constant below, so runs compare):
 Single-rank rows: ``pack_samples``. Data-parallel rows, every draw planned six ways on the same
 samples (``bench/_baselines.py``): **today** (``plan_step`` before issue 13), **verl KK**
 (Karmarkar-Karp rank shares, each packed alone), **balanced, tokens (#13)** (``plan_step(...,
-balance="tokens")``, the plan before issue 29), **balanced, compute (#29)** (``plan_step``'s
-default: samples sharing an image kept together, FLOPs balanced per slot), and that plan with the
-opt-in search (``Refinement(anneal_steps=0)``: **+ descent**; ``Refinement(anneal_steps=1_000_000,
-plan_time_budget_s=math.inf)``: **+ descent + anneal**, timed once per draw: ~0.2 s per
-mini-batch; ``Refinement()``: **+ search (default budget)**, descent and annealing within the
-default ``plan_time_budget_s``, 2% of the predicted step on the cost model's card, 2-45 ms).
+balance="tokens")``, the plan before issue 29), **balanced, compute (#29)** (``plan_step(...,
+refine=None)``, the plan as constructed: samples sharing an image kept together, FLOPs balanced
+per slot), and that plan with the search (``Refinement(anneal_steps=0)``: **+ descent**;
+``Refinement(anneal_steps=1_000_000, plan_time_budget_s=math.inf)``: **+ descent + anneal**,
+timed once per draw: ~0.2 s per mini-batch; ``Refinement()``: **+ search (default budget)**,
+``plan_step``'s default since issue 43, descent and annealing within the default
+``plan_time_budget_s``, 2% of the predicted step on the cost model's card, 2-45 ms).
 Columns
 (docs/PACKING.md §7 defines them):
 
@@ -202,14 +203,14 @@ PLANS = {
     "verl KK": (plan_verl, {}),
     "balanced, tokens (#13)": (plan_step, {"balance": "tokens"}),
     "balanced, tokens, stretch_cap": (plan_step, {"balance": "tokens", "stretch_cap": True}),
-    "balanced, compute (#29)": (plan_step, {}),
+    "balanced, compute (#29)": (plan_step, {"refine": None}),
     DESCENT: (plan_step, {"refine": Refinement(anneal_steps=0)}),
     ANNEAL: (plan_step, {"refine": Refinement(anneal_steps=ANNEAL_STEPS, plan_time_budget_s=math.inf)}),
     BUDGET: (plan_step, {"refine": Refinement()}),
 }
 """Name: (plan function, its options). The balanced plans also get the cost model; "compute" is
 ``plan_step``'s default since issue 29 (it falls back to tokens where a sample exceeds the cap);
-the last three add the opt-in search (``Refinement``: descent, then annealing; the last one
+the last three add the search (``Refinement``: descent, then annealing; the last one
 within the default time budget)."""
 
 

@@ -1,7 +1,7 @@
 """Video by reference vs video as data URLs, on one real vLLM server with the plugin (issue 44).
 
 The tiny Qwen2.5-VL (float32, built offline), real clips (scikit-image photos panned into MP4 with
-OpenCV, the decoder both sides use: ``tests/video_clips.py``), API-server CPU per request from the
+OpenCV, the decoder both sides use: ``scripts/video_clips.py``), API-server CPU per request from the
 OS (psutil), request bytes as sent; paths side by side, clips no other path or round uses:
 
 (a) **RL groups of 8** (each clip 8 times in a row, 8 concurrent clients): the chat route with
@@ -34,7 +34,7 @@ from _common import BENCH_OUTPUTS, REPO, bench_asset_root, fmt_bytes, print_fact
 from _server_load import ROLES, server_cpu
 from _server_multiturn import slope
 
-sys.path.insert(0, str(REPO / "tests"))  # the clips the tests use
+sys.path.insert(0, str(REPO / "scripts"))  # the clips the tests and the demo use
 
 GROUP = 8
 GROUP_CONCURRENCY = 8

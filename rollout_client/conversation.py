@@ -2,9 +2,11 @@
 
 A turn's prompt is built once, in tokens, and never re-rendered:
 
-- turn 1: the chat template's text for the messages (each image one placeholder), tokenized, each
-  image's placeholder expanded to its ``num_placeholders``
-  (:func:`protocol.placeholders.expand_image_placeholders`);
+- turn 1: the chat template's text for the messages (each image and each video one placeholder),
+  tokenized, each image's and each video's placeholder expanded to its ``num_placeholders``
+  (:func:`expand_placeholders`: vLLM's chat route expands a Qwen2.5-VL video the same way, one
+  run of ``<|video_pad|>``; a Qwen3-VL video, one run per frame between timestamp text, is the
+  chat route's only, and refused here);
 - turn k > 1: turn k-1's prompt + the tokens the model sampled + the template's text between that
   assistant turn and the next generation prompt (its end-of-turn, the new messages, the generation
   prompt), found by rendering the conversation with a sentinel assistant message and taking what
@@ -26,13 +28,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.placeholders import expand_image_placeholders
+from protocol.errors import PlaceholderMismatch
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
 from rollout_client.images import ImageInput, Offloader
 from rollout_client.result import Rollout
 from rollout_client.template import ChatTemplate, Message
 
-__all__ = ["Conversation", "PreparedPrompt", "PromptBuilder"]
+__all__ = ["Conversation", "PreparedPrompt", "PromptBuilder", "expand_placeholders"]
 
 _SENTINEL = "\u2063mmref-turn-sentinel\u2063"
 """An assistant message's stand-in while finding the text between turns (invisible separators
@@ -41,8 +43,8 @@ around a name no template or tokenizer gives meaning to)."""
 
 @dataclass(frozen=True)
 class PreparedPrompt:
-    """A prompt ready to send: ``P`` token ids with each image's placeholders expanded, and its
-    image refs in prompt order."""
+    """A prompt ready to send: ``P`` token ids with each image's and video's placeholders expanded,
+    and its refs (images and videos) in prompt order."""
 
     prompt_ids: list[int]
     images: tuple[RawMMRef, ...]
@@ -60,6 +62,7 @@ class PromptBuilder:
         self.template = template
         self.offloader = offloader
         self._placeholder: int | None = None
+        self._video: tuple[int | None] | None = None
 
     @property
     def placeholder_token_id(self) -> int:
@@ -68,12 +71,24 @@ class PromptBuilder:
             self._placeholder = self.offloader.adapter.placeholder_token_id(self.template.hf_config())
         return self._placeholder
 
+    @property
+    def video_token_id(self) -> int | None:
+        """The family's video placeholder id (``config.video_token_id``); None where the adapter
+        has no video path (e.g. Qwen2-VL)."""
+        if self._video is None:
+            adapter = self.offloader.adapter
+            has_video = getattr(adapter, "video_processor", None) is not None
+            self._video = (adapter.video_token_id(self.template.hf_config()) if has_video else None,)
+        return self._video[0]
+
     def offload_images(self, messages: list[dict[str, Any]]) -> list[RawMMRef]:
         """Replace every ``{"type": "image", "image": ...}`` item of ``messages`` (in place) by
-        ``{"type": "image", "ref": RawMMRef}``; return the refs of all image items, in order.
+        ``{"type": "image", "ref": RawMMRef}`` and every ``{"type": "video", "video": ...}`` item
+        by ``{"type": "video", "ref": RawMMRef}``; return the refs of all media items, in order.
 
         Raises:
-            ValueError: an image item with neither ``image`` nor ``ref``.
+            ValueError: an image (video) item with neither ``image`` (``video``) nor ``ref``.
+            VideoUnreadable, UnsupportedFamily: see :meth:`Offloader.offload_video`.
         """
         refs = []
         for message in messages:
@@ -82,26 +97,85 @@ class PromptBuilder:
                 continue
             items = list(content)
             for i, item in enumerate(items):
-                if not (isinstance(item, dict) and item.get("type") == "image"):
+                kind = item.get("type") if isinstance(item, dict) else None
+                if kind not in ("image", "video"):
                     continue
                 ref = item.get("ref")
                 if ref is None:
-                    if "image" not in item:
-                        raise ValueError("an image item needs `image` (bytes, PIL image or path)")
-                    ref = self.offloader.offload(item["image"])
-                    items[i] = {"type": "image", "ref": ref}
+                    if kind not in item:
+                        raise ValueError(f"a {kind} item needs `{kind}` (bytes or a path; an image: or PIL)")
+                    offload = self.offloader.offload if kind == "image" else self.offloader.offload_video
+                    ref = offload(item[kind])
+                    items[i] = {"type": kind, "ref": ref}
                 refs.append(ref)
             message["content"] = items
         return refs
 
+    def expand(self, token_ids: Sequence[int], refs: Sequence[RawMMRef]) -> list[int]:
+        """``token_ids`` (one placeholder per image and video) with every placeholder expanded
+        (:func:`expand_placeholders`).
+
+        Raises:
+            PlaceholderMismatch: see :func:`expand_placeholders`.
+            ValueError: a video of a family whose video placeholders are not one run (Qwen3-VL).
+        """
+        videos = [r for r in refs if r.modality == "video"]
+        video_id = self.video_token_id if videos else None
+        if videos:
+            from protocol.adapters import VIDEO_FAMILIES
+
+            family = self.offloader.adapter.family
+            if VIDEO_FAMILIES[family].per_frame_runs:
+                raise ValueError(
+                    f"a {family} video's placeholders are one run per frame between timestamp text, "
+                    "which the token route cannot take: send it as a video_url part on /v1/chat/completions"
+                )
+        return expand_placeholders(token_ids, refs, self.placeholder_token_id, video_id)
+
     def first_turn(self, messages: Sequence[Message], *, in_place: bool = False) -> PreparedPrompt:
-        """The prompt of ``messages`` (a new conversation), images offloaded (``in_place``: the
-        image items of ``messages``, a list of dicts, are replaced by their refs; else a copy is)."""
+        """The prompt of ``messages`` (a new conversation), images and videos offloaded
+        (``in_place``: the media items of ``messages``, a list of dicts, are replaced by their
+        refs; else a copy is)."""
         owned = messages if in_place else _own(messages)
         refs = self.offload_images(owned)  # type: ignore[arg-type]
         text = self.template.render(owned, add_generation_prompt=True)
-        ids = expand_image_placeholders(self.template.encode(text), refs, self.placeholder_token_id)
-        return PreparedPrompt(ids, tuple(refs))
+        return PreparedPrompt(self.expand(self.template.encode(text), refs), tuple(refs))
+
+
+def expand_placeholders(
+    token_ids: Sequence[int], refs: Sequence[RawMMRef], image_token_id: int, video_token_id: int | None
+) -> list[int]:
+    """Repeat the i-th image placeholder ``images[i].num_placeholders`` times and the j-th video
+    placeholder ``videos[j].num_placeholders`` times (``refs`` in prompt order, split by
+    ``modality``): the chat template's prompt -> the prompt vLLM's processor builds, for families
+    whose video is one run of its token (Qwen2.5-VL's ``<|video_pad|>``). With no video among
+    ``refs``, :func:`protocol.placeholders.expand_image_placeholders`.
+
+    Returns:
+        A new list, ``len(token_ids) - len(refs) + sum(num_placeholders)`` long.
+
+    Raises:
+        PlaceholderMismatch: the prompt's image or video placeholder count differs from the refs'.
+    """
+    images = [r for r in refs if r.modality != "video"]
+    videos = [r for r in refs if r.modality == "video"]
+    wanted = {image_token_id: images}
+    if video_token_id is not None:
+        wanted[video_token_id] = videos
+    elif videos:
+        raise PlaceholderMismatch(f"{len(videos)} video(s) for a prompt whose family has no video token")
+    for token, items in wanted.items():
+        found = sum(1 for t in token_ids if t == token)
+        if found != len(items):
+            kind = "image" if token == image_token_id else "video"
+            raise PlaceholderMismatch(
+                f"prompt has {found} placeholder tokens (id {token}) for {len(items)} {kind}(s)"
+            )
+    queues = {token: iter(items) for token, items in wanted.items()}
+    out: list[int] = []
+    for t in token_ids:
+        out.extend([t] * next(queues[t]).num_placeholders if t in queues else [t])
+    return out
 
 
 def _own(messages: Sequence[Message]) -> list[dict[str, Any]]:
@@ -189,7 +263,7 @@ class Conversation:
         last = self.turns[-1]
         if last.finish_reason == "stop":  # the model sampled its end of turn: not twice
             glue = glue[_overlap(last.completion_ids, glue) :]
-        expanded = expand_image_placeholders(glue, new_refs, builder.placeholder_token_id)
+        expanded = builder.expand(glue, new_refs)
         return PreparedPrompt([*self._tokens, *expanded], (*self._refs, *new_refs))
 
     def _between_turns(self, new: list[dict[str, Any]]) -> str:

@@ -173,11 +173,14 @@ class ClientCore(Generic[One, Many]):
         return self.versions.latest
 
     def suppressed_token_ids(self) -> tuple[int, ...]:
-        """The token ids every request biases out: the image placeholder (unless
-        ``suppress_placeholders=False``) and ``suppress_token_ids``."""
+        """The token ids every request biases out: the image placeholder and, for a family with a
+        video path, the video placeholder (unless ``suppress_placeholders=False``) and
+        ``suppress_token_ids``."""
         ids = list(self.extra_suppressed)
         if self.suppress_placeholders:
             ids.append(self.builder.placeholder_token_id)
+            if self.builder.video_token_id is not None:
+                ids.append(self.builder.video_token_id)
         return tuple(sorted(set(ids)))
 
     def conversation(

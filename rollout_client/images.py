@@ -4,7 +4,9 @@
 bytes' sha256 is looked up first, and only a content it has not seen goes through
 :func:`protocol.adapters.offload_image` (decode for the grid, atomic write into the asset store).
 The adapter runs the model's HF image processor config and imports torch, so it is loaded on the
-first offload, not at import.
+first offload, not at import. A video (MP4/QuickTime bytes or a path) goes the same way through
+:meth:`Offloader.offload_video` (:func:`protocol.adapters.offload_video`: decoded and processed
+once for its grid, then stored under ``videos/``), cached apart from images.
 """
 
 from __future__ import annotations
@@ -26,11 +28,28 @@ if TYPE_CHECKING:
     from protocol.adapters import ImageAdapter, RefForm
     from protocol.roots import AssetRoot, AssetRoots
 
-__all__ = ["ImageInput", "OffloadStats", "Offloader", "image_bytes"]
+__all__ = ["ImageInput", "OffloadStats", "Offloader", "VideoInput", "image_bytes", "video_bytes"]
 
 ImageInput = Union[bytes, bytearray, memoryview, "Image", str, os.PathLike]
 """An image as rollout code holds it: encoded bytes (JPEG, PNG, WebP, GIF, BMP, TIFF), a PIL
 image (stored as lossless PNG), or a path to an image file."""
+
+VideoInput = bytes | bytearray | memoryview | str | os.PathLike
+"""A video as rollout code holds it: MP4/QuickTime bytes or a path to the file."""
+
+
+def video_bytes(video: VideoInput) -> bytes:
+    """The file's bytes: ``video`` itself (bytes-like) or the file at that path.
+
+    Raises:
+        TypeError: neither bytes nor a path.
+        OSError: the path cannot be read.
+    """
+    if isinstance(video, bytes | bytearray | memoryview):
+        return bytes(video)
+    if isinstance(video, str | os.PathLike):
+        return Path(video).read_bytes()
+    raise TypeError(f"a video must be bytes or a path, got {type(video).__name__}")
 
 
 @dataclass
@@ -38,9 +57,9 @@ class OffloadStats:
     """Counters of one :class:`Offloader`."""
 
     offloaded: int = 0
-    """Images written (or found already written) through ``offload_image``."""
+    """Images and videos written (or found already written) through ``offload_image`` / ``offload_video``."""
     hits: int = 0
-    """Images whose content was already offloaded by this offloader (nothing decoded or written)."""
+    """Images and videos whose content this offloader had already offloaded (nothing decoded or written)."""
 
 
 class Offloader:
@@ -121,7 +140,30 @@ class Offloader:
                 return ref
         from protocol.adapters import offload_image
 
-        ref = offload_image(data, self.asset_root, self.adapter, form=self.form)
+        return self._remember(key, offload_image(data, self.asset_root, self.adapter, form=self.form))
+
+    def offload_video(self, video: VideoInput) -> RawMMRef:
+        """The video's ref (``modality="video"``); decoded, processed and written only if this
+        content was not offloaded before (as a video: the cache keys videos apart from images).
+
+        Raises:
+            VideoUnreadable, AssetTooLarge, UnsupportedFamily: see
+                :func:`protocol.adapters.offload_video`.
+            TypeError, OSError: see :func:`video_bytes`.
+        """
+        data = video_bytes(video)
+        key = "video:" + hashlib.sha256(data).hexdigest()
+        with self._lock:
+            ref = self._cache.get(key)
+            if ref is not None:
+                self._cache.move_to_end(key)
+                self.stats.hits += 1
+                return ref
+        from protocol.adapters import offload_video
+
+        return self._remember(key, offload_video(data, self.asset_root, self.adapter, form=self.form))
+
+    def _remember(self, key: str, ref: RawMMRef) -> RawMMRef:
         with self._lock:
             self._cache[key] = ref
             self.stats.offloaded += 1
@@ -130,6 +172,7 @@ class Offloader:
         return ref
 
     def lookup(self, sha256: str) -> RawMMRef | None:
-        """The ref of an already offloaded content, by the full hex sha256 of its bytes."""
+        """The ref of an already offloaded image, by the full hex sha256 of its bytes (a video's:
+        ``"video:" + sha256``)."""
         with self._lock:
             return self._cache.get(sha256)

@@ -4,7 +4,8 @@ transformers imports torch when it is imported, so the tokenizer is loaded on fi
 (``AutoTokenizer.from_pretrained(model_dir)``, local files only), never at import of this package.
 Prompts are rendered to text by the tokenizer's own ``apply_chat_template`` with every image item
 written as ``{"type": "image"}`` (the template emits one placeholder per image, e.g. Qwen's
-``<|vision_start|><|image_pad|><|vision_end|>``), then tokenized without added special tokens:
+``<|vision_start|><|image_pad|><|vision_end|>``; a video item as ``{"type": "video"}``, Qwen's
+``<|vision_start|><|video_pad|><|vision_end|>``), then tokenized without added special tokens:
 the tokens vLLM's ``/v1/chat/completions`` renders for the same messages.
 """
 
@@ -22,13 +23,14 @@ __all__ = ["ChatTemplate", "Message", "template_messages"]
 
 Message = Mapping[str, Any]
 """A chat message: ``{"role": str, "content": str | list[item]}``, items ``{"type": "text",
-"text": str}`` or ``{"type": "image", "image": bytes | PIL image | path}`` (after offloading,
-``{"type": "image", "ref": RawMMRef}``)."""
+"text": str}``, ``{"type": "image", "image": bytes | PIL image | path}`` or ``{"type": "video",
+"video": bytes | path}`` (after offloading, ``{"type": "image" | "video", "ref": RawMMRef}``)."""
 
 
 def template_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
     """``messages`` as the chat template takes them: each image item replaced by ``{"type": "image"}``
-    (the template only counts images), every other item and field kept.
+    and each video item by ``{"type": "video"}`` (the template only counts them), every other item
+    and field kept.
 
     Raises:
         ValueError: a message without ``role``, or content that is neither a string nor a list.
@@ -43,13 +45,15 @@ def template_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
             continue
         if not isinstance(content, Sequence):
             raise ValueError(f"content must be a string or a list of items, got {type(content).__name__}")
-        items = [{"type": "image"} if _is_image(item) else dict(item) for item in content]
+        items = [{"type": _media(item)} if _media(item) else dict(item) for item in content]
         out.append({**message, "content": items})
     return out
 
 
-def _is_image(item: Any) -> bool:
-    return isinstance(item, Mapping) and item.get("type") == "image"
+def _media(item: Any) -> str | None:
+    """``"image"`` or ``"video"`` for a media item (the template only counts them), else None."""
+    kind = item.get("type") if isinstance(item, Mapping) else None
+    return kind if kind in ("image", "video") else None
 
 
 class ChatTemplate:
@@ -94,7 +98,7 @@ class ChatTemplate:
         return SimpleNamespace(**json.loads((self.model_dir / "config.json").read_text()))
 
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool) -> str:
-        """The chat template's text for ``messages`` (image items as ``{"type": "image"}``)."""
+        """The chat template's text for ``messages`` (media items as ``{"type": "image" | "video"}``)."""
         return self.tokenizer.apply_chat_template(
             template_messages(messages),
             tokenize=False,

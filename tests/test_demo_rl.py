@@ -1,6 +1,7 @@
 """``scripts/demo_rl.py``'s GRPO step on the tiny Qwen2-VL: the loss is averaged over the loss
 tokens left after materializing, so a sample whose image is gone (zero loss under the default
-``placeholder_zero_loss``) does not scale the others' loss down."""
+``placeholder_zero_loss``) does not scale the others' loss down. And ``scripts/demo.py --video``
+end to end (its own server)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,44 @@ def test_a_missing_image_leaves_the_loss_of_the_others_unscaled(model, qwen2_vl_
     both = [sample(good, [5, 6, 7, 8]), sample(missing, [9, 10, 11])]
     beside = train_step(model, frozen, both, spec, config)
     assert alone.loss == pytest.approx(beside.loss, rel=1e-5)  # once 4/7 of it
+
+
+@pytest.mark.server
+@pytest.mark.timeout(900)
+def test_the_video_demo_runs_the_rl_loop_on_clips(tmp_path):
+    """``scripts/demo.py --video`` (Qwen2.5-VL, its own server, 2 steps: the second has the
+    control): rollouts by video ref, the chat route's prompt and greedy tokens for the same clip as
+    a data URL, the trainer's video pixels equal to the server's, the mismatch within the bound
+    and the previous weights' far above it (the demo exits non-zero otherwise; the report says it)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "demo.py"),
+            "--video",
+            "--steps",
+            "2",
+            "--keep",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=840,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = proc.stdout[proc.stdout.index("=== mmref demo report ===") :]
+    assert "qwen2_5_vl, float32" in report
+    assert "same tokens and prompt tokens for 2/2 prompts" in report
+    assert "16 samples' clips, 2 processed" in report and "max |diff| = 0.0" in report
+    assert len(list((tmp_path / "run_demo" / "assets" / "videos").iterdir())) == 2  # each clip offloaded once
+    current = [float(m) for m in re.findall(r"current weights\s+: max \|d\| \S+, mean \|d\| (\S+),", report)]
+    control = [float(m) for m in re.findall(r"previous weights\s+: mean \|d\| (\S+)", report)]
+    assert len(current) == 2 and max(current) <= 1e-4
+    assert len(control) == 1 and control[0] > 1e-2
