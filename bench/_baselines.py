@@ -20,41 +20,32 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import Any
 
 from protocol.structs import TrainingSample
 from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
-from trainer_lib.planning.bins import PIXELS, bin_capacity, plan_bins
+from trainer_lib.planning.bins import PIXELS, plan_bins
 from trainer_lib.planning.packing import PackEntry, analyze_entry, build_micro_batch
 from trainer_lib.planning.padding import make_pad_sample, pad_key
 from trainer_lib.planning.plan import StepPlan, mini_batch_entries
+from trainer_lib.planning.ranks import StepShape
 from trainer_lib.spec import PackingSpec
 
 __all__ = ["karmarkar_karp", "plan_today", "plan_verl"]
 
 
-def plan_today(samples: Sequence[TrainingSample], spec: PackingSpec, **kwargs: Any) -> StepPlan:
-    """``plan_step`` as it was before issue 13 (same arguments, no ``cost_model``)."""
-    return _plan(samples, spec, _today_shares, **kwargs)
+def plan_today(samples: Sequence[TrainingSample], spec: PackingSpec, shape: StepShape) -> StepPlan:
+    """``plan_step`` as it was before issue 13 (same shape, no ``cost_model``)."""
+    return _plan(samples, spec, _today_shares, shape)
 
 
-def plan_verl(samples: Sequence[TrainingSample], spec: PackingSpec, **kwargs: Any) -> StepPlan:
+def plan_verl(samples: Sequence[TrainingSample], spec: PackingSpec, shape: StepShape) -> StepPlan:
     """verl's order: KK rank shares, each packed on its own, counts evened with pads."""
-    return _plan(samples, spec, _verl_shares, **kwargs)
+    return _plan(samples, spec, _verl_shares, shape)
 
 
-def _plan(
-    samples: Sequence[TrainingSample],
-    spec: PackingSpec,
-    shares,
-    *,
-    dp_size: int,
-    mini_batch_size: int,
-    seq_len: int,
-    micro_batch_max_tokens: int | None = None,
-) -> StepPlan:
-    cap = bin_capacity(seq_len, micro_batch_max_tokens)
-    chunks = mini_batch_entries(samples, spec, dp_size=dp_size, mini_batch_size=mini_batch_size)
+def _plan(samples: Sequence[TrainingSample], spec: PackingSpec, shares, shape: StepShape) -> StepPlan:
+    cap, dp_size = shape.cap, shape.dp_size
+    chunks = mini_batch_entries(samples, spec, dp_size=dp_size, mini_batch_size=shape.mini_batch_size)
     mini_batches = []
     for entries in chunks:
         analyses = [analyze_entry(e, spec, None) for e in entries]

@@ -57,6 +57,7 @@ Columns
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import sys
@@ -91,6 +92,7 @@ from trainer_lib.planning.items import MiniBatchItems
 from trainer_lib.planning.packing import analyze_entry, pack_samples
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import mini_batch_entries, plan_step
+from trainer_lib.planning.ranks import StepShape
 from trainer_lib.planning.refine import Refinement
 from trainer_lib.spec import PackingSpec
 
@@ -311,14 +313,16 @@ def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
     }
     out["floor"] = {"m": [], "waste": [], "idle": [], "forced": 0.0, "tidy": 0.0}
     out["dp"] = 8
-    kwargs = {"dp_size": 8, "mini_batch_size": mbs, "seq_len": SEQ_LEN, "micro_batch_max_tokens": cap}
+    shape = StepShape(dp_size=8, mini_batch_size=mbs, seq_len=SEQ_LEN, micro_batch_max_tokens=cap)
     for _ in range(args.steps):
         samples = make_step(rng, **{"prompts": args.prompts, **mix})
         inputs = mini_batch_inputs(samples, 8, mbs, cm)
         for name in plans_for(cap):
             fn, options = PLANS[name]
             balanced = {"cost_model": cm} if name.startswith("balanced") else {}
-            run = functools.partial(fn, samples, SPEC, **kwargs, **options, **balanced)
+            step = dataclasses.replace(shape, stretch_cap=options.get("stretch_cap", False))
+            options = {k: v for k, v in options.items() if k != "stretch_cap"}  # the shape's
+            run = functools.partial(fn, samples, SPEC, step, **options, **balanced)
             plan, r = run(), out[name]
             shares = [s for ranks in plan.mini_batches for s in ranks]
             r["m"] += [ranks[0].num_micro_batches for ranks in plan.mini_batches]

@@ -55,17 +55,30 @@ from packed_forward import build_model, random_features
 from trainer_lib import packed_inputs, packed_logprobs, prepare_model_for_packing
 from trainer_lib.planning.cost import CostModel
 from trainer_lib.planning.plan import encoded_image_tokens, plan_step
+from trainer_lib.planning.ranks import StepShape
 from trainer_lib.planning.refine import Refinement
 
 PLANS = {
-    "tokens": lambda samples, spec, **kw: plan_step(samples, spec, balance="tokens", **kw),
-    "compute": lambda samples, spec, **kw: plan_step(samples, spec, balance="compute", **kw),
-    "verl": lambda samples, spec, cost_model, **kw: plan_verl(samples, spec, **kw),
-    "descent": lambda samples, spec, **kw: plan_step(samples, spec, refine=Refinement(anneal_steps=0), **kw),
-    "anneal": lambda samples, spec, **kw: plan_step(
-        samples, spec, refine=Refinement(anneal_steps=ANNEAL_STEPS, plan_time_budget_s=math.inf), **kw
+    "tokens": lambda samples, spec, shape, cm: plan_step(
+        samples, spec, shape, cost_model=cm, balance="tokens"
     ),
-    "budget": lambda samples, spec, **kw: plan_step(samples, spec, refine=Refinement(), **kw),
+    "compute": lambda samples, spec, shape, cm: plan_step(
+        samples, spec, shape, cost_model=cm, balance="compute"
+    ),
+    "verl": lambda samples, spec, shape, cm: plan_verl(samples, spec, shape),
+    "descent": lambda samples, spec, shape, cm: plan_step(
+        samples, spec, shape, cost_model=cm, refine=Refinement(anneal_steps=0)
+    ),
+    "anneal": lambda samples, spec, shape, cm: plan_step(
+        samples,
+        spec,
+        shape,
+        cost_model=cm,
+        refine=Refinement(anneal_steps=ANNEAL_STEPS, plan_time_budget_s=math.inf),
+    ),
+    "budget": lambda samples, spec, shape, cm: plan_step(
+        samples, spec, shape, cost_model=cm, refine=Refinement()
+    ),
 }
 
 
@@ -169,11 +182,10 @@ def main() -> None:
     if tiny:  # a CPU forward attends over the whole packed row: small micro-batches
         args.dp, args.prompts, args.cap = min(args.dp, 2), min(args.prompts, 2), min(args.cap, 2048)
     samples = step_samples(model.config, args.prompts, 0.1 if tiny else 1.0, args.seed)
-    size = {"dp_size": args.dp, "mini_batch_size": len(samples), "seq_len": SEQ_LEN}
-    plans = {
-        n: PLANS[n](samples, spec, cost_model=cm, micro_batch_max_tokens=args.cap, **size)
-        for n in args.plans.split(",")
-    }
+    shape = StepShape(
+        dp_size=args.dp, mini_batch_size=len(samples), seq_len=SEQ_LEN, micro_batch_max_tokens=args.cap
+    )
+    plans = {n: PLANS[n](samples, spec, shape, cm) for n in args.plans.split(",")}
     tokens = sum(len(s.input_ids) for s in samples)
     print(f"[rank_balance] {len(samples)} samples, {tokens:,} tokens, {backend}", flush=True)
     first = next(iter(plans.values())).mini_batches[0][0].micro_batches[0]

@@ -68,7 +68,13 @@ from trl.data_utils import is_conversational, prepare_multimodal_messages  # noq
 from protocol.adapters import load_adapter  # noqa: E402
 from protocol.structs import TrainingSample  # noqa: E402
 from rollout_client import PreparedPrompt, RolloutClient, Sampling  # noqa: E402
-from trainer_lib import MismatchStats, PackingSpec, logprob_mismatch, prepare_model_for_packing  # noqa: E402
+from trainer_lib import (  # noqa: E402
+    LogprobOptions,
+    MismatchStats,
+    PackingSpec,
+    logprob_mismatch,
+    prepare_model_for_packing,
+)
 from trainer_lib import sample_logprobs as packed_rows  # noqa: E402
 
 __all__ = ["SUPPORTED", "GenerationReport", "MMRefGRPOTrainer", "Row"]
@@ -280,11 +286,13 @@ class MMRefGRPOTrainer(GRPOTrainer):
             self.accelerator.unwrap_model(model),
             self.mmref_spec,
             self.mmref.materialize_config(),
-            seq_len=self.mmref.seq_len,
-            temperature=self.temperature,
-            suppressed_token_ids=self.mmref_client.suppressed_token_ids(),
+            LogprobOptions(
+                seq_len=self.mmref.seq_len,
+                temperature=self.temperature,
+                suppressed_token_ids=self.mmref_client.suppressed_token_ids(),
+                compute_entropy=entropy,
+            ),
             resolved=self._mmref_resolved,
-            compute_entropy=entropy,
         )
         p = [r.prompt_length for r in rows]
         c = [len(r.sample.input_ids) - r.prompt_length for r in rows]

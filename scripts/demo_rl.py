@@ -35,8 +35,10 @@ from protocol.refs import file_uri_to_path, parse_ref
 from protocol.structs import RawMMRef, TrainingSample
 from trainer_lib import (
     BF16_NOISE_FACTOR,
+    LogprobOptions,
     MaterializeConfig,
     PackingSpec,
+    StepShape,
     logprob_mismatch,
     materialize_micro_batch,
     packed_inputs,
@@ -92,7 +94,7 @@ def train_step(
     """One optimizer step of the GRPO-style objective over ``samples`` (see the module doc);
     ``suppressed``: the token ids the sampler never drew, out of the trainer's softmax too."""
     t0 = time.monotonic()
-    plan = plan_step(samples, spec, dp_size=1, mini_batch_size=len(samples), seq_len=2048)
+    plan = plan_step(samples, spec, StepShape(dp_size=1, mini_batch_size=len(samples), seq_len=2048))
     (ranks,) = plan.mini_batches  # one mini-batch: one optimizer step
     resolved: dict = {}  # each distinct image decoded once per step, encoded once per micro-batch
     batches = [materialize_micro_batch(p, spec, config, resolved=resolved) for p in ranks[0].micro_batches]
@@ -137,9 +139,8 @@ def previous_weights_mismatch(
 ) -> float:
     """Mean |d| between the server's logprobs of ``samples`` and the trainer's recompute under
     ``previous`` (a model holding the weights before the latest push)."""
-    per_sample = recompute_logprobs(
-        samples, previous, spec, config, seq_len=2048, suppressed_token_ids=suppressed
-    )
+    options = LogprobOptions(seq_len=2048, suppressed_token_ids=suppressed)
+    per_sample = recompute_logprobs(samples, previous, spec, config, options)
     trainer = torch.cat([lp for lp, _ in per_sample])
     mask = torch.cat([m for _, m in per_sample])
     server = torch.cat([torch.tensor(s.inference_logprobs) for s in samples])
@@ -163,9 +164,9 @@ def mismatch_bound(model, samples, spec, config, serve_dtype: str, suppressed) -
     bf16-vs-fp32 mean |d| on the same samples (docs/PACKING.md §9). Returns ``(bound, noise)``."""
     if serve_dtype == "float32":
         return 1e-4, None
-    kw = dict(seq_len=2048, suppressed_token_ids=suppressed)
-    fp32 = recompute_logprobs(samples, model, spec, config, **kw)
-    bf16 = recompute_logprobs(samples, copy.deepcopy(model).to(torch.bfloat16), spec, config, **kw)
+    options = LogprobOptions(seq_len=2048, suppressed_token_ids=suppressed)
+    fp32 = recompute_logprobs(samples, model, spec, config, options)
+    bf16 = recompute_logprobs(samples, copy.deepcopy(model).to(torch.bfloat16), spec, config, options)
     noise = logprob_mismatch(
         torch.cat([lp for lp, _ in bf16]), torch.cat([lp for lp, _ in fp32]), torch.cat([m for _, m in fp32])
     )

@@ -81,7 +81,7 @@ class Snapshots:
 
 def control_mismatch(trainer, report, state, spec, config) -> float:
     """Mean |d| of the server's logprobs of ``report``'s rows vs the trainer's under ``state``."""
-    from trainer_lib import logprob_mismatch, recompute_logprobs
+    from trainer_lib import LogprobOptions, logprob_mismatch, recompute_logprobs
 
     previous = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.model))
     previous.load_state_dict(state)
@@ -91,9 +91,11 @@ def control_mismatch(trainer, report, state, spec, config) -> float:
         previous,
         spec,
         config,
-        seq_len=2048,
-        temperature=trainer.temperature,
-        suppressed_token_ids=trainer.mmref_client.suppressed_token_ids(),
+        LogprobOptions(
+            seq_len=2048,
+            temperature=trainer.temperature,
+            suppressed_token_ids=trainer.mmref_client.suppressed_token_ids(),
+        ),
     )
     lp, mask = (torch.cat(t) for t in zip(*per_sample, strict=True))
     server = torch.cat([torch.tensor(s.inference_logprobs) for s in samples])

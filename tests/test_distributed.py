@@ -23,6 +23,7 @@ from protocol.structs import MMRefs, TrainingSample, encode
 from trainer_lib.distributed import RankFailed, check_all_ranks, fail_fast
 from trainer_lib.planning.packing import pack_samples
 from trainer_lib.planning.plan import plan_step
+from trainer_lib.planning.ranks import StepShape
 from trainer_lib.spec import PackingSpec
 
 TIMEOUT_S = 120
@@ -86,10 +87,7 @@ def _run_plan(rank: int, world: int, adapter, image, out_dir: Path) -> None:
     plan = plan_step(
         _step_samples(image, tok),
         spec,
-        dp_size=world,
-        mini_batch_size=8,
-        seq_len=512,
-        micro_batch_max_tokens=256,
+        StepShape(dp_size=world, mini_batch_size=8, seq_len=512, micro_batch_max_tokens=256),
     )
     wire = [encode(mb.micro_batch) for mbs in plan.mini_batches for r in mbs for mb in r.micro_batches]
     digests: list = [None] * world

@@ -12,7 +12,7 @@ from transformers import AutoModelForImageTextToText, AutoTokenizer
 from helpers import photo_bytes, rollout
 from protocol.adapters import offload_image
 from protocol.structs import MMRefs
-from trainer_lib import MaterializeConfig, PackingSpec, prepare_model_for_packing
+from trainer_lib import LogprobOptions, MaterializeConfig, PackingSpec, prepare_model_for_packing
 from trainer_lib.mismatch import logprob_mismatch, recompute_logprobs
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
@@ -42,7 +42,7 @@ def test_trainer_reproduces_server_logprobs_and_flags_a_swapped_image(
     assert prepare_model_for_packing(model) == "sdpa"
     spec = PackingSpec.from_adapter(qwen2_vl_adapter, model, pad_token_id=0)  # no pad is made here
     config = MaterializeConfig(asset_root=output_root)
-    results = recompute_logprobs(samples, model, spec, config, seq_len=2048)
+    results = recompute_logprobs(samples, model, spec, config, LogprobOptions(seq_len=2048))
     trainer = torch.cat([lp for lp, _ in results])
     mask = torch.cat([m for _, m in results])
     inference = torch.cat([torch.tensor(s.inference_logprobs) for s in samples])
@@ -54,7 +54,7 @@ def test_trainer_reproduces_server_logprobs_and_flags_a_swapped_image(
     # negative control: sample 1's coffee replaced by the rocket photo (same grid, same tokens)
     swapped = list(samples)
     swapped[1] = msgspec.structs.replace(samples[1], mm_refs=MMRefs(items=[same_size["rocket"]]))
-    lp, m = recompute_logprobs(swapped, model, spec, config, seq_len=2048)[1]
+    lp, m = recompute_logprobs(swapped, model, spec, config, LogprobOptions(seq_len=2048))[1]
     bad = logprob_mismatch(lp, torch.tensor(samples[1].inference_logprobs), m)
     print(f"swapped image: {bad}")
     assert bad.mean_abs > 100 * max(stats.mean_abs, 1e-7)
@@ -68,7 +68,8 @@ def test_trainer_reproduces_server_logprobs_and_flags_a_swapped_image(
         (0.7, lambda s: s.mean_abs <= 1e-4 and s.k3_kl <= 1e-7),
         (1.0, lambda s: s.mean_abs > 1e-2),
     ):
-        results = recompute_logprobs(hot, model, spec, config, seq_len=2048, temperature=temperature)
+        options = LogprobOptions(seq_len=2048, temperature=temperature)
+        results = recompute_logprobs(hot, model, spec, config, options)
         stats_t = logprob_mismatch(
             torch.cat([lp for lp, _ in results]), inference, torch.cat([m for _, m in results])
         )

@@ -40,6 +40,7 @@ from trainer_lib.model_inputs import PackedInputs, packed_inputs
 from trainer_lib.packed_call import PackingUnsupported
 from trainer_lib.planning.packing import pack_samples, rebuild_micro_batch
 from trainer_lib.planning.plan import plan_step
+from trainer_lib.planning.ranks import StepShape
 from trainer_lib.positions import build_position_ids, cu_seqlens, rope_index_fn
 from trainer_lib.prepare import check_packable, prepare_model_for_packing, select_backend
 
@@ -301,7 +302,7 @@ def test_missing_image_zeroes_only_its_sample_and_synthetic_pads_run(families, t
     assert m.stats.placeholders == 1
 
     (ranks,) = plan_step(  # dp 2: the rank with the text sample runs the vision tower on a pad
-        [samples[0], samples[2]], fam.spec, dp_size=2, mini_batch_size=2, seq_len=4096
+        [samples[0], samples[2]], fam.spec, StepShape(dp_size=2, mini_batch_size=2, seq_len=4096)
     ).mini_batches
     padded = next(mb for r in ranks for mb in r.micro_batches if mb.sample_indices == [1])
     assert padded.has_pixels and padded.images[-1].ref is None

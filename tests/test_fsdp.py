@@ -1,9 +1,9 @@
 """The packed forward under FSDP2 (``trainer_lib.shard_model``): 2 gloo CPU ranks, spawned processes.
 
-Each rank plans the step on its own (``plan_step(dp_size=2)``: the balanced plan), runs its
-micro-batches through the sharded model (tiny Qwen2-VL and Qwen3.5, activation checkpointing on,
-training mode, real photos through ``materialize_micro_batch``), with the loss normalised by the
-mini-batch's loss tokens over both ranks; the summed loss and every parameter's gradient
+Each rank plans the step on its own (``plan_step`` on ``StepShape(dp_size=2, ...)``: the balanced
+plan), runs its micro-batches through the sharded model (tiny Qwen2-VL and Qwen3.5, activation
+checkpointing on, training mode, real photos through ``materialize_micro_batch``), with the loss
+normalised by the mini-batch's loss tokens over both ranks; the summed loss and every parameter's gradient
 (gathered from the shards) must equal one unsharded process running the same samples planned
 for one rank. Then fail-fast: rank 1's
 image is missing under ``missing_policy="error"``; both ranks raise the same error before any
@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from helpers import PAD, Family, chat
 from protocol.errors import AssetNotFound
 from protocol.refs import format_mmraw, parse_ref
-from trainer_lib import plan_step
+from trainer_lib import StepShape, plan_step
 
 TIMEOUT_S = 240
 GRAD_RTOL = 1e-5
@@ -50,12 +50,10 @@ def _setup(model_dir: str, root: str):
 def _loss(model, spec, config, samples, dp_size: int, rank: int) -> torch.Tensor:
     """This rank's share of the step's loss, backward run: the sampled tokens' logprobs and a
     little entropy, normalised by the loss tokens of every rank (``plan_step`` on this rank)."""
-    from trainer_lib import materialize_micro_batch, packed_inputs, packed_logprobs, plan_step
+    from trainer_lib import StepShape, materialize_micro_batch, packed_inputs, packed_logprobs, plan_step
 
-    plan = plan_step(
-        samples, spec, dp_size=dp_size, mini_batch_size=len(samples), seq_len=1024,
-        micro_batch_max_tokens=400,
-    )  # fmt: skip
+    shape = StepShape(dp_size=dp_size, mini_batch_size=len(samples), seq_len=1024, micro_batch_max_tokens=400)
+    plan = plan_step(samples, spec, shape)
     (ranks,) = plan.mini_batches
     norm = plan.num_loss_tokens_per_mini_batch[0]
     total = torch.zeros(())
@@ -126,7 +124,9 @@ def test_fsdp2_two_ranks_equal_one_process_and_fail_fast_holds(family, tmp_path)
     # meanwhile, the reference: one unsharded process, the same samples planned for one rank
     model, spec, config = _setup(str(fam.dir), str(fam.root))
     plan = plan_step(
-        samples, spec, dp_size=2, mini_batch_size=len(samples), seq_len=1024, micro_batch_max_tokens=400
+        samples,
+        spec,
+        StepShape(dp_size=2, mini_batch_size=len(samples), seq_len=1024, micro_batch_max_tokens=400),
     )
     assert all(
         any(mb.has_pixels for mb in r.micro_batches) for r in plan.mini_batches[0]

@@ -322,7 +322,7 @@ def test_actor_logprobs_equal_trainer_lib_and_transformers_one_row_at_a_time(
 
     from integrations.common import completion_rows
     from integrations.verl import rows_of
-    from trainer_lib import sample_logprobs
+    from trainer_lib import LogprobOptions, sample_logprobs
 
     output, _ = rollout
     temperature = float(spied[0].actor_rollout_ref.rollout.temperature)
@@ -342,10 +342,12 @@ def test_actor_logprobs_equal_trainer_lib_and_transformers_one_row_at_a_time(
             policy,
             actor._specs[id(policy)],
             actor.config,
-            seq_len=2048,
-            temperature=temperature,
-            suppressed_token_ids=(actor.placeholder,),
-            compute_entropy=True,
+            LogprobOptions(
+                seq_len=2048,
+                temperature=temperature,
+                suppressed_token_ids=(actor.placeholder,),
+                compute_entropy=True,
+            ),
         )
     assert torch.equal(
         logps, completion_rows([s.logprobs for s in direct.samples], prompt, completion, width)

@@ -394,6 +394,7 @@ def test_a_synthetic_grid_is_bounded_before_its_zeros_are_sized(store, qwen2_vl_
     from trainer_lib.planning.packing import PackEntry, build_micro_batch, rebuild_micro_batch
     from trainer_lib.planning.padding import make_pad_sample
     from trainer_lib.planning.plan import plan_step
+    from trainer_lib.planning.ranks import StepShape
 
     root, refs = store
     config = MaterializeConfig(asset_root=root)
@@ -409,11 +410,11 @@ def test_a_synthetic_grid_is_bounded_before_its_zeros_are_sized(store, qwen2_vl_
         input_ids=[1, 2, 3], loss_mask=[False, True, True], advantages=[0.0] * 3, inference_logprobs=[0.0] * 3
     )
     step = [packable(refs["coffee"]), text_only]
-    kwargs = dict(dp_size=2, mini_batch_size=2, seq_len=4096)
+    shape = StepShape(dp_size=2, mini_batch_size=2, seq_len=4096)
     with pytest.raises(GridMismatch, match="exceeds"):
-        plan_step(step, PackingSpec(TOK, 0, qwen2_vl_adapter, synthetic_grid=huge), **kwargs)
+        plan_step(step, PackingSpec(TOK, 0, qwen2_vl_adapter, synthetic_grid=huge), shape)
     (ranks,) = plan_step(
-        step, PackingSpec(TOK, 0, qwen2_vl_adapter, synthetic_grid=(1, 4, 4)), **kwargs
+        step, PackingSpec(TOK, 0, qwen2_vl_adapter, synthetic_grid=(1, 4, 4)), shape
     ).mini_batches
     padded = next(mb for r in ranks for mb in r.micro_batches if mb.sample_indices == [1])
     assert padded.images[-1].ref is None and padded.images[-1].grid == (1, 4, 4)

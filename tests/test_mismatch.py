@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from helpers import Family, chat
 from trainer_lib import (
     SUPPRESSED_LOGIT,
+    LogprobOptions,
     check_sampling_temperature,
     logprob_mismatch,
     materialize,
@@ -71,12 +72,10 @@ def test_suppressed_ids_leave_the_softmax_after_the_temperature(fam, temperature
         fam.model,
         fam.spec,
         fam.config,
-        seq_len=4096,
-        temperature=temperature,
-        suppressed_token_ids=ids,
+        LogprobOptions(seq_len=4096, temperature=temperature, suppressed_token_ids=ids),
     )
     plain = recompute_logprobs(
-        samples, fam.model, fam.spec, fam.config, seq_len=4096, temperature=temperature
+        samples, fam.model, fam.spec, fam.config, LogprobOptions(seq_len=4096, temperature=temperature)
     )
     for sample, (lp, mask), (lp_plain, _) in zip(samples, got, plain, strict=True):
         want = unpacked_suppressed(fam, sample, temperature, ids)
@@ -102,9 +101,10 @@ def test_recompute_warns_when_samples_were_sampled_at_another_temperature(fam, c
     samples = samples_of(fam, 1.0)
     samples[2] = msgspec.structs.replace(samples[2], sampling_temperature=0.0)  # greedy: compared at 1
     with caplog.at_level(logging.WARNING, logger="trainer_lib.mismatch"):
-        recompute_logprobs(samples, fam.model, fam.spec, fam.config, seq_len=4096, temperature=1.0)
+        recompute_logprobs(samples, fam.model, fam.spec, fam.config, LogprobOptions(seq_len=4096))
         assert not caplog.records
-        recompute_logprobs(samples, fam.model, fam.spec, fam.config, seq_len=4096, temperature=0.7)
+        hot = LogprobOptions(seq_len=4096, temperature=0.7)
+        recompute_logprobs(samples, fam.model, fam.spec, fam.config, hot)
     (record,) = caplog.records
     message = record.getMessage()
     assert record.levelno == logging.WARNING
@@ -130,9 +130,11 @@ def test_a_temperature_logits_cannot_be_divided_by_is_refused(fam, bad, caplog):
         packed_logprobs(fam.model, inputs, temperature=bad)
     with caplog.at_level(logging.WARNING, logger="trainer_lib.mismatch"):
         with pytest.raises(ValueError, match=r"finite and > 0.*greedy.*temperature=1\.0"):
-            recompute_logprobs(greedy, fam.model, fam.spec, fam.config, seq_len=4096, temperature=bad)
+            recompute_logprobs(
+                greedy, fam.model, fam.spec, fam.config, LogprobOptions(seq_len=4096, temperature=bad)
+            )
         assert not caplog.records
-        out = recompute_logprobs(greedy, fam.model, fam.spec, fam.config, seq_len=4096, temperature=1.0)
+        out = recompute_logprobs(greedy, fam.model, fam.spec, fam.config, LogprobOptions(seq_len=4096))
         assert not caplog.records  # greedy is compared at 1.0
     assert all(torch.isfinite(lp).all() for lp, _ in out)
 

@@ -13,6 +13,7 @@ from helpers import Family, chat, photo_bytes
 from protocol.adapters import offload_image
 from protocol.refs import file_uri_to_path, parse_ref
 from trainer_lib import (
+    LogprobOptions,
     MaterializeConfig,
     materialize,
     prepare_model_for_packing,
@@ -57,9 +58,8 @@ def grads(model, loss) -> dict[str, torch.Tensor]:
 
 def test_rows_equal_one_sample_at_a_time_with_entropy_and_gradients(fam):
     samples = fam.samples()
-    forward = sample_logprobs(
-        samples, fam.model, fam.spec, fam.config, seq_len=2048, temperature=0.7, compute_entropy=True
-    )
+    options = LogprobOptions(seq_len=2048, temperature=0.7, compute_entropy=True)
+    forward = sample_logprobs(samples, fam.model, fam.spec, fam.config, options)
     assert forward.micro_batches == 1 and forward.zeroed == []
     weights = [torch.linspace(0.5, 1.5, len(s.input_ids)) for s in samples]  # a loss that tells rows apart
     packed_loss = sum(
@@ -86,8 +86,8 @@ def test_rows_equal_one_sample_at_a_time_with_entropy_and_gradients(fam):
 
 def test_recompute_logprobs_is_the_same_forward_without_gradients(fam):
     samples = fam.samples()
-    per_sample = recompute_logprobs(samples, fam.model, fam.spec, fam.config, seq_len=2048)
-    forward = sample_logprobs(samples, fam.model, fam.spec, fam.config, seq_len=2048)
+    per_sample = recompute_logprobs(samples, fam.model, fam.spec, fam.config, LogprobOptions(seq_len=2048))
+    forward = sample_logprobs(samples, fam.model, fam.spec, fam.config, LogprobOptions(seq_len=2048))
     for (lp, m), r in zip(per_sample, forward.samples, strict=True):
         assert not lp.requires_grad and torch.equal(lp, r.logprobs.detach().cpu())
         assert torch.equal(m, r.loss_mask.cpu())
@@ -97,9 +97,8 @@ def test_a_missing_image_zeroes_that_sample_only(fam, tmp_path):
     ref = offload_image(photo_bytes("coffee", fmt="PNG", size=(80, 52)), tmp_path, fam.adapter)
     samples = [chat([], "Say hi.", "Hi there.", fam.tok), chat([ref], "What?", "A cup.", fam.tok)]
     Path(file_uri_to_path(parse_ref(ref.ref).raw_image_uri)).unlink()
-    forward = sample_logprobs(
-        samples, fam.model, fam.spec, MaterializeConfig(asset_root=tmp_path), seq_len=2048
-    )
+    config = MaterializeConfig(asset_root=tmp_path)
+    forward = sample_logprobs(samples, fam.model, fam.spec, config, LogprobOptions(seq_len=2048))
     assert forward.zeroed == [1] and not forward.samples[1].loss_mask.any()
     assert forward.samples[0].loss_mask.tolist() == samples[0].loss_mask
     assert forward.stats.placeholders == 1 and forward.stats.zeroed_samples == 1

@@ -31,6 +31,7 @@ from protocol.structs import MMRefs, RawMMRef, TrainingSample
 from tiny_models import SERVE_DTYPES
 from trainer_lib import (
     BF16_NOISE_FACTOR,
+    LogprobOptions,
     MaterializeConfig,
     MismatchStats,
     PackingSpec,
@@ -181,7 +182,8 @@ def recompute(
     root = Path(served.server.asset_root)
     spec = PackingSpec.from_adapter(served.adapter, model, pad_token_id=0)  # no pad is made here
     config = MaterializeConfig(asset_root=root)
-    return recompute_logprobs(samples, model, spec, config, seq_len=2048, micro_batch_max_tokens=512)
+    options = LogprobOptions(seq_len=2048, micro_batch_max_tokens=512)
+    return recompute_logprobs(samples, model, spec, config, options)
 
 
 def compare(results, reference) -> MismatchStats:

@@ -17,7 +17,8 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
 - :class:`CostModel` — FLOPs per sample, the predicted sync idle (:mod:`trainer_lib.planning.cost`).
 - :class:`Refinement` — the opt-in search for a shorter predicted step, within ``plan_time_budget_s``
   seconds per mini-batch (:mod:`trainer_lib.planning.refine`).
-- :func:`deal_mini_batch` — one mini-batch as every rank's micro-batches (:mod:`trainer_lib.planning.ranks`).
+- :func:`deal_mini_batch`, :class:`StepShape` — one mini-batch as every rank's micro-batches, the
+  step's sizes (:mod:`trainer_lib.planning.ranks`).
 - :func:`plan_step`, :class:`StepPlan`, :class:`RankLoad` — a whole step (:mod:`trainer_lib.planning.plan`).
 - :func:`build_position_ids`, :func:`cu_seqlens` — MRoPE positions, sample boundaries
   (:mod:`trainer_lib.positions`).
@@ -32,8 +33,9 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
   (:mod:`trainer_lib.forward`; its LM head, logprobs and entropy without ``[L, vocab]`` logits
   kept: :mod:`trainer_lib.logprob_head`).
 - :func:`fail_fast`, :func:`check_all_ranks` — rank-wide errors (:mod:`trainer_lib.distributed`).
-- :func:`sample_logprobs` — per-sample logprobs of rows through the packed forward, with gradients
-  (:mod:`trainer_lib.sample_forward`: a framework's row batch).
+- :func:`sample_logprobs`, :class:`LogprobOptions` — per-sample logprobs of rows through the packed
+  forward, with gradients; its cap and head options (:mod:`trainer_lib.sample_forward`: a
+  framework's row batch).
 - :func:`shard_model` — the packed forward under FSDP2 (:mod:`trainer_lib.sharding`).
 - :func:`recompute_logprobs`, :func:`logprob_mismatch`, :func:`check_sampling_temperature` — trainer vs
   inference (:mod:`trainer_lib.mismatch`).
@@ -69,11 +71,11 @@ from trainer_lib.planning.packing import PackEntry, pack_samples, rebuild_micro_
 from trainer_lib.planning.padding import make_pad_sample, padded_sample_count
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import RankLoad, StepPlan, plan_step
-from trainer_lib.planning.ranks import deal_mini_batch
+from trainer_lib.planning.ranks import StepShape, deal_mini_batch
 from trainer_lib.planning.refine import Refinement
 from trainer_lib.positions import build_position_ids, cu_seqlens, mrope_position_ids
 from trainer_lib.prepare import check_packable, prepare_model_for_packing, select_backend
-from trainer_lib.sample_forward import SampleForward, SampleLogprobs, sample_logprobs
+from trainer_lib.sample_forward import LogprobOptions, SampleForward, SampleLogprobs, sample_logprobs
 from trainer_lib.sharding import shard_model
 from trainer_lib.spec import PackingSpec
 
@@ -85,6 +87,7 @@ __all__ = [
     "CostModel",
     "ForwardResult",
     "ImageSpan",
+    "LogprobOptions",
     "MaterializeConfig",
     "MaterializeStats",
     "MaterializedBatch",
@@ -104,6 +107,7 @@ __all__ = [
     "SampleLogprobs",
     "SampleSlot",
     "StepPlan",
+    "StepShape",
     "build_position_ids",
     "check_all_ranks",
     "check_packable",

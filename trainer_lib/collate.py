@@ -70,6 +70,10 @@ class FeatureWriter:
             dst.copy_(src)
         self._put[k] = True
 
+    def has(self, key: Hashable) -> bool:
+        """Whether the image of ``key`` was :meth:`put` (KeyError: a key not in the grids)."""
+        return self._put[self.index[key]]
+
     def _outputs(self, item: ProcessedImage) -> dict[str, torch.Tensor]:
         """The collated tensors, allocated at the first call after ``item``'s dtypes and device."""
         with self._lock:

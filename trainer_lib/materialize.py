@@ -25,7 +25,7 @@ import functools
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -41,7 +41,13 @@ from protocol.structs import TrainingSample
 from trainer_lib import metrics
 from trainer_lib.collate import FeatureWriter
 from trainer_lib.config import MaterializeConfig
-from trainer_lib.materialize_video import add_videos, materialize_videos, split_video_features, video_refs
+from trainer_lib.materialize_video import (
+    VideoReads,
+    add_videos,
+    materialize_videos,
+    split_video_features,
+    video_refs,
+)
 from trainer_lib.micro_batch import PackedMicroBatch, SampleSlot, replace_loss_mask
 from trainer_lib.pool import run_on_pool
 from trainer_lib.sources import checked_refs, describe_source, image_source
@@ -193,14 +199,11 @@ def materialize(
     resolved.update((ref, r) for ref, r in done.items() if r is not None)
     results = {ref: done[ref] if ref in done else resolved[ref] for ref in bodies}
     written = {ref for ref, r in done.items() if not isinstance(r, MMRefError)}
-    batch = _assemble(samples, per_sample, results, grids, adapter, writer=writer, written=written)
+    batch = _assemble(samples, per_sample, results, grids, adapter, writer=writer)
     batch.stats.processed = len(written)
     if any(video_refs(s) for s in samples):  # issue 44: the same pool, policy and step cache
-        replace = policy == "placeholder_zero_loss"
-        kwargs = {"max_workers": max_workers, "dedup": dedup, "raw_pixels": raw_pixels}
-        add_videos(
-            batch, materialize_videos(samples, adapter, source, replace=replace, resolved=resolved, **kwargs)
-        )
+        reads = VideoReads(source, max_workers, policy == "placeholder_zero_loss", raw_pixels)
+        add_videos(batch, materialize_videos(samples, adapter, reads, dedup=dedup, resolved=resolved))
     metrics.IMAGES_MATERIALIZED.inc(batch.stats.processed)
     if batch.stats.placeholders:
         _warn_replaced(batch.stats, len(samples), describe_source(source))
@@ -265,12 +268,11 @@ def _assemble(
     adapter: ImageAdapter,
     *,
     writer: FeatureWriter | None,
-    written: Collection[str],
 ) -> MaterializedBatch:
     """Place each ref's result into every slot naming it (zero features of the ref's grid and a
     zeroed loss mask where it failed), count, and collate: with a ``writer`` (dedup) each distinct
-    image once, those not ``written`` on the pool put now; else one block per slot. A None result
-    is an image ``written`` and not kept."""
+    image once, those it does not hold yet (written on the pool) put now; else one block per slot.
+    A None result is an image written and not kept."""
     stats = MaterializeStats(unique_refs=len(results))
     stats.failed_by_code = dict(Counter(r.code for r in results.values() if isinstance(r, MMRefError)))
     placeholders: dict[str, ProcessedImage] = {}
@@ -297,7 +299,7 @@ def _assemble(
         index = writer.index
         image_index = torch.tensor([index[ref] for refs in per_sample for ref in refs], dtype=torch.int64)
         for ref in index:  # failed, or processed by an earlier call of the step
-            if ref not in written:
+            if not writer.has(ref):
                 writer.put(ref, _item(ref, results, placeholders))
         features = writer.features()
     return MaterializedBatch(

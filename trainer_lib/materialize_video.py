@@ -40,6 +40,7 @@ from trainer_lib.sources import raw_body
 __all__ = [
     "VIDEO_FEATURES",
     "VideoFeatures",
+    "VideoReads",
     "add_videos",
     "materialize_videos",
     "split_video_features",
@@ -70,6 +71,25 @@ class VideoFeatures:
     """Distinct videos read and processed by this call."""
 
 
+@dataclass(frozen=True)
+class VideoReads:
+    """How :func:`materialize_videos` reads a batch's videos: the settings
+    :func:`trainer_lib.materialize` was called with, in one value.
+
+    Example: ``VideoReads(source, max_workers=2, replace=True)``: read from ``source`` on the
+    2-thread pool, a missing video replaced by zero features, normalized pixels.
+    """
+
+    source: ImageSource
+    """Where videos are read (``protocol.sources.image_source`` of the asset root)."""
+    max_workers: int
+    """Threads of the materialize pool (:mod:`trainer_lib.pool`), at least 1."""
+    replace: bool
+    """Zero stand-ins for a missing or unreadable video (``placeholder_zero_loss``); False: raise."""
+    raw_pixels: bool = False
+    """vLLM's raw (un-normalized) pixels instead of the HF model's normalized ones."""
+
+
 def video_refs(sample: TrainingSample) -> list[RawMMRef]:
     """The sample's video refs, in prompt order."""
     return [r for r in sample.mm_refs.items if r.modality == "video"] if sample.mm_refs else []
@@ -78,20 +98,18 @@ def video_refs(sample: TrainingSample) -> list[RawMMRef]:
 def materialize_videos(
     samples: Sequence[TrainingSample],
     adapter: VideoMixin,
-    source: ImageSource,
+    reads: VideoReads,
     *,
-    replace: bool,
-    max_workers: int,
     dedup: bool = True,
     resolved: dict[str, Any] | None = None,
-    **resolve_kwargs: Any,
 ) -> VideoFeatures:
     """Features of every video slot of ``samples``.
 
     Args:
-        replace: zero stand-ins for a missing or unreadable video (``placeholder_zero_loss``).
+        reads: where and how the videos are read (source, workers, ``replace``: zero stand-ins
+            for a missing or unreadable video under ``placeholder_zero_loss``; pixel mode).
+        dedup: each distinct video once plus ``video_index``; False: one copy per slot.
         resolved: the step's :data:`trainer_lib.materialize.Resolved` (ref -> processed video).
-        resolve_kwargs: passed to ``resolve_video`` (``raw_pixels``).
 
     Raises:
         InvalidRef, UnsupportedFamily, FingerprintMismatch, GridMismatch: a ref the adapter
@@ -105,8 +123,8 @@ def materialize_videos(
     grids = _checked(per_sample, adapter)
     resolved = {} if resolved is None else resolved
     todo = [(ref, body) for ref, (body, _) in grids.items() if ref not in resolved]
-    resolve = functools.partial(_resolve, adapter=adapter, source=source, replace=replace, **resolve_kwargs)
-    done = dict(zip((ref for ref, _ in todo), run_on_pool(resolve, todo, max_workers), strict=True))
+    resolve = functools.partial(_resolve, adapter=adapter, reads=reads)
+    done = dict(zip((ref for ref, _ in todo), run_on_pool(resolve, todo, reads.max_workers), strict=True))
     resolved.update(done)
     results = {ref: resolved[ref] for ref in grids}
     out = VideoFeatures(features={}, videos_per_sample=[len(refs) for refs in per_sample])
@@ -188,16 +206,14 @@ def _resolve(
     ref_and_body: tuple[str, RawRefBody | ContentRef],
     *,
     adapter: VideoMixin,
-    source: ImageSource,
-    replace: bool,
-    **kwargs: Any,
+    reads: VideoReads,
 ) -> ProcessedVideo | MMRefError:
-    """``adapter.resolve_video`` of one ref; with ``replace``, a replaceable error is returned."""
+    """``adapter.resolve_video`` of one ref; with ``reads.replace``, a replaceable error is returned."""
     ref, body = ref_and_body
     try:
-        return adapter.resolve_video(body, source, ref=ref, **kwargs)
+        return adapter.resolve_video(body, reads.source, ref=ref, raw_pixels=reads.raw_pixels)
     except MMRefError as e:
-        if replace and isinstance(e, _REPLACEABLE):
+        if reads.replace and isinstance(e, _REPLACEABLE):
             return e
         raise
 

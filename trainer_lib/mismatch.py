@@ -23,8 +23,7 @@ import torch
 
 from protocol.structs import TrainingSample
 from trainer_lib.config import MaterializeConfig
-from trainer_lib.forward import check_temperature
-from trainer_lib.sample_forward import sample_logprobs
+from trainer_lib.sample_forward import LogprobOptions, sample_logprobs
 from trainer_lib.spec import PackingSpec
 
 __all__ = [
@@ -117,11 +116,7 @@ def recompute_logprobs(
     model: torch.nn.Module,
     spec: PackingSpec,
     config: MaterializeConfig,
-    *,
-    seq_len: int,
-    micro_batch_max_tokens: int | None = None,
-    temperature: float = 1.0,
-    suppressed_token_ids: Sequence[int] = (),
+    options: LogprobOptions,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Materialize, pack, run the packed forward; per sample ``(logprobs fp32 [len], loss_mask bool [len])``.
 
@@ -130,12 +125,13 @@ def recompute_logprobs(
     micro-batch), on the CPU.
 
     ``logprobs[t]`` is the trainer's logprob of ``input_ids[t]`` given the sample's earlier tokens
-    (0 at t=0), aligned with ``TrainingSample.inference_logprobs``. ``temperature``: the sampling
+    (0 at t=0), aligned with ``TrainingSample.inference_logprobs``. ``options``
+    (:class:`~trainer_lib.LogprobOptions`): the packing cap; ``temperature``, the sampling
     temperature for a server run with ``--logprobs-mode processed_logprobs``, 1.0 for vLLM's
-    default ``raw_logprobs`` (see :func:`trainer_lib.packed_logprobs`); samples recording another
-    ``sampling_temperature`` are logged at WARNING (:func:`check_sampling_temperature`).
-    ``suppressed_token_ids``: the ids the sampler never drew (``client.suppressed_token_ids()``),
-    taken out of the softmax as the server did (:func:`trainer_lib.packed_logprobs`). The loss
+    default ``raw_logprobs`` (see :func:`trainer_lib.packed_logprobs`; samples recording another
+    ``sampling_temperature`` are logged at WARNING, :func:`check_sampling_temperature`);
+    ``suppressed_token_ids``, the ids the sampler never drew (``client.suppressed_token_ids()``),
+    taken out of the softmax as the server did. The loss
     mask is the sample's, zeroed if one of its images was replaced by a placeholder
     (``config.missing_policy``), without its first token. ``spec``: the family's facts
     (``PackingSpec.from_adapter(adapter, model, pad_token_id=...)``; no pad is made here);
@@ -143,21 +139,10 @@ def recompute_logprobs(
     (:func:`trainer_lib.prepare_model_for_packing`).
 
     Raises:
-        ValueError: ``temperature`` not finite and > 0 (:func:`~trainer_lib.forward.check_temperature`;
-            for greedy samples, ``sampling_temperature`` 0.0, pass 1.0), before any work.
-        MMRefError subclasses, PlaceholderMismatch, PackingUnsupported: see the steps.
+        MMRefError subclasses, PlaceholderMismatch, PackingUnsupported: see the steps (a bad
+            temperature is refused when the :class:`~trainer_lib.LogprobOptions` is made).
     """
-    check_temperature(temperature)
-    check_sampling_temperature(samples, temperature)
+    check_sampling_temperature(samples, options.temperature)
     with torch.no_grad():
-        forward = sample_logprobs(
-            samples,
-            model,
-            spec,
-            config,
-            seq_len=seq_len,
-            micro_batch_max_tokens=micro_batch_max_tokens,
-            temperature=temperature,
-            suppressed_token_ids=suppressed_token_ids,
-        )
+        forward = sample_logprobs(samples, model, spec, config, options)
     return [(s.logprobs.cpu(), s.loss_mask.cpu()) for s in forward.samples]

@@ -24,7 +24,41 @@ from trainer_lib.model_inputs import packed_inputs
 from trainer_lib.planning.packing import pack_samples
 from trainer_lib.spec import PackingSpec
 
-__all__ = ["SampleForward", "SampleLogprobs", "sample_logprobs"]
+__all__ = ["LogprobOptions", "SampleForward", "SampleLogprobs", "sample_logprobs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogprobOptions:
+    """How :func:`sample_logprobs` (and :func:`~trainer_lib.recompute_logprobs`, verl's and TRL's
+    integrations) run the packed forward: the packing cap and the logprob head's options.
+
+    Example: the rows of a ``processed_logprobs`` server sampled at 0.7, with entropies::
+
+        LogprobOptions(seq_len=4096, temperature=0.7, compute_entropy=True)
+
+    Raises:
+        ValueError: ``temperature`` not finite and > 0
+            (:func:`~trainer_lib.forward.check_temperature`; for greedy samples, 0.0, pass 1.0),
+            at construction: before any work.
+    """
+
+    seq_len: int
+    """The packing cap's sequence length (:func:`~trainer_lib.pack_samples`)."""
+    micro_batch_max_tokens: int | None = None
+    """Tokens per micro-batch, at most ``seq_len``; None: ``seq_len``."""
+    temperature: float = 1.0
+    """The sampling temperature against a ``processed_logprobs`` server; 1.0 for vLLM's default
+    ``raw_logprobs`` (:func:`~trainer_lib.packed_logprobs`)."""
+    suppressed_token_ids: Sequence[int] = ()
+    """The ids the sampler never drew (``client.suppressed_token_ids()``), out of the softmax as
+    on the server."""
+    compute_entropy: bool = False
+    """Also return each position's entropy (:class:`SampleLogprobs`; the head computes it either
+    way, an unused one costs no backward work). :func:`~trainer_lib.recompute_logprobs` returns
+    none."""
+
+    def __post_init__(self) -> None:
+        check_temperature(self.temperature)
 
 
 @dataclass(frozen=True)
@@ -65,13 +99,9 @@ def sample_logprobs(
     model: torch.nn.Module,
     spec: PackingSpec,
     config: MaterializeConfig,
+    options: LogprobOptions,
     *,
-    seq_len: int,
-    micro_batch_max_tokens: int | None = None,
-    temperature: float = 1.0,
-    suppressed_token_ids: Sequence[int] = (),
     resolved: Resolved | None = None,
-    compute_entropy: bool = False,
 ) -> SampleForward:
     """Pack, materialize, run the packed forward; one :class:`SampleLogprobs` per sample.
 
@@ -81,20 +111,16 @@ def sample_logprobs(
         model: prepared (:func:`~trainer_lib.prepare_model_for_packing`).
         spec: the family's facts (``PackingSpec.from_adapter``); no pad is made here.
         config: the materialize settings (asset roots, ``missing_policy``, workers, limits).
-        seq_len, micro_batch_max_tokens: the packing cap (:func:`~trainer_lib.pack_samples`).
-        temperature, suppressed_token_ids: as :func:`~trainer_lib.packed_logprobs` (the sampling
-            temperature against a ``processed_logprobs`` server; the ids the sampler never drew).
+        options: the packing cap and the head's options (:class:`LogprobOptions`: temperature,
+            suppressed ids, entropy), as :func:`~trainer_lib.packed_logprobs` takes them.
         resolved: one dict shared by the calls of one step (:data:`~trainer_lib.materialize.Resolved`):
             each distinct image decoded once per step; default one for this call.
-        compute_entropy: also return each position's entropy (:class:`SampleLogprobs`; the head
-            computes it either way, an unused one costs no backward work).
 
     Raises:
-        ValueError: ``temperature`` not finite and > 0, before any work.
         MMRefError subclasses, PlaceholderMismatch, PackingUnsupported: see the stages.
     """
-    check_temperature(temperature)
-    step = pack_samples(samples, spec, seq_len=seq_len, micro_batch_max_tokens=micro_batch_max_tokens)
+    cap = {"seq_len": options.seq_len, "micro_batch_max_tokens": options.micro_batch_max_tokens}
+    step = pack_samples(samples, spec, **cap)
     out: list[SampleLogprobs | None] = [None] * len(samples)
     stats, pixel_bytes = MaterializeStats(), 0
     resolved = {} if resolved is None else resolved
@@ -106,14 +132,13 @@ def sample_logprobs(
         inputs = packed_inputs(
             m.packed, m.features, model, spec, image_index=m.image_index, video_index=m.video_index
         )
-        result = packed_logprobs(
-            model, inputs, temperature=temperature, suppressed_token_ids=suppressed_token_ids
-        )
+        head = {"temperature": options.temperature, "suppressed_token_ids": options.suppressed_token_ids}
+        result = packed_logprobs(model, inputs, **head)
         for slot in m.packed.slots:
             if slot.sample_index is None or slot.is_padding:
                 continue
             span = slice(slot.start, slot.start + slot.length)
-            entropy = result.entropy[span] if compute_entropy else None
+            entropy = result.entropy[span] if options.compute_entropy else None
             out[slot.sample_index] = SampleLogprobs(result.logprobs[span], result.loss_mask[span], entropy)
     missing = [i for i, o in enumerate(out) if o is None]
     if missing:

@@ -7,7 +7,7 @@ produce, the synthetic pad image's grid and the pixel mode. :class:`PackingSpec`
 build it once per model::
 
     spec = PackingSpec.from_adapter(adapter, model.config, pad_token_id=tokenizer.pad_token_id)
-    plan = plan_step(samples, spec, dp_size=8, mini_batch_size=256, seq_len=16384)
+    plan = plan_step(samples, spec, StepShape(dp_size=8, mini_batch_size=256, seq_len=16384))
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ reference model alike.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,13 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from integrations.verl.rollout import SAMPLE_FIELD
 from protocol.adapters import load_adapter
 from protocol.structs import TrainingSample, decode_sample
-from trainer_lib import MaterializeConfig, PackingSpec, SampleForward, prepare_model_for_packing
+from trainer_lib import (
+    LogprobOptions,
+    MaterializeConfig,
+    PackingSpec,
+    SampleForward,
+    prepare_model_for_packing,
+)
 from trainer_lib import sample_logprobs as packed_rows
 
 __all__ = ["MMRefActorForward", "MMRefFSDPEngine", "mmref_model_output", "rows_of", "zero_rows"]
@@ -88,10 +95,12 @@ class MMRefActorForward:
             model,
             self._specs[id(inner)],
             self.config,
-            seq_len=self.seq_len,
-            temperature=_one_temperature(micro_batch["temperature"]),
-            suppressed_token_ids=(self.placeholder,),
-            entropy=entropy,
+            LogprobOptions(
+                seq_len=self.seq_len,
+                temperature=_one_temperature(micro_batch["temperature"]),
+                suppressed_token_ids=(self.placeholder,),
+                compute_entropy=entropy,
+            ),
         )
 
     def step(
@@ -134,11 +143,7 @@ def mmref_model_output(
     model: torch.nn.Module,
     spec: PackingSpec,
     config: MaterializeConfig,
-    *,
-    seq_len: int,
-    temperature: float,
-    suppressed_token_ids: Sequence[int] = (),
-    entropy: bool = False,
+    options: LogprobOptions,
 ) -> tuple[dict[str, torch.Tensor], SampleForward]:
     """The rows through :func:`trainer_lib.sample_logprobs`, in the layout of verl's
     ``prepare_model_outputs`` (transformer_impl.py:1332, ``use_remove_padding``): ``log_probs`` (and
@@ -150,6 +155,10 @@ def mmref_model_output(
     Args:
         rows: the batch's samples (:func:`rows_of`), in its row order.
         input_ids: verl's jagged nested ``[B, L_b]`` ids; each row's must be its sample's.
+        options: the packed forward's cap and head (:class:`trainer_lib.LogprobOptions`); the cap
+            is raised to the longest row where that is longer (a row longer than verl's
+            ``max_token_len_per_gpu`` gets its own micro-batch); ``compute_entropy``: ``entropy``
+            too.
 
     Raises:
         RuntimeError: a row's ids are not its sample's (the batch was reordered without them).
@@ -161,16 +170,8 @@ def mmref_model_output(
         if seq.tolist() != row.input_ids:
             raise RuntimeError(f"row {b}: verl's input_ids are not its mmref sample's")
     longest = max(len(r.input_ids) for r in rows)
-    forward = packed_rows(
-        rows,
-        model,
-        spec,
-        config,
-        seq_len=max(seq_len, longest),
-        temperature=temperature,
-        suppressed_token_ids=suppressed_token_ids,
-        compute_entropy=entropy,
-    )
+    options = dataclasses.replace(options, seq_len=max(options.seq_len, longest))
+    forward = packed_rows(rows, model, spec, config, options)
     offsets = torch.tensor([0, *torch.tensor([len(r.input_ids) for r in rows]).cumsum(0).tolist()])
 
     def jagged(values: list[torch.Tensor]) -> torch.Tensor:
@@ -179,7 +180,7 @@ def mmref_model_output(
         return torch.nested.nested_tensor_from_jagged(flat, offsets.to(flat.device))
 
     out = {"log_probs": jagged([s.logprobs for s in forward.samples])}
-    if entropy:
+    if options.compute_entropy:
         out["entropy"] = jagged([s.entropy for s in forward.samples])
     return out, forward
 

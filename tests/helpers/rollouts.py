@@ -38,14 +38,13 @@ def server_mismatch(
     ``suppressed_token_ids``: the ids the sampler was told never to draw (``logit_bias``)."""
     import torch
 
-    from trainer_lib import MaterializeConfig, PackingSpec
+    from trainer_lib import LogprobOptions, MaterializeConfig, PackingSpec
     from trainer_lib.mismatch import logprob_mismatch, recompute_logprobs
 
     spec = PackingSpec.from_adapter(adapter, model, pad_token_id=0)  # no pad is made here
     config = MaterializeConfig(asset_root=output_root)
-    results = recompute_logprobs(
-        samples, model, spec, config, seq_len=2048, suppressed_token_ids=suppressed_token_ids
-    )
+    options = LogprobOptions(seq_len=2048, suppressed_token_ids=suppressed_token_ids)
+    results = recompute_logprobs(samples, model, spec, config, options)
     served = [torch.tensor(s.inference_logprobs) for s in samples]
     if per_sample:
         return [logprob_mismatch(lp, sv, m) for (lp, m), sv in zip(results, served, strict=True)]

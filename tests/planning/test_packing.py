@@ -30,6 +30,7 @@ from trainer_lib.planning.bins import (
 from trainer_lib.planning.packing import pack_samples, rebuild_micro_batch
 from trainer_lib.planning.padding import padded_sample_count
 from trainer_lib.planning.plan import mini_batch_entries, plan_step
+from trainer_lib.planning.ranks import StepShape
 from trainer_lib.planning.slot_bound import min_micro_batches
 from trainer_lib.spec import PackingSpec
 
@@ -207,12 +208,14 @@ def test_plan_step_pads_and_balances(samples, dp, mbs, critic, cap, stretch):
     plan = plan_step(
         samples,
         FAKE,
-        dp_size=dp,
-        mini_batch_size=mbs,
-        critic_mini_batch_size=critic,
-        seq_len=400,
-        micro_batch_max_tokens=cap,
-        stretch_cap=stretch,
+        StepShape(
+            dp_size=dp,
+            mini_batch_size=mbs,
+            critic_mini_batch_size=critic,
+            seq_len=400,
+            micro_batch_max_tokens=cap,
+            stretch_cap=stretch,
+        ),
     )
     multiple = math.lcm(dp, mbs, critic or 1)
     total = len(samples) + plan.num_padding_samples
@@ -450,7 +453,9 @@ def test_padding_never_makes_an_optimizer_step_of_pads_alone():
     """lcm(8, 256, 96) = 768: 1024 samples pad to 1536 = 6 mini-batches; each gets 170-171 real
     samples (not 4 full ones and 2 of pads), in input order, pads keyed like their neighbours."""
     samples = [make_sample([i % 200] * 3, lora_id="ab"[i // 512]) for i in range(1024)]
-    plan = plan_step(samples, SPEC, dp_size=8, mini_batch_size=256, critic_mini_batch_size=96, seq_len=64)
+    plan = plan_step(
+        samples, SPEC, StepShape(dp_size=8, mini_batch_size=256, critic_mini_batch_size=96, seq_len=64)
+    )
     assert plan.num_padding_samples == 512 and len(plan.mini_batches) == 6
     real = [
         sorted(i for r in ranks for mb in r.micro_batches for i in mb.sample_indices)
@@ -468,7 +473,7 @@ def test_padding_never_makes_an_optimizer_step_of_pads_alone():
             if (sl.sample_index or 0) >= 1024
         }
         assert pad_loras == {samples[idx[-1]].lora_id}
-    one = plan_step(samples[:1], SPEC, dp_size=3, mini_batch_size=4, seq_len=64)
+    one = plan_step(samples[:1], SPEC, StepShape(dp_size=3, mini_batch_size=4, seq_len=64))
     assert one.num_loss_tokens_per_mini_batch == [3, 0, 0]  # fewer real samples than steps: skip the zeros
 
 
@@ -485,10 +490,10 @@ def test_a_rank_without_an_image_gets_a_synthetic_pad_in_the_vision_slot(qwen2_v
         make_sample([3] * 50),
         make_sample([4, TOK]),
     ]
-    kwargs = dict(dp_size=2, mini_batch_size=4, seq_len=64)
+    shape = StepShape(dp_size=2, mini_batch_size=4, seq_len=64)
     with pytest.raises(ValueError, match="needs the adapter"):
-        plan_step(samples, SPEC, **kwargs)
-    (ranks,) = plan_step(samples, spec, **kwargs).mini_batches
+        plan_step(samples, SPEC, shape)
+    (ranks,) = plan_step(samples, spec, shape).mini_batches
     layout = [[[s.sample_index for s in mb.slots] for mb in r.micro_batches] for r in ranks]
     assert layout == [[[0, 1], [None]], [[2, None], [3]]]
     assert [[mb.has_pixels for mb in r.micro_batches] for r in ranks] == [[True, False], [True, False]]
@@ -517,7 +522,8 @@ def test_step_plan_reports_each_rank_and_the_predicted_idle():
         make_sample([3] * 50),
         make_sample([5] * 10),
     ]
-    plan = plan_step(samples, FAKE, dp_size=2, mini_batch_size=4, seq_len=64, refine=None)  # as constructed
+    shape = StepShape(dp_size=2, mini_batch_size=4, seq_len=64)
+    plan = plan_step(samples, FAKE, shape, refine=None)  # as constructed
     (ranks,) = plan.mini_batches
     assert [[mb.num_tokens for mb in r.micro_batches] for r in ranks] == [[56, 6], [53, 12]]
     loads = plan.rank_loads[0]

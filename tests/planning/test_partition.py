@@ -12,11 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trainer_lib.planning import grouped, partition
-from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, lpt_bins, plan_bins
+from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, TopUp, lpt_bins, plan_bins
 from trainer_lib.planning.cost import H100_FORWARD_FLOPS_PER_S, CostModel, sync_idle
 from trainer_lib.planning.items import EITHER, MiniBatchItems
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import plan_step
+from trainer_lib.planning.ranks import StepShape
 from trainer_lib.planning.refine import Refinement
 from trainer_lib.planning.repack import min_slack_bins
 from trainer_lib.planning.slot_bound import min_micro_batches
@@ -158,7 +159,7 @@ def test_lpt_bins_fills_the_least_loaded_bin_and_skips_what_no_longer_fits():
     keys = [None] * 5
     # needed: 5 | 4; optional, largest first, only within 7: 3 -> the 4-bin (7); the next 3 fits
     # no bin any more (least load 5), the 1 joins the 5-bin
-    bins, left = lpt_bins([0, 1], lengths, keys, 2, 10, optional=[2, 3, 4], target=7)
+    bins, left = lpt_bins([0, 1], lengths, keys, 2, 10, TopUp([2, 3, 4], target=7))
     assert bins == [[0, 4], [1, 2]] and left == [3]
     assert lpt_bins([0, 1, 2], [8, 8, 8], keys[:3], 2, 10) is None  # 8 + 8 > 10 in one bin
     assert lpt_bins([0, 1], lengths, ["a", "b", None, None, None], 1, 10) is None  # two keys, one bin
@@ -327,12 +328,10 @@ def test_plan_step_on_the_bench_mix(bench_mix, seed, dp, mbs, cap, stretch):
     plan = plan_step(
         samples,
         pack.SPEC,
-        dp_size=dp,
-        mini_batch_size=mbs,
-        seq_len=16384,
-        micro_batch_max_tokens=cap,
+        StepShape(
+            dp_size=dp, mini_batch_size=mbs, seq_len=16384, micro_batch_max_tokens=cap, stretch_cap=stretch
+        ),
         cost_model=cm,
-        stretch_cap=stretch,
     )
     total = len(samples) + plan.num_padding_samples
     assert total % math.lcm(dp, mbs) == 0 and len(plan.mini_batches) == total // mbs  # divisibility
@@ -376,8 +375,8 @@ def test_compute_balance_keeps_groups_together_and_cuts_the_step_on_the_bench_mi
 
     pack, cm = bench_mix
     samples = pack.make_step(np.random.default_rng(1))
-    kwargs = dict(dp_size=8, mini_batch_size=256, seq_len=16384, cost_model=cm)
-    plans = {b: plan_step(samples, pack.SPEC, balance=b, **kwargs) for b in ("compute", "tokens")}
+    shape = StepShape(dp_size=8, mini_batch_size=256, seq_len=16384)
+    plans = {b: plan_step(samples, pack.SPEC, shape, cost_model=cm, balance=b) for b in ("compute", "tokens")}
 
     def step_flops(plan) -> float:
         return sum(

@@ -15,6 +15,7 @@ commit)::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -24,6 +25,7 @@ import pytest
 
 from protocol.structs import TrainingSample
 from trainer_lib.planning.plan import StepPlan, plan_step
+from trainer_lib.planning.ranks import StepShape
 from trainer_lib.planning.refine import Refinement
 
 DATA = Path(__file__).parent / "data" / "pinned_plans.json"
@@ -43,6 +45,16 @@ def _text_step(rng: np.random.Generator, n: int, median: float, top: int) -> lis
         )
         for m in lengths
     ]
+
+
+SHAPE = {f.name for f in dataclasses.fields(StepShape)}
+"""A case's keys that are the step's sizes (the others are ``plan_step``'s options)."""
+
+
+def _plan(samples: list[TrainingSample], spec, kw: dict) -> StepPlan:
+    """``plan_step`` of a case: its sizes as one :class:`StepShape`, the rest as options."""
+    shape = StepShape(**{k: v for k, v in kw.items() if k in SHAPE})
+    return plan_step(samples, spec, shape, **{k: v for k, v in kw.items() if k not in SHAPE})
 
 
 def _cases(pack, cm) -> dict[str, tuple[list[TrainingSample], dict]]:
@@ -133,8 +145,7 @@ def plans(bench_mix, cases) -> dict[str, list]:
     spec = bench_mix[0].SPEC
     # a case without ``refine`` pins the plan as constructed (the search's default is its own case)
     out = {
-        name: _recorded(plan_step(samples, spec, **{"refine": None, **kw}))
-        for name, (samples, kw) in cases.items()
+        name: _recorded(_plan(samples, spec, {"refine": None, **kw})) for name, (samples, kw) in cases.items()
     }
     if REGENERATE:
         DATA.parent.mkdir(exist_ok=True)

@@ -21,6 +21,7 @@ from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY
 from trainer_lib.planning.items import EITHER, TEXT, VISION, MiniBatchItems, places
 from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.plan import plan_step
+from trainer_lib.planning.ranks import StepShape
 from trainer_lib.planning.refine import Refinement, refine_slots
 
 
@@ -175,9 +176,9 @@ def test_the_search_shortens_the_step_on_the_bench_mix(bench_mix):
 
     pack, cm = bench_mix
     samples = pack.make_step(np.random.default_rng(2))
-    kwargs = dict(dp_size=8, mini_batch_size=256, seq_len=16384, micro_batch_max_tokens=8192, cost_model=cm)
-    plain = plan_step(samples, pack.SPEC, **kwargs, refine=None)
-    refined = plan_step(samples, pack.SPEC, **kwargs, refine=Refinement())
+    shape = StepShape(dp_size=8, mini_batch_size=256, seq_len=16384, micro_batch_max_tokens=8192)
+    plain = plan_step(samples, pack.SPEC, shape, cost_model=cm, refine=None)
+    refined = plan_step(samples, pack.SPEC, shape, cost_model=cm, refine=Refinement())
     assert [r[0].num_micro_batches for r in refined.mini_batches] == [
         r[0].num_micro_batches for r in plain.mini_batches
     ]

@@ -10,11 +10,11 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["NEUTRAL", "PIXELS", "STRAY", "bin_capacity", "key_groups", "lpt_bins", "plan_bins"]
+__all__ = ["NEUTRAL", "PIXELS", "STRAY", "TopUp", "bin_capacity", "key_groups", "lpt_bins", "plan_bins"]
 
 NEUTRAL, PIXELS, STRAY = 0, 1, 2
 """Bin-compatibility classes: text without placeholder tokens joins any bin; a sample with
@@ -195,26 +195,40 @@ def _first_fit(order: list[int], lengths: list[int], kinds: list[int], cap: int)
     return bins
 
 
+class TopUp(NamedTuple):
+    """:func:`lpt_bins`' optional items: ``items`` (indices into its ``lengths`` and ``keys``) join
+    the least-loaded bin, largest first, only where it stays within ``target`` tokens.
+
+    Example: ``TopUp([2, 3, 4], target=7)``: each of samples 2, 3 and 4 fills a bin up to 7 tokens
+    at most, or is left over.
+    """
+
+    items: Sequence[int] = ()
+    """Optional sample indices."""
+    target: float = 0.0
+    """Tokens an optional item may fill a bin up to."""
+
+
 def lpt_bins(
     items: list[int],
     lengths: Sequence[int],
     keys: Sequence[Hashable],
     nbins: int,
     cap: int,
-    optional: Sequence[int] = (),
-    target: float = 0.0,
+    top_up: TopUp | None = None,
 ) -> tuple[list[list[int]], list[int]] | None:
     """Longest processing time first (Graham 1969): ``items`` largest first into the least-loaded
     of ``nbins`` bins of their key; a bin is closed once it holds more than ``cap``.
 
-    Then ``optional`` items, largest first, join the least-loaded bin only where it stays within
-    ``target`` tokens; the others come back as leftovers. Bins per key: one for each key with
+    Then ``top_up.items`` (optional), largest first, join the least-loaded bin only where it stays
+    within ``top_up.target`` tokens; the others come back as leftovers. Bins per key: one for each key with
     ``items``, then each next bin to the key with the most tokens per bin (at most one bin per
     item). Loads only grow, so an optional item that fits no bin never will: a binary search skips
     them (``O(n log n)``).
 
     Args:
-        items, optional: indices into ``lengths`` and ``keys``.
+        items: indices into ``lengths`` and ``keys``.
+        top_up: the optional items (indices too) and their fill :class:`TopUp`; None: none.
         nbins: bins to fill (some may stay empty).
 
     Returns:
@@ -222,9 +236,10 @@ def lpt_bins(
         None when an item does not fit (a bin would exceed ``cap`` with another item in it) or
         the keys of ``items`` need more than ``nbins`` bins.
     """
-    if not items and not optional:
+    top_up = top_up or TopUp()
+    if not items and not top_up.items:
         return [], []
-    groups = _lpt_groups(items, optional, lengths, keys, nbins)
+    groups = _lpt_groups(items, top_up.items, lengths, keys, nbins)
     if groups is None:
         return None
     out: list[list[int]] = []
@@ -232,7 +247,7 @@ def lpt_bins(
     for must, may, nb in groups:
         heap = [(0, len(out) + j) for j in range(nb)]
         out.extend([] for _ in range(nb))
-        rest = _lpt_fill(heap, out, must, may, lengths, cap, target)
+        rest = _lpt_fill(heap, out, must, TopUp(may, top_up.target), lengths, cap)
         if rest is None:
             return None
         left += rest
@@ -265,13 +280,14 @@ def _lpt_fill(
     heap: list[tuple[int, int]],
     out: list[list[int]],
     must: list[int],
-    may: list[int],
+    top_up: TopUp,
     lengths: Sequence[int],
     cap: int,
-    target: float,
 ) -> list[int] | None:
-    """One key's LPT into its bins: ``heap`` holds ``(load, index into out)`` of the bins still open.
+    """One key's LPT into its bins: ``heap`` holds ``(load, index into out)`` of the bins still open;
+    ``top_up.items`` are the key's optional items, largest first.
     Returns the optional items left out, or None when a needed item does not fit."""
+    may, target = list(top_up.items), top_up.target
     for i in must:
         n = lengths[i]
         if not heap or (heap[0][0] + n > cap and out[heap[0][1]]):

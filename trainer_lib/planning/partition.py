@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 
-from trainer_lib.planning.bins import PIXELS, STRAY, lpt_bins, plan_bins
+from trainer_lib.planning.bins import PIXELS, STRAY, TopUp, lpt_bins, plan_bins
 from trainer_lib.planning.grouped import even_text_slots, grouped_vision_slots
 from trainer_lib.planning.items import EITHER, TEXT, VISION, MiniBatchItems
 from trainer_lib.planning.refine import Refinement, refine_plan
@@ -160,7 +160,7 @@ def _text_slots(items: MiniBatchItems, section: list[int]) -> tuple[list[_Bins],
     x = slots_needed(items, text, cap)
     if x == 1:
         target = min(cap, max(target, max(lengths[i] for i in text)))
-    while (dealt := lpt_bins(text, lengths, keys, x * dp, cap, free, target)) is None:
+    while (dealt := lpt_bins(text, lengths, keys, x * dp, cap, TopUp(free, target))) is None:
         x += 1
     bins, free = dealt
     return _slots(_sized(bins, lengths), [], x, dp), free
@@ -202,7 +202,7 @@ def _long_slots(items: MiniBatchItems) -> tuple[list[_Bins], list[int]]:
             # a bin closes past the cap: two long samples never share one (stretched: past the
             # slot's longest sample, which they may share, as the slot's other bins do)
             limit = max(room, lengths[group[0]]) if items.stretch else room
-            dealt = lpt_bins(group, lengths, keys, dp, limit, pool, room)
+            dealt = lpt_bins(group, lengths, keys, dp, limit, TopUp(pool, room))
             if dealt is None:
                 return slots, [i for i in range(n) if i not in used]
             bins, pool = dealt

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 from protocol.structs import TrainingSample
 from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
-from trainer_lib.planning.bins import bin_capacity
 from trainer_lib.planning.cost import CostModel, sync_idle
 from trainer_lib.planning.packing import PackEntry
 from trainer_lib.planning.padding import make_pad_sample, pad_key, padded_sample_count
-from trainer_lib.planning.ranks import Balance, deal_mini_batch
+from trainer_lib.planning.ranks import Balance, StepShape, deal_mini_batch
 from trainer_lib.planning.refine import Refinement
 from trainer_lib.spec import PackingSpec
 
@@ -152,21 +151,16 @@ def encoded_image_tokens(mb: PackedMicroBatch, *, padding: bool = False, dedup: 
 def plan_step(
     samples: Sequence[TrainingSample],
     spec: PackingSpec,
+    shape: StepShape,
     *,
-    dp_size: int,
-    mini_batch_size: int,
-    seq_len: int,
-    micro_batch_max_tokens: int | None = None,
-    critic_mini_batch_size: int | None = None,
     cost_model: CostModel | None = None,
-    stretch_cap: bool = False,
     balance: Balance = "compute",
     refine: Refinement | None = SEARCH,
 ) -> StepPlan:
     """Pad, split into mini-batches, deal each to the ranks as balanced micro-batches.
 
     The real samples keep their order and are spread evenly over the mini-batches; the
-    sample-count pads top each one up to ``mini_batch_size``, so no optimizer step is made of
+    sample-count pads top each one up to ``shape.mini_batch_size``, so no optimizer step is made of
     pads alone unless there are fewer real samples than mini-batches (then
     :attr:`StepPlan.num_loss_tokens_per_mini_batch` shows a 0: skip that ``optimizer.step()``;
     every rank computes the same plan, so they agree). Each mini-batch goes to
@@ -174,13 +168,20 @@ def plan_step(
     the fewest the cap allows under the packing rules, with nearly equal tokens in micro-batch
     ``k`` on every rank (docs/PACKING.md §3 states the bound). Sample ``i`` of the input is
     ``slot.sample_index == i`` wherever it lands; pads have indices ``>= len(samples)``
-    (sample-count pads) or None (micro-batch pads). ``critic_mini_batch_size`` only enters the
-    padded count (a critic cuts its own mini-batches from the same padded samples).
+    (sample-count pads) or None (micro-batch pads). ``shape.critic_mini_batch_size`` only enters
+    the padded count (a critic cuts its own mini-batches from the same padded samples).
 
     Args:
         spec: the family's facts: placeholder and pad ids, pad length; its adapter checks every
             ref's count and makes the synthetic-image pads (needed when ``dp_size > 1`` and some
             micro-batch must run the vision tower without an image).
+        shape: the step's sizes (:class:`~trainer_lib.planning.ranks.StepShape`): ``dp_size``,
+            ``mini_batch_size``, ``seq_len`` and ``micro_batch_max_tokens`` (the cap),
+            ``critic_mini_batch_size``, and ``stretch_cap``: off by default. On: in a micro-batch
+            slot where some rank runs a sample longer than the cap, the other ranks'
+            micro-batches may hold up to that sample's length instead of idling (no micro-batch
+            exceeds the step's longest sample, which one rank must hold anyway, so peak memory
+            is unchanged; docs/PACKING.md §3).
         cost_model: e.g. ``CostModel.from_config(model.config)``: the partition's cost in FLOPs
             (language and vision terms, attention's quadratic terms); default tokens and image
             tokens.
@@ -194,34 +195,20 @@ def plan_step(
             mini-batch, counted in iterations at measured rates, so the plan is deterministic.
             Default :data:`SEARCH` (``Refinement()``: 2% of the mini-batch's predicted step on
             ``cost_model``'s card, 2-45 ms); None: the plan as constructed, no search.
-        stretch_cap: off by default. On: in a micro-batch slot where some rank runs a sample
-            longer than the cap, the other ranks' micro-batches may hold up to that sample's
-            length instead of idling (no micro-batch exceeds the step's longest sample, which
-            one rank must hold anyway, so peak memory is unchanged; docs/PACKING.md §3).
 
     Raises:
         ValueError, PlaceholderMismatch, GridMismatch: see
             :func:`~trainer_lib.planning.ranks.deal_mini_batch`.
     """
-    cap = bin_capacity(seq_len, micro_batch_max_tokens)
     chunks = mini_batch_entries(
         samples,
         spec,
-        dp_size=dp_size,
-        mini_batch_size=mini_batch_size,
-        critic_mini_batch_size=critic_mini_batch_size,
+        dp_size=shape.dp_size,
+        mini_batch_size=shape.mini_batch_size,
+        critic_mini_batch_size=shape.critic_mini_batch_size,
     )
     mini_batches = [
-        deal_mini_batch(
-            entries,
-            spec,
-            dp_size=dp_size,
-            cap=cap,
-            cost_model=cost_model,
-            stretch_cap=stretch_cap,
-            balance=balance,
-            refine=refine,
-        )
+        deal_mini_batch(entries, spec, shape, cost_model=cost_model, balance=balance, refine=refine)
         for entries in chunks
     ]
     pads = sum(e.sample.is_padding for entries in chunks for e in entries)

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from trainer_lib.micro_batch import PackedBatch, PackedMicroBatch
-from trainer_lib.planning.bins import PIXELS
+from trainer_lib.planning.bins import PIXELS, bin_capacity
 from trainer_lib.planning.cost import CostModel
 from trainer_lib.planning.items import MiniBatchItems
 from trainer_lib.planning.packing import PackEntry, SampleAnalysis, analyze_entry, build_micro_batch
@@ -32,38 +33,76 @@ from trainer_lib.planning.partition import partition_mini_batch
 from trainer_lib.planning.refine import Refinement
 from trainer_lib.spec import PackingSpec
 
-__all__ = ["Balance", "deal_mini_batch"]
+__all__ = ["Balance", "StepShape", "deal_mini_batch"]
 
 Balance = Literal["compute", "tokens"]
 """What a data-parallel plan balances per slot: FLOPs with each distinct image encoded once per
 micro-batch (samples sharing an image kept together), or tokens (issue 13's plan)."""
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """A training step's sizes: ranks, samples per optimizer step, the micro-batch cap and its
+    ``stretch_cap`` rule.
+
+    Example: 8 ranks, 256 samples per optimizer step, micro-batches of at most 8192 tokens out of
+    16k sequences::
+
+        StepShape(dp_size=8, mini_batch_size=256, seq_len=16384, micro_batch_max_tokens=8192)
+        # .cap == 8192
+
+    Raises:
+        ValueError: a ``seq_len`` or ``micro_batch_max_tokens`` below 1, or a cap above
+            ``seq_len`` (:func:`~trainer_lib.planning.bins.bin_capacity`); the sample counts are
+            checked where the step is padded (:func:`~trainer_lib.planning.padding.padded_sample_count`).
+    """
+
+    dp_size: int
+    """Data-parallel ranks."""
+    mini_batch_size: int
+    """Samples per optimizer step, pads included (the sample count is padded to a multiple)."""
+    seq_len: int
+    """The longest sequence the model takes; the cap when ``micro_batch_max_tokens`` is None."""
+    micro_batch_max_tokens: int | None = None
+    """A micro-batch holds at most this many tokens, pads included, unless it is one longer
+    sample (or ``stretch_cap``)."""
+    critic_mini_batch_size: int | None = None
+    """A critic's mini-batch size: enters only the padded sample count."""
+    stretch_cap: bool = False
+    """In a slot where some rank runs a sample longer than the cap, the other ranks'
+    micro-batches may hold up to that sample's length (see
+    :func:`~trainer_lib.planning.partition.partition_mini_batch`)."""
+
+    def __post_init__(self) -> None:
+        bin_capacity(self.seq_len, self.micro_batch_max_tokens)  # checked once, here
+
+    @property
+    def cap(self) -> int:
+        """Tokens per micro-batch: ``micro_batch_max_tokens`` or ``seq_len``."""
+        return bin_capacity(self.seq_len, self.micro_batch_max_tokens)
+
+
 def deal_mini_batch(
     entries: Sequence[PackEntry],
     spec: PackingSpec,
+    shape: StepShape,
     *,
-    dp_size: int,
-    cap: int,
     cost_model: CostModel | None = None,
-    stretch_cap: bool = False,
     balance: Balance = "compute",
     refine: Refinement | None = None,
 ) -> list[PackedBatch]:
-    """One mini-batch's samples as ``dp_size`` ranks' micro-batches, the same count on every rank.
+    """One mini-batch's samples as ``shape.dp_size`` ranks' micro-batches, the same count on every
+    rank.
 
     Args:
         entries: the mini-batch's samples (sample-count pads included), each with its
             ``sample_index``.
         spec: the family's facts; its adapter checks every ref's count, and the synthetic-image
             pads need it (required when ``dp_size > 1`` and there are images).
-        cap: ``micro_batch_max_tokens``: a micro-batch holds at most ``cap`` tokens, pads
-            included, unless it is one longer sample (or ``stretch_cap``).
+        shape: ranks (``dp_size``), the cap and ``stretch_cap`` (:class:`StepShape`; its sample
+            counts are not read here).
         cost_model: language and vision-tower FLOPs per sample, the partition's cost (default:
             tokens, and image placeholder tokens for the vision tower).
-        stretch_cap: in a slot where some rank runs a sample longer than ``cap``, the other
-            ranks' micro-batches may hold up to that sample's length (see
-            :func:`~trainer_lib.planning.partition.partition_mini_batch`).
         balance: ``"compute"`` (default) or ``"tokens"`` (:data:`Balance`).
         refine: with ``"compute"``, search the plan for a shorter predicted step
             (:class:`~trainer_lib.planning.refine.Refinement`; None: no search), for at most its
@@ -74,13 +113,14 @@ def deal_mini_batch(
         vision tower on every rank or on none; vision slots come first.
 
     Raises:
-        ValueError: a bad ``dp_size``, cap or ``balance``, a pad's room not below the cap, images to align
+        ValueError: a bad ``dp_size`` or ``balance``, a pad's room not below the cap, images to align
             without an adapter, and what :func:`~trainer_lib.planning.packing.build_micro_batch` raises.
         PlaceholderMismatch: a sample whose image tokens do not match its refs.
         GridMismatch: a ``spec.synthetic_grid`` the processor cannot produce.
     """
     if balance not in ("compute", "tokens"):
         raise ValueError(f"balance must be 'compute' or 'tokens', got {balance!r}")
+    dp_size, cap = shape.dp_size, shape.cap
     analyses = [analyze_entry(e, spec, e.sample_index) for e in entries]
     kinds = [a.kind for a in analyses]
     aligned = dp_size > 1 and PIXELS in kinds and spec.adapter is not None
@@ -94,7 +134,7 @@ def deal_mini_batch(
         language=None if cost_model is None else [cost_model.language(a.length) for a in analyses],
         groups=[a.image_key for a in analyses] if balance == "compute" else None,
         reserve=spec.image_pad_length if aligned else 0,
-        stretch=stretch_cap,
+        stretch=shape.stretch_cap,
         unit_seconds=None if cost_model is None else cost_model.seconds_per_unit,
     )
     part = partition_mini_batch(items, refine)  # searched only where groups are given ("compute")
