@@ -60,7 +60,7 @@ def output_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def asset_root(output_root) -> Path:
     root = output_root / "run_1" / "assets"
-    root.mkdir(parents=True)
+    root.mkdir(parents=True, exist_ok=True)  # a test may have offloaded into it first
     return root
 
 
