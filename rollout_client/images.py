@@ -132,12 +132,8 @@ class Offloader:
         """
         data = image_bytes(image)
         key = hashlib.sha256(data).hexdigest()
-        with self._lock:
-            ref = self._cache.get(key)
-            if ref is not None:
-                self._cache.move_to_end(key)
-                self.stats.hits += 1
-                return ref
+        if (ref := self._cached(key)) is not None:
+            return ref
         from protocol.adapters import offload_image
 
         return self._remember(key, offload_image(data, self.asset_root, self.adapter, form=self.form))
@@ -153,15 +149,20 @@ class Offloader:
         """
         data = video_bytes(video)
         key = "video:" + hashlib.sha256(data).hexdigest()
+        if (ref := self._cached(key)) is not None:
+            return ref
+        from protocol.adapters import offload_video
+
+        return self._remember(key, offload_video(data, self.asset_root, self.adapter, form=self.form))
+
+    def _cached(self, key: str) -> RawMMRef | None:
+        """The ref offloaded under ``key`` before (counted as a hit, kept most recent), or None."""
         with self._lock:
             ref = self._cache.get(key)
             if ref is not None:
                 self._cache.move_to_end(key)
                 self.stats.hits += 1
-                return ref
-        from protocol.adapters import offload_video
-
-        return self._remember(key, offload_video(data, self.asset_root, self.adapter, form=self.form))
+            return ref
 
     def _remember(self, key: str, ref: RawMMRef) -> RawMMRef:
         with self._lock:

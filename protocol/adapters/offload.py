@@ -4,6 +4,7 @@ with the grid and placeholder count a family's adapter gives (docs/PROTOCOL.md Â
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 from protocol.images import image_bytes, load_image
@@ -17,8 +18,9 @@ if TYPE_CHECKING:
 
     from protocol.adapters.base import ImageAdapter
     from protocol.adapters.video import VideoMixin
+    from protocol.roots import StoredContent
 
-__all__ = ["RefForm", "offload_image", "offload_video", "opened_root", "store_and_ref"]
+__all__ = ["RefForm", "content_named_ref", "offload_image", "offload_video", "opened_root", "store_and_ref"]
 
 RefForm = Literal["v1", "v2"]
 """Which ``mmraw`` form :func:`store_and_ref` writes: ``"v1"`` (base64url JSON naming a
@@ -78,15 +80,8 @@ def _stored_ref(
 ) -> tuple[str, str, str]:
     """Write ``data`` and format its ref: ``(ref string, full sha256, media type)``."""
     if form == "v2":
-        content = put_content(store, data)
-        body = ContentRef(
-            sha256=content.sha256,
-            ext=content.ext,
-            family=adapter.family,
-            grid=grid,
-            fingerprint=adapter.fingerprint,
-        )
-        return format_content_ref(body), content.sha256, content.media_type
+        ref, content = content_named_ref(store, data, adapter.family, grid, adapter.fingerprint)
+        return ref, content.sha256, content.media_type
     assert isinstance(store, AssetStore)
     stored = store.put_image(data)
     raw = RawRefBody(
@@ -173,3 +168,23 @@ def opened_root(root: str | os.PathLike[str] | AssetRoot | AssetRoots) -> AssetS
     if "://" in text:
         return open_root(text)
     return AssetStore(root)
+
+
+def content_named_ref(
+    store: AssetStore | AssetRoot | AssetRoots,
+    data: bytes,
+    family: str,
+    grid: Sequence[int],
+    fingerprint: str,
+) -> tuple[str, StoredContent]:
+    """Write ``data`` by content (:func:`protocol.roots.put_content`) and format its ``mmraw:v2:``
+    ref (the extension says image or video): ``(ref string, what was stored)``.
+
+    Raises:
+        StoreUnavailable, HashMismatch: see :func:`protocol.roots.put_content`.
+    """
+    content = put_content(store, data)
+    body = ContentRef(
+        sha256=content.sha256, ext=content.ext, family=family, grid=tuple(grid), fingerprint=fingerprint
+    )
+    return format_content_ref(body), content

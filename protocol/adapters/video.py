@@ -29,13 +29,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from protocol.adapters.offload import RefForm
+from protocol.adapters.offload import RefForm, content_named_ref
 from protocol.adapters.values import ProcessedVideo
 from protocol.errors import FingerprintMismatch, GridMismatch, InvalidRef, UnsupportedFamily, VideoUnreadable
 from protocol.fingerprint import layout_fingerprint, library_versions
 from protocol.placeholders import video_token_runs
-from protocol.refs import ContentRef, RawRefBody, format_content_ref, format_mmraw
-from protocol.roots import AssetRoot, AssetRoots, put_content
+from protocol.refs import ContentRef, RawRefBody, format_mmraw
+from protocol.roots import AssetRoot, AssetRoots
 from protocol.store import DEFAULT_MAX_VIDEO_BYTES, AssetStore, ImageSource
 from protocol.structs import RawMMRef
 from protocol.video_header import sniff_video_type
@@ -400,15 +400,8 @@ class VideoMixin:
     ) -> tuple[str, str]:
         """Write ``data`` and format its video ref: ``(ref string, full sha256)``."""
         if form == "v2":
-            content = put_content(store, data)
-            body = ContentRef(
-                sha256=content.sha256,
-                ext=content.ext,
-                family=self.family,
-                grid=grid,
-                fingerprint=self.video_fingerprint,
-            )
-            return format_content_ref(body), content.sha256
+            ref, content = content_named_ref(store, data, self.family, grid, self.video_fingerprint)
+            return ref, content.sha256
         assert isinstance(store, AssetStore)
         stored = store.put_video(data)
         raw = RawRefBody(
