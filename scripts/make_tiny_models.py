@@ -18,30 +18,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tiny_models import (
-    DEFAULT_ROOT,
-    FAMILIES,
-    REMOTE_CODE_FAMILIES,
-    SERVE_DTYPES,
-    build_into,
-    ensure_tiny_model,
-    is_current,
-    recipe_hash,
-    write_model,
-)
+from tiny_models import FAMILIES, REMOTE_CODE_FAMILIES, build_into, ensure_tiny_model
 
-__all__ = [
-    "DEFAULT_ROOT",
-    "FAMILIES",
-    "REMOTE_CODE_FAMILIES",
-    "SERVE_DTYPES",
-    "build_into",
-    "ensure_tiny_model",
-    "is_current",
-    "main",
-    "recipe_hash",
-    "write_model",
-]
+__all__ = ["ensure_tiny_model", "main"]  # ensure_tiny_model: what scripts, benches and tests import
 
 
 def main(argv: list[str] | None = None) -> None:

