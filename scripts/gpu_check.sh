@@ -2,7 +2,7 @@
 # The GPU halves of issues 8, 13, 15, 29 and 43, in one command on the lent GPU machine
 # (docs/PACKING.md, "GPU measurements"), most wanted first, each step bounded (`timeout`, seconds in
 # the step's line) so that one slow step cannot cost the others their report: packed varlen vs one
-# sample at a time (bf16; Qwen2-VL/2.5-VL/3-VL must be bit-identical), the same for tiny Qwen3.5 /
+# sample at a time (bf16; Qwen2-VL/2.5-VL/3-VL must be bit-identical; with video segments too), the same for tiny Qwen3.5 /
 # Qwen3.5-MoE with flash-linear-attention's varlen kernels (and their leak control), the chunked LM
 # head in bf16 at Qwen2-VL-2B's head shapes; bench/packed_forward.py (Qwen2-VL-2B shapes: packed at
 # caps 32k and 16k and one sample per forward with the chunked LM head and activation checkpointing,
@@ -43,7 +43,7 @@ step() {  # step SECONDS LOG CMD...: run CMD under `timeout`, output to $LOGS/LO
 tiny=0
 for a in "$@"; do [ "$a" = --tiny ] && tiny=1; done
 if [ "$tiny" -eq 1 ]; then ts_args=(--device cpu --repeat 1 --families qwen2_vl); else ts_args=(--device cuda); fi
-step 120 gpu_tests.log "$PY" -m pytest -m gpu -p no:cacheprovider -q -s -rA tests/test_forward.py tests/test_forward_qwen35.py tests/test_logprob_head.py
+step 120 gpu_tests.log "$PY" -m pytest -m gpu -p no:cacheprovider -q -s -rA tests/test_forward.py tests/test_forward_qwen35.py tests/test_logprob_head.py tests/test_video_forward.py
 tests_rc=$rc
 step 240 packed_forward.md "$PY" bench/packed_forward.py "$@"
 bench_rc=$rc
