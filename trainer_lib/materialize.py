@@ -55,6 +55,7 @@ from trainer_lib.sources import checked_refs, describe_source, image_source
 from trainer_lib.spec import PackingSpec
 
 __all__ = [
+    "MaterializeOptions",
     "MaterializeStats",
     "MaterializedBatch",
     "MaterializedMicroBatch",
