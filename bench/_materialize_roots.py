@@ -42,7 +42,7 @@ def roots_timing(make_batch, batch: int, group: int, repeat: int) -> dict:
     from protocol.adapters import load_adapter
     from protocol.read_cache import ReadCache
     from protocol.roots import AssetRoots, LocalRoot, ObjectRoot, StoreClientConfig
-    from trainer_lib.materialize import materialize
+    from trainer_lib.materialize import MaterializeOptions, materialize
 
     adapter = load_adapter(ensure_bench_model())
     tmp = Path(tempfile.mkdtemp(prefix="mmref-bench-mat-roots-"))
@@ -66,7 +66,7 @@ def roots_timing(make_batch, batch: int, group: int, repeat: int) -> dict:
         for rnd in range(repeat + 1):  # round 0: warm-up, fills the cache
             for mode, source in modes.items():
                 t0 = time.perf_counter()
-                out = materialize(samples, adapter, source, max_workers=2)
+                out = materialize(samples, adapter, source, MaterializeOptions(max_workers=2))
                 if rnd:
                     times[mode].append(time.perf_counter() - t0)
                 processed = out.stats.processed

@@ -4,11 +4,12 @@ processing, 2 workers vs 1, peak RSS, and reading from S3 vs a local root.
 A 64-sample RL batch in groups of 8 (each group shares one real photo, 1024x768 JPEG, real
 Qwen2-VL processor limits: grid [1,54,74], 3996 patches x 1176 float32 per image slot):
 
-- ``materialize(samples, adapter, root, max_workers=W)``, the default: each distinct ref read and
-  processed once, each distinct image's pixels once plus ``image_index`` (what every trainer path
-  runs since issue 29); ``materialize(..., dedup=False)``: one copy per image slot, the layout a
-  forward without precomputed image embeddings needs; naive per-sample processing: the same
-  ``adapter.resolve_raw`` for every sample, on the same pool size, then one collate per slot.
+- ``materialize(samples, adapter, root, MaterializeOptions(max_workers=W))``, the default: each
+  distinct ref read and processed once, each distinct image's pixels once plus ``image_index``
+  (what every trainer path runs since issue 29); ``materialize(..., dedup=False)``: one copy per
+  image slot, the layout a forward without precomputed image embeddings needs; naive per-sample
+  processing: the same ``adapter.resolve_raw`` for every sample, on the same pool size, then one
+  collate per slot.
   Target: the default >= 7x naive.
 - ``materialize`` with 2 workers vs 1 (the machine has 2 cores). Target >= 1.7x.
 - peak RSS of a fresh process running one ``materialize`` of the batch, from the OS
@@ -141,13 +142,13 @@ def timing_child(repeat: int, profile: bool) -> dict:
     import torch
 
     from protocol.adapters import load_adapter
-    from trainer_lib.materialize import materialize
+    from trainer_lib.materialize import MaterializeOptions, materialize
 
     adapter = load_adapter(ensure_bench_model())
     samples = make_batch(BATCH, GROUP, adapter)
     pad = adapter.placeholder_token_id(_hf_config())
     default_threads = torch.get_num_threads()
-    materialize(samples[:1], adapter, BENCH_OUTPUTS, max_workers=1)  # warm-up
+    materialize(samples[:1], adapter, BENCH_OUTPUTS, MaterializeOptions(max_workers=1))  # warm-up
     times: dict[str, list] = {name: [] for name, *_ in TIMED}
     for _ in range(repeat):
         for name, kind, workers, threads in TIMED:
@@ -163,8 +164,7 @@ def timing_child(repeat: int, profile: bool) -> dict:
                     samples,
                     adapter,
                     BENCH_OUTPUTS,
-                    max_workers=workers,
-                    placeholder_token_id=pad,
+                    MaterializeOptions(max_workers=workers, placeholder_token_id=pad),
                     dedup=kind == "default",
                 )
             times[name].append(time.perf_counter() - t0)
@@ -177,7 +177,7 @@ def timing_child(repeat: int, profile: bool) -> dict:
 
         profiler = Profiler(interval=0.001)
         with profiler:
-            materialize(samples, adapter, BENCH_OUTPUTS, max_workers=2)
+            materialize(samples, adapter, BENCH_OUTPUTS, MaterializeOptions(max_workers=2))
         result["profile"] = profiler.output_text(unicode=False, color=False)
     return result
 
@@ -212,18 +212,19 @@ def phases(samples: list, adapter, workers: int, layout: str) -> tuple[float, fl
 
 def rss_child(kind: str, workers: int, batch: int) -> dict:
     from protocol.adapters import load_adapter
-    from trainer_lib.materialize import materialize
+    from trainer_lib.materialize import MaterializeOptions, materialize
 
     adapter = load_adapter(ensure_bench_model())
     samples = make_batch(batch, GROUP, adapter)
-    materialize(samples[:1], adapter, BENCH_OUTPUTS, max_workers=1)  # warm-up: imports, first calls
+    # warm-up: imports, first calls
+    materialize(samples[:1], adapter, BENCH_OUTPUTS, MaterializeOptions(max_workers=1))
     gc.collect()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     if kind == "naive":
         features = naive(samples, adapter, BENCH_OUTPUTS, workers)
     else:
         features = materialize(
-            samples, adapter, BENCH_OUTPUTS, max_workers=workers, dedup=kind == "default"
+            samples, adapter, BENCH_OUTPUTS, MaterializeOptions(max_workers=workers), dedup=kind == "default"
         ).features
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     pixels = features["pixel_values"]

@@ -1,9 +1,9 @@
 """Plot trainer ``materialize`` time vs batch size and duplication factor -> ``docs/materialize.png``.
 
-Each point: one ``materialize(samples, adapter, root, max_workers=2)`` of a batch of real
-1024x768 photos (real Qwen2-VL processor limits), where each distinct image is shared by
-``dup`` consecutive samples (``dup`` 1 = every sample its own image = what naive per-sample
-processing costs; 8 = RL groups of 8). Median of ``--repeat`` interleaved rounds (each round
+Each point: one ``materialize(samples, adapter, root, MaterializeOptions(max_workers=2))`` of a
+batch of real 1024x768 photos (real Qwen2-VL processor limits), where each distinct image is
+shared by ``dup`` consecutive samples (``dup`` 1 = every sample its own image = what naive
+per-sample processing costs; 8 = RL groups of 8). Median of ``--repeat`` interleaved rounds (each round
 measures every point once: the shared machine's load drifts). The right panel splits one
 64-sample materialize into its two phases: processing the distinct images, and collating one
 ``pixel_values`` row block per sample.
@@ -71,12 +71,12 @@ def main() -> None:
     from protocol.adapters import load_adapter, offload_image
     from protocol.refs import parse_ref
     from protocol.store import AssetStore
-    from trainer_lib.materialize import materialize
+    from trainer_lib.materialize import MaterializeOptions, materialize
 
     adapter = load_adapter(ensure_bench_model())
     print_facts(adapter.backend)
     refs = [offload_image(j, bench_asset_root(), adapter) for j in unique_photos(max(BATCHES))]
-    materialize(batch_of(1, 1, refs), adapter, BENCH_OUTPUTS, max_workers=1)  # warm-up
+    materialize(batch_of(1, 1, refs), adapter, BENCH_OUTPUTS, MaterializeOptions(max_workers=1))  # warm-up
 
     # interleaved: each round measures every (batch, dup) once; the machine's load drifts
     runs: dict[tuple[int, int], list[float]] = {(b, d): [] for b in BATCHES for d in DUPS}
@@ -87,7 +87,9 @@ def main() -> None:
                 samples = batch_of(batch, dup, refs)
                 for dedup, sink in ((False, runs), (True, runs_dedup)):
                     t0 = time.perf_counter()
-                    out = materialize(samples, adapter, BENCH_OUTPUTS, max_workers=WORKERS, dedup=dedup)
+                    out = materialize(
+                        samples, adapter, BENCH_OUTPUTS, MaterializeOptions(max_workers=WORKERS), dedup=dedup
+                    )
                     sink[batch, dup].append(time.perf_counter() - t0)
                     del out
                     gc.collect()

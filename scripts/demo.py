@@ -55,7 +55,7 @@ from protocol.structs import TrainingSample
 from rl_server import push_weights, save_weights, weight_version
 from rollout_client import ChatTemplate, Offloader, PreparedPrompt, PromptBuilder, RolloutClient, Sampling
 from tiny_models import SERVE_DTYPES
-from trainer_lib import materialize
+from trainer_lib import MaterializeOptions, materialize
 from trainer_lib.positions import mrope_model_types
 from vllm_server import start_server
 
@@ -106,7 +106,9 @@ def pixel_check(samples, adapter, output_root, resolved, video: bool = False) ->
     decode_mm_kwargs_item = load("decode_mm_kwargs_item")
     modality, key = ("video", "pixel_values_videos") if video else ("image", "pixel_values")
     t0 = time.monotonic()
-    raw = materialize(samples, adapter, output_root, raw_pixels=resolved["pixel_mode"] == "raw")
+    raw = materialize(
+        samples, adapter, output_root, MaterializeOptions(raw_pixels=resolved["pixel_mode"] == "raw")
+    )
     seconds = time.monotonic() - t0
     served = torch.cat(
         [decode_mm_kwargs_item(s)[key].data for s in resolved["features"]["kwargs_data"][modality]]

@@ -32,7 +32,7 @@ from protocol.errors import (
 )
 from protocol.refs import RawRefBody, file_uri_to_path, format_mmraw, parse_ref
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
-from trainer_lib import materialize
+from trainer_lib import MaterializeOptions, materialize
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 GREEDY = {"temperature": 0, "max_tokens": 4}
@@ -385,7 +385,7 @@ def test_trainer_refuses_or_zero_losses_hostile_refs(bad, qwen2_vl_adapter, outp
         r = as_ref(bad, cases[name][0])
         for policy in ("placeholder_zero_loss", "error"):
             with pytest.raises(error) as info:
-                materialize([sample([r])], qwen2_vl_adapter, output_root, policy=policy)
+                materialize([sample([r])], qwen2_vl_adapter, output_root, MaterializeOptions(policy=policy))
             assert info.value.ref == r.ref, name
     for name, error in zero_loss.items():
         r = as_ref(bad, cases[name][0])
@@ -394,7 +394,7 @@ def test_trainer_refuses_or_zero_losses_hostile_refs(bad, qwen2_vl_adapter, outp
         t, h, w = r.grid
         assert batch.features["pixel_values"][-t * h * w :].abs().sum() == 0, name
         with pytest.raises(error) as info:
-            materialize([sample([r])], qwen2_vl_adapter, output_root, policy="error")
+            materialize([sample([r])], qwen2_vl_adapter, output_root, MaterializeOptions(policy="error"))
         assert info.value.ref == r.ref, name
 
 
@@ -406,16 +406,17 @@ def test_trainer_never_trains_on_misaligned_placeholders(bad, qwen2_vl_adapter, 
         materialize([sample([lying], [PAD] * (n + 4))], qwen2_vl_adapter, output_root)
     with pytest.raises(GridMismatch):
         materialize([sample([msgspec.structs.replace(good, grid=[1, 4, 4])])], qwen2_vl_adapter, output_root)
+    checked = MaterializeOptions(placeholder_token_id=PAD)
     for ids in ([PAD] * (n - 1), [PAD] * (n + 1), [1, 2, 3]):
         with pytest.raises(PlaceholderMismatch, match=f"id {PAD}"):
-            materialize([sample([good], ids)], qwen2_vl_adapter, output_root, placeholder_token_id=PAD)
+            materialize([sample([good], ids)], qwen2_vl_adapter, output_root, checked)
     # a placeholder-id token typed as text beside an image: the model scatters by token id (N+1 rows
     # for N), so materialize refuses it as packing and the server do (one locate_image_runs)
     ids = [PAD, *([PAD] * n)]
     types = [0] + [1] * n
     s = msgspec.structs.replace(sample([good], ids), mm_refs=MMRefs(items=[good], mm_token_type_ids=types))
     with pytest.raises(PlaceholderMismatch, match="typed as text"):
-        materialize([s], qwen2_vl_adapter, output_root, placeholder_token_id=PAD)
+        materialize([s], qwen2_vl_adapter, output_root, checked)
     # typed positions decide where the images are: a well-typed prompt passes
     s = msgspec.structs.replace(s, input_ids=[7, *([PAD] * n)])
-    assert materialize([s], qwen2_vl_adapter, output_root, placeholder_token_id=PAD).stats.images == 1
+    assert materialize([s], qwen2_vl_adapter, output_root, checked).stats.images == 1

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import start_server
 from protocol.settings import SettingError
-from trainer_lib.config import MaterializeConfig
+from trainer_lib.config import MaterializeConfig, MaterializeOptions
 from vllm_plugin.config import PluginConfig
 
 
@@ -88,9 +88,13 @@ def test_materialize_config(monkeypatch, tmp_path):
     monkeypatch.setenv("MMREF_ASSET_ROOT", str(tmp_path))
     monkeypatch.setenv("MMREF_MISSING_POLICY", "error")
     monkeypatch.setenv("MMREF_MAX_WORKERS", "4")
-    kwargs = MaterializeConfig().materialize_kwargs()
-    assert kwargs["policy"] == "error" and kwargs["max_workers"] == 4
-    source = kwargs["asset_root"]  # the roots materialize reads: the folder, v1 refs by path under it
+    monkeypatch.setenv("MMREF_MAX_IMAGE_PIXELS", "1000")
+    config = MaterializeConfig()
+    assert config.options() == MaterializeOptions(policy="error", max_workers=4, max_image_pixels=1000)
+    # the pixel mode and the placeholder check are the model's (PackingSpec), given by the caller
+    options = config.options(raw_pixels=True, placeholder_token_id=7)
+    assert options.raw_pixels and options.placeholder_token_id == 7 and options.max_workers == 4
+    source = config.image_source()  # the roots materialize reads: the folder, v1 refs by path under it
     assert source.describe() == [str(tmp_path)] and source.legacy.root == tmp_path
     monkeypatch.setenv("MMREF_MISSING_POLICY", "ignore")
     with pytest.raises(

@@ -125,7 +125,7 @@ def _worker(
     rank: int, world: int, init_file: str, model_dir: str, root: str, good, missing, out: str
 ) -> None:
     from protocol.adapters import load_adapter
-    from trainer_lib import materialize
+    from trainer_lib import MaterializeOptions, materialize
 
     out_dir = Path(out)
     dist.init_process_group(
@@ -136,7 +136,7 @@ def _worker(
 
         # 1. nobody fails: the check is one all-reduce, then the step's collectives run
         with fail_fast():
-            batch = materialize([sample([good])], adapter, root, policy="error")
+            batch = materialize([sample([good])], adapter, root, MaterializeOptions(policy="error"))
         total = torch.tensor([batch.stats.images], dtype=torch.int64)
         dist.all_reduce(total)
         _record(out_dir, "ok", rank, None)
@@ -149,7 +149,7 @@ def _worker(
         refs = [good] if rank == 0 else [good, missing]
         try:
             with fail_fast():
-                materialize([sample(refs)], adapter, root, policy="error")
+                materialize([sample(refs)], adapter, root, MaterializeOptions(policy="error"))
             dist.all_reduce(torch.ones(1))  # the step's first collective: never reached
             _record(out_dir, "missing", rank, None)
         except Exception as e:

@@ -441,7 +441,7 @@ def test_the_trainer_materializes_what_each_replica_fed(fleet, qwen2_vl_adapter)
     the bucket, the trainer its own mount (another copy): every party gets the same pixels."""
     from protocol.errors import InvalidRequest
     from protocol.structs import TrainingSample
-    from trainer_lib import materialize
+    from trainer_lib import MaterializeOptions, materialize
     from vllm_plugin.items import decode_item
 
     ref = offload(fleet, qwen2_vl_adapter, "trainer1")
@@ -457,7 +457,9 @@ def test_the_trainer_materializes_what_each_replica_fed(fleet, qwen2_vl_adapter)
         assert r.status_code == 200, r.text[:300]
         item = decode_item(r.json()["features"]["kwargs_data"]["image"][0], InvalidRequest, "served item")
         raw = r.json()["pixel_mode"] == "raw"
-        batch = materialize([sample], qwen2_vl_adapter, fleet.trainer_mount, raw_pixels=raw)
+        batch = materialize(
+            [sample], qwen2_vl_adapter, fleet.trainer_mount, MaterializeOptions(raw_pixels=raw)
+        )
         assert batch.stats.processed == 1
         assert batch.features["pixel_values"].dtype == item["pixel_values"].data.dtype
         assert (batch.features["pixel_values"].double() - item["pixel_values"].data.double()).abs().max() == 0

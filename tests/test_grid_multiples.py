@@ -164,7 +164,7 @@ def test_a_ref_claiming_an_odd_grid_is_refused_by_check_ref(adapter):
 def test_a_missing_image_claiming_an_odd_grid_gets_no_stand_in(tmp_path, qwen2_vl_adapter, policy):
     """The trainer's missing-image policy would size a 9-row zero stand-in for ``[1, 3, 3]`` that
     the merger cannot reshape; the claim is refused first, under both policies."""
-    from trainer_lib import materialize
+    from trainer_lib import MaterializeOptions, materialize
 
     real = offload_image(_png(), tmp_path, qwen2_vl_adapter)
     body = parse_ref(real.ref)
@@ -176,7 +176,7 @@ def test_a_missing_image_claiming_an_odd_grid_gets_no_stand_in(tmp_path, qwen2_v
         mm_refs=MMRefs(items=[ref]),
     )  # fmt: skip
     with pytest.raises(GridMismatch) as info:
-        materialize([sample], qwen2_vl_adapter, tmp_path, policy=policy)
+        materialize([sample], qwen2_vl_adapter, tmp_path, MaterializeOptions(policy=policy))
     assert info.value.ref == forged and "multiple of [1, 2, 2]" in info.value.message
 
 

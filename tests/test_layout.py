@@ -49,13 +49,6 @@ IMPOSED_SIGNATURES = {
 }
 """Functions whose parameters a library or a usual surface fixes (``module.function``), with the
 reason (docs/DESIGN-DECISIONS.md, "Issue 45: the size limits")."""
-NOT_YET_WITHIN = {
-    "trainer_lib.materialize.materialize": 11,
-}
-"""Issue 45's open remainder, a ratchet: these may not take more parameters than listed, and an
-entry that comes within the limit must leave the list (``materialize`` takes its keyword settings
-until it takes the ``PackingSpec`` and a settings object: DESIGN-DECISIONS, "Issue 45: the last
-parameter lists")."""
 
 
 def test_module_lists_are_the_expected_ones():
@@ -186,8 +179,7 @@ def test_no_function_over_the_size_limits(package):
     too_many, too_long = [], []
     for name, node in _functions(package):
         source = Path(importlib.import_module(name.rsplit(".", 1)[0]).__file__).read_text().splitlines()
-        allowed = NOT_YET_WITHIN.get(name, MAX_PARAMETERS)
-        if _parameters(node) > allowed and not _numba_kernel(node) and name not in IMPOSED_SIGNATURES:
+        if _parameters(node) > MAX_PARAMETERS and not _numba_kernel(node) and name not in IMPOSED_SIGNATURES:
             too_many.append(f"{name} ({_parameters(node)})")
         if _lines_of_code(node, source) > MAX_LINES:
             too_long.append(f"{name} ({_lines_of_code(node, source)} lines)")
@@ -198,12 +190,6 @@ def test_no_function_over_the_size_limits(package):
 def test_every_imposed_signature_exists():
     names = {name for package in LIBRARY for name, _ in _functions(package)}
     assert set(IMPOSED_SIGNATURES) <= names, set(IMPOSED_SIGNATURES) - names
-
-
-def test_the_ratchet_lists_only_functions_still_over_the_limit():
-    counts = {name: _parameters(node) for package in LIBRARY for name, node in _functions(package)}
-    done = sorted(name for name in NOT_YET_WITHIN if counts.get(name, 0) <= MAX_PARAMETERS)
-    assert done == [], f"within the limit now: remove {done} from NOT_YET_WITHIN"
 
 
 def test_upstream_is_a_leaf():

@@ -28,9 +28,19 @@ from protocol.errors import (
 from protocol.images import load_image
 from protocol.refs import format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample
-from trainer_lib import MaterializeConfig, PackingSpec, materialize, materialize_micro_batch, pack_samples
+from trainer_lib import (
+    MaterializeConfig,
+    MaterializeOptions,
+    PackingSpec,
+    materialize,
+    materialize_micro_batch,
+    pack_samples,
+)
 
 TOK = 261  # <|image_pad|> of the tiny Qwen2-VL
+STRICT = MaterializeOptions(policy="error")
+TWO = MaterializeOptions(max_workers=2)
+ONE = MaterializeOptions(max_workers=1)
 
 
 def sample(refs, n_tokens: int = 12) -> TrainingSample:
@@ -63,8 +73,8 @@ def test_sixteen_samples_sharing_two_images_process_two(store, qwen2_vl_adapter)
 
     qwen2_vl_adapter.process = counting
     try:
-        batch = materialize(samples, qwen2_vl_adapter, root, max_workers=2)  # dedup: the default
-        per_slot = materialize(samples, qwen2_vl_adapter, root, max_workers=2, dedup=False)
+        batch = materialize(samples, qwen2_vl_adapter, root, TWO)  # dedup: the default
+        per_slot = materialize(samples, qwen2_vl_adapter, root, TWO, dedup=False)
     finally:
         del qwen2_vl_adapter.process
     assert len(calls) == 4 and batch.stats.processed == 2 and batch.stats.unique_refs == 2
@@ -110,7 +120,7 @@ def test_missing_image_placeholder_zero_loss_zeroes_only_that_sample(store, qwen
     assert batch.image_index.tolist() == [0, 1, 0]
 
     with pytest.raises(AssetNotFound) as info:
-        materialize(samples, qwen2_vl_adapter, root, policy="error")
+        materialize(samples, qwen2_vl_adapter, root, STRICT)
     assert info.value.ref == missing.ref and f"trainer asset roots checked: {root}" in info.value.message
 
 
@@ -165,7 +175,7 @@ def test_a_failing_call_leaves_nothing_running_on_the_kept_pool(store, qwen2_vl_
     qwen2_vl_adapter.process = slow
     try:
         with pytest.raises(AssetNotFound):
-            materialize([sample([r]) for r in [missing, *refs]], qwen2_vl_adapter, root, policy="error")
+            materialize([sample([r]) for r in [missing, *refs]], qwen2_vl_adapter, root, STRICT)
         seen = (len(started), len(finished))
         time.sleep(0.6)
         assert (len(started), len(finished)) == seen and seen[0] == seen[1] < len(refs)
@@ -191,12 +201,12 @@ def test_without_a_cache_each_image_is_freed_once_written(store, qwen2_vl_adapte
 
     qwen2_vl_adapter.process = tracked
     try:
-        batch = materialize(samples, qwen2_vl_adapter, root, max_workers=1)
+        batch = materialize(samples, qwen2_vl_adapter, root, ONE)
         assert alive_before == [0, 0] and all(r() is None for r in made)
         made.clear()
         alive_before.clear()
         resolved: dict = {}
-        kept = materialize(samples, qwen2_vl_adapter, root, max_workers=1, resolved=resolved)
+        kept = materialize(samples, qwen2_vl_adapter, root, ONE, resolved=resolved)
         assert alive_before == [0, 1] and all(r() is not None for r in made) and len(resolved) == 2
         assert torch.equal(kept.features["pixel_values"], batch.features["pixel_values"])
     finally:
@@ -208,11 +218,11 @@ def test_a_forked_child_gets_its_own_pool(store, qwen2_vl_adapter):
     loader worker) resolves on threads of its own instead of waiting on the parent's."""
     root, refs = store
     samples = [sample([refs["coffee"]]), sample([refs["astronaut"]])]
-    want = materialize(samples, qwen2_vl_adapter, root, max_workers=2).features["pixel_values"]
+    want = materialize(samples, qwen2_vl_adapter, root, TWO).features["pixel_values"]
 
     def child(queue):
         torch.set_num_threads(1)
-        got = materialize(samples, qwen2_vl_adapter, root, max_workers=2).features["pixel_values"]
+        got = materialize(samples, qwen2_vl_adapter, root, TWO).features["pixel_values"]
         queue.put(bool(torch.equal(got, want)))
 
     ctx = multiprocessing.get_context("fork")
@@ -249,17 +259,18 @@ def test_refs_outside_the_root_always_raise(store, qwen2_vl_adapter, tmp_path):
 
 def test_bad_arguments(store, qwen2_vl_adapter):
     root, _ = store
-    with pytest.raises(ValueError, match="policy"):
-        materialize([], qwen2_vl_adapter, root, policy="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="policy"):  # checked when the options are made
+        MaterializeOptions(policy="ignore")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_workers"):
-        materialize([], qwen2_vl_adapter, root, max_workers=0)
+        MaterializeOptions(max_workers=0)
     assert materialize([sample([])], qwen2_vl_adapter, root).features == {}
 
 
 def test_materialize_and_packing_refuse_the_same_prompts_the_same_way(store, qwen2_vl_adapter):
-    """One placeholder check (protocol.placeholders): materialize(placeholder_token_id=...) and
-    pack_samples raise the same PlaceholderMismatch for the same prompt, and accept the same ones:
-    a text-only sample holding the placeholder id as text (a stray placeholder) included."""
+    """One placeholder check (protocol.placeholders): materialize with
+    ``MaterializeOptions(placeholder_token_id=...)`` and pack_samples raise the same
+    PlaceholderMismatch for the same prompt, and accept the same ones: a text-only sample holding
+    the placeholder id as text (a stray placeholder) included."""
     root, refs = store
     good = refs["coffee"]
     tok, n = 261, good.num_placeholders
@@ -284,14 +295,15 @@ def test_materialize_and_packing_refuse_the_same_prompts_the_same_way(store, qwe
         prompt([1, tok, 2, 3], [0, 1, 0, 0], ref=None),  # an image-typed token without images
     ]
     spec = PackingSpec(placeholder_token_id=tok, pad_token_id=0, adapter=qwen2_vl_adapter)
+    checked = MaterializeOptions(placeholder_token_id=tok)
     for s in bad:
         with pytest.raises(PlaceholderMismatch) as packed:
             pack_samples([s], spec, seq_len=4096)
         with pytest.raises(PlaceholderMismatch) as materialized:
-            materialize([s], qwen2_vl_adapter, root, placeholder_token_id=tok)
+            materialize([s], qwen2_vl_adapter, root, checked)
         assert str(materialized.value) == str(packed.value) and materialized.value.ref == packed.value.ref
     ok = prompt([1, *[tok] * n, 2])
-    assert materialize([ok], qwen2_vl_adapter, root, placeholder_token_id=tok).stats.images == 1
+    assert materialize([ok], qwen2_vl_adapter, root, checked).stats.images == 1
     assert (
         pack_samples([ok], PackingSpec(placeholder_token_id=tok, pad_token_id=0), seq_len=4096).num_samples
         == 1
@@ -302,7 +314,7 @@ def test_materialize_and_packing_refuse_the_same_prompts_the_same_way(store, qwe
         (mb,) = [mb for mb in step.micro_batches if any(x.sample_index == 0 for x in mb.slots)]
         assert [x.stray_placeholders for x in mb.slots] == [True] and not mb.images
         assert step.num_samples == 2
-        assert materialize([s, ok], qwen2_vl_adapter, root, placeholder_token_id=tok).stats.images == 1
+        assert materialize([s, ok], qwen2_vl_adapter, root, checked).stats.images == 1
 
 
 def packable(ref) -> TrainingSample:
@@ -341,7 +353,8 @@ def test_materialize_micro_batch_takes_every_materialize_setting(store, qwen2_vl
         placeholder_token_id=TOK, pad_token_id=0, adapter=qwen2_vl_adapter, raw_pixels=True
     )
     raw = materialize_micro_batch(mb, raw_spec, MaterializeConfig()).features["pixel_values"]
-    want = materialize([s], qwen2_vl_adapter, root, raw_pixels=True).features["pixel_values"]
+    raw_options = MaterializeOptions(raw_pixels=True)
+    want = materialize([s], qwen2_vl_adapter, root, raw_options).features["pixel_values"]
     assert torch.equal(raw, want) and not torch.equal(raw, m.features["pixel_values"])
 
 
@@ -352,7 +365,7 @@ CLAIMED_GRID = textwrap.dedent("""
     from protocol.errors import GridMismatch
     from protocol.refs import format_mmraw, parse_ref
     from protocol.structs import MMRefs, RawMMRef, TrainingSample
-    from trainer_lib import materialize
+    from trainer_lib import MaterializeOptions, materialize
 
     model, ref_string, root = sys.argv[1:]
     adapter = load_adapter(model)
@@ -366,7 +379,7 @@ CLAIMED_GRID = textwrap.dedent("""
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     for policy in ("placeholder_zero_loss", "error"):
         try:
-            materialize([sample], adapter, root, policy=policy)
+            materialize([sample], adapter, root, MaterializeOptions(policy=policy))
         except GridMismatch as e:
             assert e.ref == forged
         else:
@@ -432,5 +445,5 @@ def test_offloading_again_repairs_a_damaged_image(qwen2_vl_adapter, tmp_path):
         f.truncate(1000)
     assert materialize([packable(ref)], qwen2_vl_adapter, root).stats.zeroed_samples == 1
     assert offload_image(jpeg, root, qwen2_vl_adapter) == ref
-    batch = materialize([packable(ref)], qwen2_vl_adapter, root, policy="error")
+    batch = materialize([packable(ref)], qwen2_vl_adapter, root, STRICT)
     assert batch.stats.processed == 1 and any(batch.samples[0].loss_mask)

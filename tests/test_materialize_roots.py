@@ -20,7 +20,14 @@ from protocol.errors import AssetNotFound, HashMismatch, StoreUnavailable
 from protocol.read_cache import ReadCache
 from protocol.roots import AssetRoots, LocalRoot, ObjectRoot, StoreClientConfig
 from protocol.store import AssetStore
-from trainer_lib import MaterializeConfig, PackingSpec, materialize, materialize_micro_batch, pack_samples
+from trainer_lib import (
+    MaterializeConfig,
+    MaterializeOptions,
+    PackingSpec,
+    materialize,
+    materialize_micro_batch,
+    pack_samples,
+)
 
 if sys.version_info < (3, 11):
     pytest.skip("obstore (the fleet extra) needs Python >= 3.11", allow_module_level=True)
@@ -34,6 +41,7 @@ FAST = StoreClientConfig(
 )
 """One read of one root ends within FAST.deadline_s() = 2 s."""
 SLACK_S = 2.0
+STRICT = MaterializeOptions(policy="error")
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +112,7 @@ def test_materialize_from_a_local_mount_before_the_bucket(s3, qwen2_vl_adapter, 
     roots = AssetRoots(
         [LocalRoot(tmp_path / "not-mounted"), LocalRoot(mount.root), s3_root(f"{bucket}/mount")]
     )
-    got = materialize(samples, qwen2_vl_adapter, roots, policy="error")
+    got = materialize(samples, qwen2_vl_adapter, roots, STRICT)
     assert torch.equal(got.features["pixel_values"], oracle(samples, qwen2_vl_adapter, tmp_path, data))
 
 
@@ -119,12 +127,12 @@ def test_a_store_copied_to_another_path_serves_its_v1_refs(qwen2_vl_adapter, tmp
         chat([refs["chelsea"], refs["rocket"]], "Both?", "cat, rocket", TOK),
         chat([refs["rocket"]], "?", "r", TOK),
     ]
-    want = materialize(samples, qwen2_vl_adapter, first, policy="error").features["pixel_values"]
+    want = materialize(samples, qwen2_vl_adapter, first, STRICT).features["pixel_values"]
     copy = tmp_path / "node-b" / "mnt" / "outputs"
     shutil.copytree(first, copy)
     shutil.rmtree(tmp_path / "node-a")
     for source in (copy, copy / "run_1" / "assets", MaterializeConfig(asset_root=copy).image_source()):
-        got = materialize(samples, qwen2_vl_adapter, source, policy="error")
+        got = materialize(samples, qwen2_vl_adapter, source, STRICT)
         assert got.stats.processed == 2 and torch.equal(got.features["pixel_values"], want), source
 
 
@@ -144,7 +152,7 @@ def test_an_unreachable_store_is_never_a_zero_loss_placeholder(s3, qwen2_vl_adap
             for policy in ("placeholder_zero_loss", "error"):
                 start = time.monotonic()
                 with pytest.raises(StoreUnavailable) as info:
-                    materialize(samples, qwen2_vl_adapter, roots, policy=policy)
+                    materialize(samples, qwen2_vl_adapter, roots, MaterializeOptions(policy=policy))
                 assert time.monotonic() - start < FAST.deadline_s() + SLACK_S
                 assert info.value.ref == ref.ref and info.value.http_status == 503
                 assert f"trainer asset roots checked: {bucket}/down" in info.value.message
@@ -173,7 +181,7 @@ def test_a_deleted_or_replaced_object_is_typed_and_replaceable(s3, qwen2_vl_adap
     roots = AssetRoots([s3_root(prefix)], cache=ReadCache(tmp_path / "cache", 1 << 20))
     samples = [chat([ref], "?", "a rocket", TOK), chat([], "hi", "hello", TOK)]
     with pytest.raises(error) as info:
-        materialize(samples, qwen2_vl_adapter, roots, policy="error")
+        materialize(samples, qwen2_vl_adapter, roots, STRICT)
     assert info.value.code == code and prefix in info.value.message
     batch = materialize(samples, qwen2_vl_adapter, roots)
     assert batch.stats.failed_by_code == {code: 1} and [any(s.loss_mask) for s in batch.samples] == [

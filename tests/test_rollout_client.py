@@ -204,9 +204,11 @@ def test_multi_turn_keeps_its_refs_and_tokens(client, tmp_path, asset_root):
         "assistant",
     ] * 2
     # the trainer rematerializes every image of the conversation from its refs
-    from trainer_lib import materialize
+    from trainer_lib import MaterializeOptions, materialize
 
-    batch = materialize([sample], client.offloader.adapter, asset_root.parent.parent, policy="error")
+    batch = materialize(
+        [sample], client.offloader.adapter, asset_root.parent.parent, MaterializeOptions(policy="error")
+    )
     assert batch.stats.images == 3
 
 

@@ -329,10 +329,10 @@ def test_a_v2_ref_sent_where_feature_files_are_read_is_invalid_not_a_crash(tmp_p
 def test_the_trainer_of_this_release_materializes_v2_refs_under_one_store_root(
     tmp_path, jpeg, qwen2_vl_adapter
 ):
-    """Before its roots integration, ``materialize(asset_root=<a store root>)`` already resolves v2
+    """Before its roots integration, ``materialize`` with a store root as its source already resolves v2
     refs (``AssetStore.read_image`` at their key) to the v1 pixels."""
     from protocol.structs import MMRefs, TrainingSample
-    from trainer_lib import materialize
+    from trainer_lib import MaterializeOptions, materialize
 
     store = tmp_path / "store"
     refs = {form: offload_image(jpeg, store, qwen2_vl_adapter, form=form) for form in ("v1", "v2")}
@@ -345,7 +345,7 @@ def test_the_trainer_of_this_release_materializes_v2_refs_under_one_store_root(
             inference_logprobs=[0.0] * 8,
             mm_refs=MMRefs(items=[item]),
         )
-        out[form] = materialize([sample], qwen2_vl_adapter, store, policy="error")
+        out[form] = materialize([sample], qwen2_vl_adapter, store, MaterializeOptions(policy="error"))
     assert out["v2"].stats.processed == 1
     for name, tensor in out["v1"].features.items():
         assert torch.equal(out["v2"].features[name], tensor)

@@ -14,7 +14,7 @@ from helpers import refusal, tokens_and_logprobs
 from protocol.placeholders import expand_image_placeholders
 from protocol.refs import file_uri_to_path, format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample
-from trainer_lib import materialize
+from trainer_lib import MaterializeOptions, materialize
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
@@ -147,7 +147,9 @@ def test_trainer_rematerializes_bit_identical_pixels(
         input_ids=ids, loss_mask=[True] * n, advantages=[0.0] * n, inference_logprobs=[0.0] * n,
         mm_refs=MMRefs(items=refs),
     )  # fmt: skip
-    batch = materialize([sample], qwen2_vl_adapter, output_root, raw_pixels=body["pixel_mode"] == "raw")
+    batch = materialize(
+        [sample], qwen2_vl_adapter, output_root, MaterializeOptions(raw_pixels=body["pixel_mode"] == "raw")
+    )
     assert batch.features["pixel_values"].dtype == served_pixels.dtype
     assert (batch.features["pixel_values"].double() - served_pixels.double()).abs().max().item() == 0
     assert torch.equal(batch.features["image_grid_thw"], served_grid)

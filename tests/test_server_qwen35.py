@@ -33,6 +33,7 @@ from trainer_lib import (
     BF16_NOISE_FACTOR,
     LogprobOptions,
     MaterializeConfig,
+    MaterializeOptions,
     MismatchStats,
     PackingSpec,
     logprob_mismatch,
@@ -161,7 +162,7 @@ def test_trainer_pixels_are_the_servers(served):
         mm_refs=MMRefs(items=refs),
     )  # fmt: skip
     root = Path(served.server.asset_root)
-    batch = materialize([sample], served.adapter, root, raw_pixels=True)
+    batch = materialize([sample], served.adapter, root, MaterializeOptions(raw_pixels=True))
     assert batch.features["pixel_values"].dtype == served_pixels.dtype == torch.uint8
     assert torch.equal(batch.features["pixel_values"], served_pixels)
     assert torch.equal(batch.features["image_grid_thw"], served_grid)

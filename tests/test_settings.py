@@ -178,7 +178,7 @@ def test_the_fleet_strings_work_against_a_local_s3(moto_s3, clean_env, qwen2_vl_
     from protocol.adapters import offload_image
     from protocol.structs import TrainingSample
     from rollout_client import Offloader
-    from trainer_lib import materialize
+    from trainer_lib import MaterializeOptions, materialize
 
     url = moto_s3.make_bucket(f"settings-{uuid.uuid4().hex[:8]}") + "/mmref"
     for name, value in moto_s3.env().items():
@@ -195,7 +195,7 @@ def test_the_fleet_strings_work_against_a_local_s3(moto_s3, clean_env, qwen2_vl_
     assert offload_image(photo, url, qwen2_vl_adapter, form="v2") == ref  # PIL: the same PNG bytes
     ids = [1, 259, *[261] * ref.num_placeholders, 260, 2]
     sample = TrainingSample.from_rollout(ids, [5], [-1.0], [ref])
-    batch = materialize([sample], qwen2_vl_adapter, url, policy="error")
+    batch = materialize([sample], qwen2_vl_adapter, url, MaterializeOptions(policy="error"))
     assert batch.stats.processed == 1 and tuple(batch.features["image_grid_thw"][0].tolist()) == tuple(
         ref.grid
     )

@@ -34,7 +34,7 @@ from protocol.store import AssetStore
 from protocol.structs import TrainingSample
 from protocol.video_header import read_video_header
 from protocol.videos import VideoLimits, VideoSampling, load_video, sample_indices
-from trainer_lib import materialize
+from trainer_lib import MaterializeOptions, materialize
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 CLIPS = [("astronaut", 8, 2), ("coffee", 30, 1), ("chelsea", 3, 3), ("rocket", 25, 4)]
@@ -365,7 +365,7 @@ def test_materialize_replaces_a_missing_video_and_zeroes_its_loss(tmp_path):
     rows = batch.features["video_grid_thw"].prod(dim=1).tolist()
     assert not batch.features["pixel_values_videos"][rows[0] :].any()
     with pytest.raises(AssetNotFound):
-        materialize([_sample([b])], adapter, tmp_path, policy="error")
+        materialize([_sample([b])], adapter, tmp_path, MaterializeOptions(policy="error"))
 
 
 def test_materialize_checks_video_counts_before_reading(tmp_path):

@@ -2,7 +2,8 @@
 
 One module per stage, in data order (docs/ARCHITECTURE.md):
 
-- :func:`materialize`, :func:`materialize_micro_batch` — features from refs (:mod:`trainer_lib.materialize`).
+- :func:`materialize`, :func:`materialize_micro_batch` — features from refs (:mod:`trainer_lib.materialize`;
+  the slots filled in :mod:`trainer_lib.assemble`), read as a :class:`MaterializeOptions` says.
 - :class:`PackedMicroBatch`, :class:`PackedBatch` — the packed micro-batch (:mod:`trainer_lib.micro_batch`).
 - :func:`pack_samples`, :func:`rebuild_micro_batch` — micro-batches (:mod:`trainer_lib.planning.packing`,
   bins in :mod:`trainer_lib.planning.bins`).
@@ -39,12 +40,13 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
 - :func:`shard_model` — the packed forward under FSDP2 (:mod:`trainer_lib.sharding`).
 - :func:`recompute_logprobs`, :func:`logprob_mismatch`, :func:`check_sampling_temperature` — trainer vs
   inference (:mod:`trainer_lib.mismatch`).
-- :class:`MaterializeConfig` — ``MMREF_*`` settings (:mod:`trainer_lib.config`).
+- :class:`MaterializeConfig` — ``MMREF_*`` settings, giving ``materialize``'s source and
+  :class:`MaterializeOptions` (:mod:`trainer_lib.config`).
 """
 
 from protocol.placeholders import locate_image_runs, locate_video_runs
 from trainer_lib.attention import VARLEN_ATTENTION, register_varlen_attention
-from trainer_lib.config import MaterializeConfig
+from trainer_lib.config import MaterializeConfig, MaterializeOptions
 from trainer_lib.distributed import RankFailed, check_all_ranks, fail_fast
 from trainer_lib.forward import SUPPRESSED_LOGIT, ForwardResult, packed_logprobs
 from trainer_lib.linear_attention import linear_attention_path
@@ -89,6 +91,7 @@ __all__ = [
     "ImageSpan",
     "LogprobOptions",
     "MaterializeConfig",
+    "MaterializeOptions",
     "MaterializeStats",
     "MaterializedBatch",
     "MaterializedMicroBatch",

@@ -7,7 +7,7 @@ failing rank leaves and the others wait forever in their next all-reduce / all-g
 Protocol, run by every rank at the same point (after materialize + pack, before the forward)::
 
     with fail_fast():                        # or: check_all_ranks(error_or_None)
-        batch = materialize(samples, adapter, root, policy="error")
+        batch = materialize(samples, adapter, root, MaterializeOptions(policy="error"))
         inputs = packed_inputs(...)
 
 1. all-reduce (MAX) one int flag: 1 if this rank failed;

@@ -17,6 +17,11 @@ the ref's grid with that sample's whole loss mask zeroed (``policy="placeholder_
 one WARNING per batch): the sample still runs through the model (shapes and collectives stay
 aligned) but trains nothing. An unreachable store (``StoreUnavailable``) is never replaced: the
 image may exist, so the step must be retried.
+
+How a batch is read is one value, :class:`~trainer_lib.config.MaterializeOptions` (policy, workers,
+pixel mode, placeholder check, limits; ``MaterializeConfig.options()`` from ``MMREF_*``); where,
+the ``source`` argument. The results are placed into the batch's slots by
+:mod:`trainer_lib.assemble`, videos read by :mod:`trainer_lib.materialize_video`.
 """
 
 from __future__ import annotations
@@ -24,36 +29,33 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
 
-import msgspec
 import torch
 
 from protocol.adapters import ImageAdapter, ProcessedImage, ProcessedVideo
 from protocol.errors import AssetNotFound, AssetTooLarge, HashMismatch, ImageUnreadable, MMRefError
-from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
 from protocol.refs import ContentRef, RawRefBody
-from protocol.store import DEFAULT_MAX_IMAGE_BYTES, ImageSource
+from protocol.store import ImageSource
 from protocol.structs import TrainingSample
 from trainer_lib import metrics
+from trainer_lib.assemble import MaterializedBatch, MaterializeStats, assemble_images
 from trainer_lib.collate import FeatureWriter
-from trainer_lib.config import MaterializeConfig
-from trainer_lib.materialize_video import (
-    VideoReads,
-    add_videos,
-    materialize_videos,
-    split_video_features,
-    video_refs,
+from trainer_lib.config import (
+    DEFAULT_MATERIALIZE_OPTIONS,
+    MaterializeConfig,
+    MaterializeOptions,
+    MissingPolicy,
 )
+from trainer_lib.materialize_video import add_videos, materialize_videos, split_video_features, video_refs
 from trainer_lib.micro_batch import PackedMicroBatch, SampleSlot, replace_loss_mask
 from trainer_lib.pool import run_on_pool
 from trainer_lib.sources import checked_refs, describe_source, image_source
 from trainer_lib.spec import PackingSpec
 
 __all__ = [
+    "MaterializeOptions",
     "MaterializeStats",
     "MaterializedBatch",
     "MaterializedMicroBatch",
@@ -63,7 +65,6 @@ __all__ = [
     "materialize_micro_batch",
 ]
 
-MissingPolicy = Literal["placeholder_zero_loss", "error"]
 Resolved = dict[str, ProcessedImage | ProcessedVideo | MMRefError]
 """Refs already resolved in this step (ref string -> processed image, or the replaceable error
 that stood for it): pass one dict to every :func:`materialize` / :func:`materialize_micro_batch`
@@ -75,88 +76,32 @@ means the image may exist: they always raise."""
 _log = logging.getLogger(__name__)
 
 
-@dataclass
-class MaterializeStats:
-    """What one :func:`materialize` call did (also added to the ``mmref_trainer_*`` counters of
-    :mod:`trainer_lib.metrics`)."""
-
-    images: int = 0
-    """Image slots filled (one per ref occurrence)."""
-    unique_refs: int = 0
-    """Distinct ref strings."""
-    processed: int = 0
-    """Images actually read and run through the processor by this call (distinct resolvable refs
-    not already in the step's :data:`Resolved`)."""
-    placeholders: int = 0
-    """Slots filled with zero features because the image was missing or unreadable."""
-    zeroed_samples: int = 0
-    """Samples whose whole loss mask was zeroed (one of their images was replaced)."""
-    failed_by_code: dict[str, int] = field(default_factory=dict)
-    """Distinct refs replaced by zero features, by error code (``asset_not_found``, ...)."""
-
-
-@dataclass
-class MaterializedBatch:
-    """Features for a list of samples, in sample order then prompt order.
-
-    ``features`` holds the family's HF tensors collated along dim 0 (Qwen-VL:
-    ``pixel_values`` float32 ``[sum(t*h*w), C*T*P*P]``, ``image_grid_thw`` int64 ``[N, 3]``);
-    empty when no sample has images. With ``dedup=True`` (the default) they hold each distinct image
-    once (in first-seen order) and :attr:`image_index` maps every image slot to its row of
-    ``image_grid_thw``: slot ``k``'s grid is ``image_grid_thw[image_index[k]]``.
-    """
-
-    samples: list[TrainingSample]
-    """The input samples; those with a replaced image have ``loss_mask`` all False."""
-    features: dict[str, torch.Tensor]
-    images_per_sample: list[int]
-    placeholder_refs: list[str] = field(default_factory=list)
-    """Refs replaced by zero features (each once, in first-seen order)."""
-    stats: MaterializeStats = field(default_factory=MaterializeStats)
-    image_index: torch.Tensor | None = None
-    """int64 ``[N_slots]`` with ``dedup=True``: the distinct image each slot shows; None with
-    ``dedup=False`` or without images."""
-    video_index: torch.Tensor | None = None
-    """Videos (issue 44): ``features`` then also holds ``pixel_values_videos``, ``video_grid_thw``
-    (Qwen2.5-VL: ``second_per_grid_ts``), each distinct video once with ``dedup``; this maps each
-    video slot to its row (None without videos or with ``dedup=False``)."""
-    videos_per_sample: list[int] | None = None
-    """Per sample, its video refs (None: no sample has one; ``images_per_sample`` counts images)."""
-
-
 def materialize(
     samples: Sequence[TrainingSample],
     adapter: ImageAdapter,
-    asset_root: str | os.PathLike[str] | ImageSource,
+    source: str | os.PathLike[str] | ImageSource,
+    options: MaterializeOptions = DEFAULT_MATERIALIZE_OPTIONS,
     *,
-    policy: MissingPolicy = "placeholder_zero_loss",
-    max_workers: int = 2,
-    raw_pixels: bool = False,
-    placeholder_token_id: int | None = None,
-    max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     dedup: bool = True,
     resolved: Resolved | None = None,
 ) -> MaterializedBatch:
     """Resolve every sample's refs into model-ready features.
 
+    Example: ``materialize(samples, adapter, cfg.image_source(), cfg.options())`` with the
+    ``MMREF_*`` settings (:class:`~trainer_lib.MaterializeConfig`), or
+    ``materialize(samples, adapter, output_root, MaterializeOptions(policy="error"))``.
+
     Args:
         samples: training samples; ``mm_refs`` may be None (text-only).
         adapter: the family's adapter (``protocol.adapters.load_adapter(model_dir)``); its
             fingerprint must match the refs'.
-        asset_root: where images are read: the trainer's :class:`protocol.roots.AssetRoots`
-            (``MaterializeConfig.image_source()``) or one :class:`AssetStore`, or a folder: v1
-            refs at their ``file://`` path inside it, else by content under it (a store copied
-            or mounted elsewhere), v2 refs at ``images/<sha256[:16]><ext>`` under it.
-        policy: ``"placeholder_zero_loss"`` or ``"error"`` for missing/unreadable images.
-        max_workers: threads reading and processing distinct images (at least 1): a pool the
-            process keeps across calls, one per size (:mod:`trainer_lib.pool`).
-        raw_pixels: vLLM's raw (un-normalized) pixels instead of the normalized pixels an HF
-            model takes (to compare with a server running ``mm_device_do_normalize``).
-        placeholder_token_id: if given, each sample's image runs are located and split by its
-            refs' counts (:func:`protocol.placeholders.locate_image_runs`, as packing does): a
-            misaligned sample raises instead of training on shifted features.
-        max_image_bytes, max_image_pixels: the same limits the server applies.
+        source: where images are read: the trainer's :class:`protocol.roots.AssetRoots`
+            (``MaterializeConfig.image_source()``) or one :class:`AssetStore`, an object-store
+            URL, or a folder: v1 refs at their ``file://`` path inside it, else by content under
+            it (a store copied or mounted elsewhere), v2 refs at ``images/<sha256[:16]><ext>``
+            under it (:func:`trainer_lib.sources.image_source`).
+        options: how they are read (:class:`~trainer_lib.config.MaterializeOptions`: the
+            missing-image policy, workers, pixel mode, placeholder check, the server's limits).
         dedup: (default) each distinct image's features once plus ``image_index`` (an RL group of
             8 sharing an image: 8x fewer pixel bytes, one vision forward per image); False: one
             copy per image slot (a forward without precomputed image embeddings).
@@ -171,42 +116,30 @@ def materialize(
             names the ref, a read error's message the roots checked.
         GridMismatch, PlaceholderMismatch: a ``RawMMRef`` whose ``grid``/``num_placeholders``
             disagree with its ref string, or a sample whose prompt does not fit its refs.
-        ValueError: an unknown policy or ``max_workers < 1``.
     """
-    if policy not in ("placeholder_zero_loss", "error"):
-        raise ValueError(f"policy must be 'placeholder_zero_loss' or 'error', got {policy!r}")
-    if max_workers < 1:
-        raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-    per_sample, bodies, grids = checked_refs(samples, adapter, placeholder_token_id)
+    per_sample, bodies, grids = checked_refs(samples, adapter, options.placeholder_token_id)
     keep = resolved is not None  # the caller's cache holds each processed image for the step
     resolved = {} if resolved is None else resolved
     todo = [(ref, body) for ref, body in bodies.items() if ref not in resolved]
     writer = FeatureWriter(adapter, grids) if dedup and grids else None  # rows: first-seen order
-    source = image_source(asset_root)
+    store = image_source(source)
     resolve = functools.partial(
-        _resolve,
-        adapter=adapter,
-        store=source,
-        roots=describe_source(source),
-        replace=policy == "placeholder_zero_loss",
-        raw_pixels=raw_pixels,
-        max_bytes=max_image_bytes,
-        max_pixels=max_image_pixels,
+        _resolve, adapter=adapter, store=store, roots=describe_source(store), options=options
     )
     if writer is not None:  # each image copied into the collated features as it is processed
         resolve = functools.partial(_write, resolve=resolve, writer=writer, keep=keep)
-    done = dict(zip((ref for ref, _ in todo), run_on_pool(resolve, todo, max_workers), strict=True))
+    done = dict(zip((ref for ref, _ in todo), run_on_pool(resolve, todo, options.max_workers), strict=True))
     resolved.update((ref, r) for ref, r in done.items() if r is not None)
     results = {ref: done[ref] if ref in done else resolved[ref] for ref in bodies}
     written = {ref for ref, r in done.items() if not isinstance(r, MMRefError)}
-    batch = _assemble(samples, per_sample, results, grids, adapter, writer=writer)
+    batch = assemble_images(samples, per_sample, results, grids, adapter, writer=writer)
     batch.stats.processed = len(written)
     if any(video_refs(s) for s in samples):  # issue 44: the same pool, policy and step cache
-        reads = VideoReads(source, max_workers, policy == "placeholder_zero_loss", raw_pixels)
-        add_videos(batch, materialize_videos(samples, adapter, reads, dedup=dedup, resolved=resolved))
+        videos = materialize_videos(samples, adapter, store, options, dedup=dedup, resolved=resolved)
+        add_videos(batch, videos)
     metrics.IMAGES_MATERIALIZED.inc(batch.stats.processed)
     if batch.stats.placeholders:
-        _warn_replaced(batch.stats, len(samples), describe_source(source))
+        _warn_replaced(batch.stats, len(samples), describe_source(store))
     return batch
 
 
@@ -230,16 +163,23 @@ def _resolve(
     adapter: ImageAdapter,
     store: ImageSource,
     roots: list[str],
-    replace: bool,
-    **kwargs: Any,
+    options: MaterializeOptions,
 ) -> ProcessedImage | MMRefError:
-    """``adapter.resolve_raw`` of one ref; with ``replace``, a replaceable error is returned, not
-    raised; a raised one names the roots checked (same type, code and ref)."""
+    """``adapter.resolve_raw`` of one ref with ``options``' pixel mode and limits; with
+    ``options.replace_missing``, a replaceable error is returned, not raised; a raised one names
+    the roots checked (same type, code and ref)."""
     ref, body = ref_and_body
     try:
-        return adapter.resolve_raw(body, store, ref=ref, **kwargs)
+        return adapter.resolve_raw(
+            body,
+            store,
+            ref=ref,
+            raw_pixels=options.raw_pixels,
+            max_bytes=options.max_image_bytes,
+            max_pixels=options.max_image_pixels,
+        )
     except MMRefError as e:
-        if replace and isinstance(e, _REPLACEABLE):
+        if options.replace_missing and isinstance(e, _REPLACEABLE):
             return e
         raise type(e)(f"{e.message} (trainer asset roots checked: {', '.join(roots)})", ref=e.ref) from e
 
@@ -258,58 +198,6 @@ def _write(
         return result
     writer.put(ref_and_body[0], result)
     return result if keep else None
-
-
-def _assemble(
-    samples: Sequence[TrainingSample],
-    per_sample: list[list[str]],
-    results: Mapping[str, ProcessedImage | MMRefError | None],
-    grids: dict[str, tuple[int, ...]],
-    adapter: ImageAdapter,
-    *,
-    writer: FeatureWriter | None,
-) -> MaterializedBatch:
-    """Place each ref's result into every slot naming it (zero features of the ref's grid and a
-    zeroed loss mask where it failed), count, and collate: with a ``writer`` (dedup) each distinct
-    image once, those it does not hold yet (written on the pool) put now; else one block per slot.
-    A None result is an image written and not kept."""
-    stats = MaterializeStats(unique_refs=len(results))
-    stats.failed_by_code = dict(Counter(r.code for r in results.values() if isinstance(r, MMRefError)))
-    placeholders: dict[str, ProcessedImage] = {}
-    items: list[ProcessedImage | None] = []  # one per slot, for the per-slot layout
-    out_samples: list[TrainingSample] = []
-    for sample, refs in zip(samples, per_sample, strict=True):
-        failed = [ref for ref in refs if isinstance(results[ref], MMRefError)]
-        for ref in failed:
-            if ref not in placeholders:
-                placeholders[ref] = adapter.zero_features(grids[ref])
-        if writer is None:
-            items += [_item(ref, results, placeholders) for ref in refs]
-        if failed:
-            stats.placeholders += len(failed)
-            stats.zeroed_samples += 1
-            sample = msgspec.structs.replace(sample, loss_mask=[False] * len(sample.loss_mask))
-        out_samples.append(sample)
-    stats.images = sum(map(len, per_sample))
-    metrics.IMAGE_SLOTS.inc(stats.images)
-    metrics.PLACEHOLDER_FALLBACKS.inc(stats.placeholders)
-    metrics.ZEROED_SAMPLES.inc(stats.zeroed_samples)
-    image_index, features = None, adapter.collate(items) if items else {}
-    if writer is not None:
-        index = writer.index
-        image_index = torch.tensor([index[ref] for refs in per_sample for ref in refs], dtype=torch.int64)
-        for ref in index:  # failed, or processed by an earlier call of the step
-            if not writer.has(ref):
-                writer.put(ref, _item(ref, results, placeholders))
-        features = writer.features()
-    return MaterializedBatch(
-        samples=out_samples,
-        features=features,
-        image_index=image_index,
-        images_per_sample=[len(refs) for refs in per_sample],
-        placeholder_refs=list(placeholders),
-        stats=stats,
-    )
 
 
 @dataclass(frozen=True)
@@ -367,8 +255,8 @@ def materialize_micro_batch(
     batch = materialize(
         [s.sample for s in real_slots],
         adapter,
-        **config.materialize_kwargs(),
-        raw_pixels=spec.raw_pixels,
+        config.image_source(),
+        config.options(raw_pixels=spec.raw_pixels),
         dedup=dedup,
         resolved=resolved,
     )
@@ -406,14 +294,3 @@ def _zero_losses(
             loss_mask = loss_mask or list(packed.micro_batch.loss_mask)
             loss_mask[slot.start : slot.start + slot.length] = sample.loss_mask
     return packed if loss_mask is None else replace_loss_mask(packed, loss_mask)
-
-
-def _item(
-    ref: str,
-    results: Mapping[str, ProcessedImage | MMRefError | None],
-    placeholders: dict[str, ProcessedImage],
-) -> ProcessedImage | None:
-    """The features a slot naming ``ref`` gets: the processed image (None: written, not kept), or
-    its zero stand-in."""
-    result = results[ref]
-    return placeholders[ref] if isinstance(result, MMRefError) else result

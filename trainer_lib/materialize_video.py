@@ -34,13 +34,13 @@ from protocol.errors import (
 from protocol.refs import ContentRef, RawRefBody
 from protocol.store import ImageSource
 from protocol.structs import RawMMRef, TrainingSample
+from trainer_lib.config import MaterializeOptions
 from trainer_lib.pool import run_on_pool
 from trainer_lib.sources import raw_body
 
 __all__ = [
     "VIDEO_FEATURES",
     "VideoFeatures",
-    "VideoReads",
     "add_videos",
     "materialize_videos",
     "split_video_features",
@@ -71,25 +71,6 @@ class VideoFeatures:
     """Distinct videos read and processed by this call."""
 
 
-@dataclass(frozen=True)
-class VideoReads:
-    """How :func:`materialize_videos` reads a batch's videos: the settings
-    :func:`trainer_lib.materialize` was called with, in one value.
-
-    Example: ``VideoReads(source, max_workers=2, replace=True)``: read from ``source`` on the
-    2-thread pool, a missing video replaced by zero features, normalized pixels.
-    """
-
-    source: ImageSource
-    """Where videos are read (``protocol.sources.image_source`` of the asset root)."""
-    max_workers: int
-    """Threads of the materialize pool (:mod:`trainer_lib.pool`), at least 1."""
-    replace: bool
-    """Zero stand-ins for a missing or unreadable video (``placeholder_zero_loss``); False: raise."""
-    raw_pixels: bool = False
-    """vLLM's raw (un-normalized) pixels instead of the HF model's normalized ones."""
-
-
 def video_refs(sample: TrainingSample) -> list[RawMMRef]:
     """The sample's video refs, in prompt order."""
     return [r for r in sample.mm_refs.items if r.modality == "video"] if sample.mm_refs else []
@@ -98,7 +79,8 @@ def video_refs(sample: TrainingSample) -> list[RawMMRef]:
 def materialize_videos(
     samples: Sequence[TrainingSample],
     adapter: VideoMixin,
-    reads: VideoReads,
+    source: ImageSource,
+    options: MaterializeOptions,
     *,
     dedup: bool = True,
     resolved: dict[str, Any] | None = None,
@@ -106,8 +88,10 @@ def materialize_videos(
     """Features of every video slot of ``samples``.
 
     Args:
-        reads: where and how the videos are read (source, workers, ``replace``: zero stand-ins
-            for a missing or unreadable video under ``placeholder_zero_loss``; pixel mode).
+        source: where the videos are read (``sources.image_source`` of ``materialize``'s source).
+        options: ``materialize``'s: its pool's workers, its policy (``replace_missing``: zero
+            stand-ins for a missing or unreadable video) and pixel mode. Its image limits are
+            not applied: a video is read within ``resolve_video``'s default limits.
         dedup: each distinct video once plus ``video_index``; False: one copy per slot.
         resolved: the step's :data:`trainer_lib.materialize.Resolved` (ref -> processed video).
 
@@ -115,7 +99,7 @@ def materialize_videos(
         InvalidRef, UnsupportedFamily, FingerprintMismatch, GridMismatch: a ref the adapter
             cannot read, or a ``RawMMRef`` grid other than its ref's.
         PlaceholderMismatch: a ``RawMMRef`` count other than its grid's.
-        MMRefError: any read or decode error (``replace``: only those it may not replace).
+        MMRefError: any read or decode error (``replace_missing``: only those it may not replace).
     """
     if not isinstance(adapter, VideoMixin):
         raise UnsupportedFamily(f"the {adapter.family} adapter has no video path (a video ref in the batch)")
@@ -123,8 +107,8 @@ def materialize_videos(
     grids = _checked(per_sample, adapter)
     resolved = {} if resolved is None else resolved
     todo = [(ref, body) for ref, (body, _) in grids.items() if ref not in resolved]
-    resolve = functools.partial(_resolve, adapter=adapter, reads=reads)
-    done = dict(zip((ref for ref, _ in todo), run_on_pool(resolve, todo, reads.max_workers), strict=True))
+    resolve = functools.partial(_resolve, adapter=adapter, source=source, options=options)
+    done = dict(zip((ref for ref, _ in todo), run_on_pool(resolve, todo, options.max_workers), strict=True))
     resolved.update(done)
     results = {ref: resolved[ref] for ref in grids}
     out = VideoFeatures(features={}, videos_per_sample=[len(refs) for refs in per_sample])
@@ -206,14 +190,16 @@ def _resolve(
     ref_and_body: tuple[str, RawRefBody | ContentRef],
     *,
     adapter: VideoMixin,
-    reads: VideoReads,
+    source: ImageSource,
+    options: MaterializeOptions,
 ) -> ProcessedVideo | MMRefError:
-    """``adapter.resolve_video`` of one ref; with ``reads.replace``, a replaceable error is returned."""
+    """``adapter.resolve_video`` of one ref; with ``options.replace_missing``, a replaceable error
+    is returned."""
     ref, body = ref_and_body
     try:
-        return adapter.resolve_video(body, reads.source, ref=ref, raw_pixels=reads.raw_pixels)
+        return adapter.resolve_video(body, source, ref=ref, raw_pixels=options.raw_pixels)
     except MMRefError as e:
-        if reads.replace and isinstance(e, _REPLACEABLE):
+        if options.replace_missing and isinstance(e, _REPLACEABLE):
             return e
         raise
 

@@ -22,7 +22,7 @@ from protocol.adapters import offload_image
 from protocol.errors import InvalidRequest
 from protocol.refs import file_uri_to_path, format_mmraw, parse_ref
 from protocol.structs import MMRefs, TrainingSample
-from trainer_lib import materialize
+from trainer_lib import MaterializeOptions, materialize
 from vllm_plugin import chat_refs, request_scope
 from vllm_plugin.chat_refs import CHAT_MODE
 from vllm_plugin.weights import ContentKey, engine_hash, parse_handle
@@ -367,7 +367,9 @@ def test_the_trainer_rematerializes_the_chat_routes_pixels(
         input_ids=ids, loss_mask=[True] * n, advantages=[0.0] * n, inference_logprobs=[0.0] * n,
         mm_refs=MMRefs(items=refs),
     )  # fmt: skip
-    batch = materialize([sample], qwen2_vl_adapter, output_root, raw_pixels=served.dtype == torch.uint8)
+    batch = materialize(
+        [sample], qwen2_vl_adapter, output_root, MaterializeOptions(raw_pixels=served.dtype == torch.uint8)
+    )
     assert batch.features["pixel_values"].dtype == served.dtype
     assert (batch.features["pixel_values"].double() - served.double()).abs().max().item() == 0
     assert torch.equal(
