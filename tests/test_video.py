@@ -36,7 +36,7 @@ from protocol.video_header import read_video_header
 from protocol.videos import VideoLimits, VideoSampling, load_video, sample_indices
 from trainer_lib import materialize
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 CLIPS = [("astronaut", 8, 2), ("coffee", 30, 1), ("chelsea", 3, 3), ("rocket", 25, 4)]
 
 

@@ -33,7 +33,7 @@ from trainer_lib.positions import build_position_ids
 from trainer_lib.prepare import prepare_model_for_packing
 
 TOL = 1e-5
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 
 
 class VideoFamily(Family):
@@ -136,8 +136,8 @@ def test_packed_video_forward_matches_one_sample_at_a_time(families, family):
             worst = (out.logprobs - ref).abs().max().item()
             print(f"\n{family} dedup={dedup}: packed vs one-at-a-time max |dlogprob| = {worst:.2e}")
             assert worst <= TOL
-            # Qwen3.5's Gated DeltaNet layers run per segment: no state crosses into the next sample
-            assert out.linear_attention == (PER_SEGMENT_TORCH if family == "qwen3_5" else None)
+            # Qwen3.5(-MoE)'s Gated DeltaNet layers run per segment: no state crosses into the next sample
+            assert out.linear_attention == (PER_SEGMENT_TORCH if family.startswith("qwen3_5") else None)
     # dedup: the shared clip's pixels once (two distinct clips for three video slots)
     m, inputs, _ = run(fam, mb)
     assert m.video_index.tolist() == [0, 1, 0]

@@ -31,11 +31,13 @@ _QWEN3_VL = VideoFamily(loader="qwen3_vl", per_frame_runs=True, second_per_grid_
 VIDEO_FAMILIES: dict[str, VideoFamily] = {
     "qwen2_5_vl": VideoFamily(loader="qwen2_vl", per_frame_runs=False, second_per_grid_ts=True),
     "qwen3_vl": _QWEN3_VL,
-    # vLLM 0.32 serves Qwen3.5 with Qwen3-VL's processor (model_executor/models/qwen3_5.py registers
-    # Qwen3VLMultiModalProcessor), transformers gives it Qwen3VLVideoProcessor: Qwen3-VL's video path.
+    # vLLM 0.32 serves Qwen3.5 and Qwen3.5-MoE with Qwen3-VL's processor (model_executor/models/
+    # qwen3_5.py registers Qwen3VLMultiModalProcessor for both), transformers gives them
+    # Qwen3VLVideoProcessor: Qwen3-VL's video path.
     "qwen3_5": _QWEN3_VL,
+    "qwen3_5_moe": _QWEN3_VL,  # also Qwen3.6-35B-A3B; the same registration (Qwen3_5MoeProcessingInfo)
 }
-"""Families whose videos this version resolves (Qwen2-VL and the MoE variants: not yet)."""
+"""Families whose videos this version resolves (Qwen2-VL and Qwen3-VL-MoE: not yet)."""
 
 
 def video_family(family: str) -> VideoFamily:

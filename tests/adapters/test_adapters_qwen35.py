@@ -161,10 +161,10 @@ def test_a_qwen3_vl_ref_is_refused_by_the_moe_adapter(trainer_adapter, family):
 
 
 def test_qwen35_videos_take_qwen3_vls_path_and_name_its_settings(family, default_oracle, trainer_adapter):
-    """Qwen3.5: vLLM's processor holds transformers' ``Qwen3VLVideoProcessor`` and loads its
+    """Qwen3.5 and Qwen3.5-MoE: vLLM's processor holds transformers' ``Qwen3VLVideoProcessor`` and loads its
     clips with the loader registered for it (``qwen3_vl``); the adapter's video fingerprint hashes
     that processor's frame- and pixel-deciding fields, so a change of any of them is another
-    fingerprint. The MoE families have no video path yet: refused, typed."""
+    fingerprint. Qwen3-VL-MoE has no video path yet: refused, typed."""
     import copy
 
     from vllm.multimodal.video import get_video_loader_backend_for_processor
