@@ -94,8 +94,9 @@ def test_counts_are_checked_per_modality(builder):
         expand_placeholders(one_each, prepared.images, image_id, None)
 
 
-def test_the_client_suppresses_the_video_placeholder_too(model_dir, tmp_path):
-    client = RolloutClient("http://127.0.0.1:9", model_dir, tmp_path)
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_the_client_suppresses_the_video_placeholder_too(family, tmp_path):
+    client = RolloutClient("http://127.0.0.1:9", ensure_tiny_model(family), tmp_path)
     try:
         ids = client.suppressed_token_ids()
     finally:
