@@ -59,7 +59,8 @@ class VideoMixin:
     """Video support for an adapter class (mixed into :class:`~protocol.adapters.QwenVLAdapter`).
 
     Off until :meth:`attach_video` gives it the model's video processor
-    (:func:`~protocol.adapters.load_adapter` does for a family of :data:`VIDEO_FAMILIES`).
+    (:func:`~protocol.adapters.load_adapter` does for a family of
+    :data:`~protocol.adapters.video_families.VIDEO_FAMILIES`).
     """
 
     family: str
@@ -83,7 +84,8 @@ class VideoMixin:
         defaults for the family).
 
         Raises:
-            UnsupportedFamily: the family has no video path here (not in :data:`VIDEO_FAMILIES`).
+            UnsupportedFamily: the family has no video path here (not in
+                :data:`~protocol.adapters.video_families.VIDEO_FAMILIES`).
         """
         spec = self._video_family()
         self.video_processor = video_processor
