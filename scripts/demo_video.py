@@ -49,7 +49,7 @@ def check_family(family: str) -> None:
     if spec is None or spec.per_frame_runs:
         raise SystemExit(
             f"--video runs rollouts through the token route, which takes video refs for qwen2_5_vl; "
-            f"{family} is not supported there (Qwen3-VL: the chat route's video_url only)"
+            f"{family} is not supported there (Qwen3-VL, Qwen3.5: the chat route's video_url only)"
         )
 
 

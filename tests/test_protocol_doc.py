@@ -105,6 +105,25 @@ def test_family_table_is_the_registry():
     assert documented == {t: (cls.grid_field, cls.rope) for t, cls in ADAPTERS.items()}
 
 
+def test_video_family_table_is_video_families():
+    from protocol.adapters import VIDEO_FAMILIES
+
+    rows = _table("video family", "loader", "token route")
+    documented = {
+        row[0].strip("`"): (
+            row[2].strip("`"),
+            row[3].startswith("one run per"),
+            row[4] == "yes",
+            row[5] == "served",
+        )
+        for row in rows
+    }
+    assert documented == {
+        family: (spec.loader, spec.per_frame_runs, spec.second_per_grid_ts, not spec.per_frame_runs)
+        for family, spec in VIDEO_FAMILIES.items()
+    }
+
+
 # The repo is self-contained: nothing points at notes a person who clones it does not have.
 _OUTSIDE = re.compile(r"\.\./shared|NOTES-vllm|DESIGN\.md|DESIGN §|\bNOTES (\"|\(|pitfall|Lessons)")
 _TEXT = {".py", ".md", ".toml", ".sh", ".txt", ".json", ".cfg", ".ini", ".yaml", ".yml", ".pth", ""}

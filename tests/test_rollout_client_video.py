@@ -1,7 +1,7 @@
 """rollout_client with video messages, without a server (issue 44, part 4): a clip offloaded once by
 content, the prompt's placeholders expanded as the HF processor expands them for the same frames
 (the image's and the video's, one message holding both), the video placeholder suppressed beside
-the image's, Qwen3-VL's per-frame video refused with the route that takes it."""
+the image's, Qwen3-VL's and Qwen3.5's per-frame video refused with the route that takes it."""
 
 from __future__ import annotations
 
@@ -94,8 +94,9 @@ def test_counts_are_checked_per_modality(builder):
         expand_placeholders(one_each, prepared.images, image_id, None)
 
 
-def test_the_client_suppresses_the_video_placeholder_too(model_dir, tmp_path):
-    client = RolloutClient("http://127.0.0.1:9", model_dir, tmp_path)
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_the_client_suppresses_the_video_placeholder_too(family, tmp_path):
+    client = RolloutClient("http://127.0.0.1:9", ensure_tiny_model(family), tmp_path)
     try:
         ids = client.suppressed_token_ids()
     finally:
@@ -103,8 +104,11 @@ def test_the_client_suppresses_the_video_placeholder_too(model_dir, tmp_path):
     assert client.builder.placeholder_token_id in ids and client.builder.video_token_id in ids
 
 
-def test_a_qwen3_vl_video_is_refused_naming_the_chat_route(tmp_path):
-    model = ensure_tiny_model("qwen3_vl")
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_a_per_frame_video_is_refused_naming_the_chat_route(family, tmp_path):
+    """Qwen3-VL's and Qwen3.5's video placeholders are one run per frame between timestamp text,
+    which the token route cannot take: refused before any request, naming ``video_url``."""
+    model = ensure_tiny_model(family)
     builder = PromptBuilder(ChatTemplate(model), Offloader(model, tmp_path))
     with pytest.raises(ValueError, match="video_url"):
         builder.first_turn([{"role": "user", "content": [{"type": "video", "video": clip_bytes()}]}])

@@ -20,7 +20,7 @@ import torch
 from video_clips import clip_bytes, with_box_field
 
 from helpers import ensure_tiny_model, photo_bytes
-from protocol.adapters import adapter_class, load_adapter, offload_image, offload_video
+from protocol.adapters import VIDEO_FAMILIES, adapter_class, load_adapter, offload_image, offload_video
 from protocol.errors import (
     AssetNotFound,
     AssetTooLarge,
@@ -36,7 +36,7 @@ from protocol.video_header import read_video_header
 from protocol.videos import VideoLimits, VideoSampling, load_video, sample_indices
 from trainer_lib import MaterializeOptions, materialize
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 CLIPS = [("astronaut", 8, 2), ("coffee", 30, 1), ("chelsea", 3, 3), ("rocket", 25, 4)]
 
 
@@ -181,7 +181,7 @@ def test_clip_by_ref_equals_vllm_processor(family, form, normalize, tmp_path):
     embedded = placeholder.length if placeholder.is_embed is None else int(placeholder.is_embed.sum())
     assert ref.num_placeholders == embedded
     runs = trainer_adapter(family).video_token_runs(ref.grid)
-    if family == "qwen3_vl":  # one run per temporal patch, each after its timestamp text
+    if VIDEO_FAMILIES[family].per_frame_runs:  # one run per temporal patch, after its timestamp text
         mask = placeholder.is_embed.to(torch.int8).tolist()
         found = [len(r) for r in "".join(map(str, mask)).split("0") if r]
         assert runs == found == [ref.grid[1] * ref.grid[2] // 4] * ref.grid[0]
@@ -319,6 +319,11 @@ def test_video_fingerprint_names_the_sampling_and_differs_from_images():
     assert adapter.video_fingerprint != other.video_fingerprint
     assert adapter.video_fingerprint != adapter.fingerprint
     assert adapter.video_fingerprint != trainer_adapter("qwen3_vl").video_fingerprint
+    # Qwen3.5 runs Qwen3-VL's video processor class with its own config: its own fingerprint
+    assert trainer_adapter("qwen3_5").video_fingerprint not in (
+        trainer_adapter("qwen3_vl").video_fingerprint,
+        trainer_adapter("qwen3_5").fingerprint,
+    )
 
 
 # --- the trainer ---------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Video segments in the trainer's packed forward (issue 44, part 3) on tiny Qwen2.5-VL / Qwen3-VL.
+"""Video segments in the trainer's packed forward (issue 44, part 3) on tiny Qwen2.5-VL / Qwen3-VL /
+Qwen3.5 (its Gated DeltaNet layers run per segment, so no state crosses from a video sample into the next).
 
 The reference is transformers' own unpacked forward of each sample
 (``model(input_ids, pixel_values_videos, video_grid_thw, second_per_grid_ts, pixel_values,
@@ -24,6 +25,7 @@ from protocol.errors import PlaceholderMismatch
 from protocol.structs import MMRefs, TrainingSample, decode_microbatch, encode
 from trainer_lib import PackingSpec, materialize
 from trainer_lib.forward import packed_logprobs
+from trainer_lib.linear_attention import PER_SEGMENT_TORCH
 from trainer_lib.materialize import materialize_micro_batch
 from trainer_lib.model_inputs import check_placeholders_match_features, packed_inputs
 from trainer_lib.planning.packing import pack_samples, rebuild_micro_batch
@@ -31,7 +33,7 @@ from trainer_lib.positions import build_position_ids
 from trainer_lib.prepare import prepare_model_for_packing
 
 TOL = 1e-5
-FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe")
 
 
 class VideoFamily(Family):
@@ -134,6 +136,8 @@ def test_packed_video_forward_matches_one_sample_at_a_time(families, family):
             worst = (out.logprobs - ref).abs().max().item()
             print(f"\n{family} dedup={dedup}: packed vs one-at-a-time max |dlogprob| = {worst:.2e}")
             assert worst <= TOL
+            # Qwen3.5(-MoE)'s Gated DeltaNet layers run per segment: no state crosses into the next sample
+            assert out.linear_attention == (PER_SEGMENT_TORCH if family.startswith("qwen3_5") else None)
     # dedup: the shared clip's pixels once (two distinct clips for three video slots)
     m, inputs, _ = run(fam, mb)
     assert m.video_index.tolist() == [0, 1, 0]

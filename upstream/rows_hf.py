@@ -75,7 +75,7 @@ HF_SURFACE: tuple[Touchpoint, ...] = (
     row("transformers.models.kimi_k25.image_processing_kimi_k25:Kimi_K25ImageProcessor", "class",
         "transformers/models/kimi_k25/image_processing_kimi_k25.py", "tests/adapters/test_adapters_kimi.py"),
     row("transformers.models.qwen3_vl.processing_qwen3_vl:Qwen3VLProcessor._calculate_timestamps", "method",
-        "transformers/models/qwen3_vl/processing_qwen3_vl.py", "protocol/adapters/video.py",
+        "transformers/models/qwen3_vl/processing_qwen3_vl.py", "protocol/adapters/video_processing.py",
         key="Qwen3VLProcessor._calculate_timestamps", private=True,
         reached_as="called unbound with None as self (it reads nothing of its instance)",
         why=(
@@ -83,7 +83,7 @@ HF_SURFACE: tuple[Touchpoint, ...] = (
             "calls its own copy of it, transformers has no public function"
         )),
     row("transformers.video_utils:VideoMetadata", "class", "transformers/video_utils.py",
-        "protocol/adapters/video.py"),
+        "protocol/adapters/video_processing.py"),
     row("transformers.convert_slow_tokenizer:bytes_to_unicode", "function",
         "transformers/convert_slow_tokenizer.py", "scripts/tiny_models/common.py", positional=0),
 )

@@ -14,7 +14,8 @@ from protocol.adapters.qwen3_vl_moe import Qwen3VLMoeAdapter
 from protocol.adapters.qwen_vl import QwenVLAdapter
 from protocol.adapters.registry import ADAPTERS, adapter_class, load_adapter, supported_families
 from protocol.adapters.values import ProcessedVideo
-from protocol.adapters.video import VIDEO_FAMILIES, VideoMixin
+from protocol.adapters.video import VideoMixin
+from protocol.adapters.video_families import VIDEO_FAMILIES, VideoFamily
 
 __all__ = [
     "ADAPTERS",
@@ -29,6 +30,7 @@ __all__ = [
     "Qwen35Adapter",
     "QwenVLAdapter",
     "RefForm",
+    "VideoFamily",
     "VideoMixin",
     "adapter_class",
     "load_adapter",

@@ -142,7 +142,7 @@ def offload_video(
         root: as :func:`offload_image` (a folder, ``file://``, an object-store URL: v2 only, a root,
             :class:`AssetRoots`).
         adapter: a family's adapter with its video processor (:func:`load_adapter` attaches it for
-            a family of :data:`VIDEO_FAMILIES`).
+            a family of :data:`~protocol.adapters.video_families.VIDEO_FAMILIES`).
         form: ``"v1"`` (``file://`` path) or ``"v2"`` (named by content).
 
     Raises:

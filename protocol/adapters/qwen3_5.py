@@ -6,7 +6,9 @@ Qwen3-VL's config (patch 16, merge 2, mean/std 0.5); vLLM 0.32 serves both throu
 ``Qwen3VLMultiModalProcessor`` (``model_executor/models/qwen3_5.py``), with ``pixel_values``
 flat by grid product, ``image_grid_thw`` per image, ``t*h*w // merge**2`` ``<|image_pad|>``
 tokens per image and ``mm_device_do_normalize`` on by default. Every pixel fact therefore lives in
-:class:`~protocol.adapters.qwen_vl.QwenVLAdapter`; this class only names the families.
+:class:`~protocol.adapters.qwen_vl.QwenVLAdapter`; this class only names the families. Videos take
+Qwen3-VL's path too (``Qwen3VLVideoProcessor``, vLLM's ``qwen3_vl`` loader, one placeholder run per
+temporal patch after its timestamp: :data:`~protocol.adapters.video_families.VIDEO_FAMILIES`).
 """
 
 from __future__ import annotations

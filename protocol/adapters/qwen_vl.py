@@ -21,6 +21,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from protocol.adapters.base import ImageAdapter, ProcessedImage
+from protocol.adapters.pixel_fields import QWEN_PIXEL_FIELDS, processor_fields
 from protocol.adapters.video import VideoMixin
 
 __all__ = ["MAX_RATIO", "QwenVLAdapter"]
@@ -28,21 +29,6 @@ __all__ = ["MAX_RATIO", "QwenVLAdapter"]
 MAX_RATIO = 200
 """``smart_resize`` refuses images whose aspect ratio exceeds this (transformers
 ``image_processing_pil_qwen2_vl.py``)."""
-
-_PIXEL_FIELDS = (
-    "do_resize",
-    "resample",
-    "size",
-    "do_rescale",
-    "rescale_factor",
-    "do_normalize",
-    "image_mean",
-    "image_std",
-    "do_convert_rgb",
-    "patch_size",
-    "temporal_patch_size",
-    "merge_size",
-)
 
 
 class QwenVLAdapter(VideoMixin, ImageAdapter):
@@ -53,10 +39,7 @@ class QwenVLAdapter(VideoMixin, ImageAdapter):
     rope: ClassVar[str] = "mrope"
 
     def fingerprint_fields(self) -> dict[str, Any]:
-        p = self.image_processor
-        fields = {name: getattr(p, name, None) for name in _PIXEL_FIELDS}
-        fields["size"] = dict(p.size) if p.size is not None else None
-        return fields
+        return processor_fields(self.image_processor, QWEN_PIXEL_FIELDS)
 
     def grid_for_size(self, width: int, height: int) -> tuple[int, int, int]:
         """``[1, h, w]`` from transformers' ``smart_resize`` (factor = patch * merge).

@@ -13,7 +13,8 @@ from protocol.adapters.kimi_vl import KimiVLAdapter
 from protocol.adapters.qwen3_5 import Qwen35Adapter
 from protocol.adapters.qwen3_vl_moe import Qwen3VLMoeAdapter
 from protocol.adapters.qwen_vl import QwenVLAdapter
-from protocol.adapters.video import VIDEO_FAMILIES, VideoMixin
+from protocol.adapters.video import VideoMixin
+from protocol.adapters.video_families import VIDEO_FAMILIES
 from protocol.errors import UnsupportedFamily
 
 __all__ = ["ADAPTERS", "adapter_class", "load_adapter", "supported_families"]
@@ -68,7 +69,7 @@ def load_adapter(
         image_processor: use this processor instance instead of loading one (the server
             passes vLLM's own).
 
-    A family of :data:`~protocol.adapters.video.VIDEO_FAMILIES` also gets the folder's video
+    A family of :data:`~protocol.adapters.video_families.VIDEO_FAMILIES` also gets the folder's video
     processor (``attach_video``: vLLM's loader defaults).
 
     Raises:

@@ -1,8 +1,8 @@
-"""Videos through a family's own HF video processor (issue 44): Qwen2.5-VL and Qwen3-VL.
+"""Videos through a family's own HF video processor (issue 44): Qwen2.5-VL, Qwen3-VL and Qwen3.5.
 
 :class:`VideoMixin` gives an adapter a second processor, the model's video processor
-(transformers' ``Qwen2VLVideoProcessor`` for Qwen2.5-VL, ``Qwen3VLVideoProcessor`` for Qwen3-VL,
-loaded with ``AutoVideoProcessor`` or handed over by the server from vLLM), and the one video path
+(transformers' ``Qwen2VLVideoProcessor`` for Qwen2.5-VL, ``Qwen3VLVideoProcessor`` for Qwen3-VL and
+Qwen3.5, loaded with ``AutoVideoProcessor`` or handed over by the server from vLLM), and the one video path
 both sides run, as :meth:`~protocol.adapters.base.ImageAdapter.resolve_raw` is for images:
 
     ref -> check_video_ref (family, fingerprint required, grid bounded)
@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,6 +30,12 @@ import torch
 
 from protocol.adapters.offload import RefForm, content_named_ref
 from protocol.adapters.values import ProcessedVideo
+from protocol.adapters.video_families import VideoFamily, video_family
+from protocol.adapters.video_processing import (
+    call_video_processor,
+    qwen3_vl_timestamps,
+    video_fingerprint_fields,
+)
 from protocol.errors import FingerprintMismatch, GridMismatch, InvalidRef, UnsupportedFamily, VideoUnreadable
 from protocol.fingerprint import layout_fingerprint, library_versions
 from protocol.placeholders import video_token_runs
@@ -44,70 +49,18 @@ from protocol.videos import (
     DecodedVideo,
     VideoLimits,
     VideoSampling,
-    decoder_identity,
     load_video,
 )
 
-__all__ = ["VIDEO_FAMILIES", "VideoFamily", "VideoMixin"]
-
-_VIDEO_FIELDS = (
-    "do_resize",
-    "resample",
-    "size",
-    "do_rescale",
-    "rescale_factor",
-    "do_normalize",
-    "image_mean",
-    "image_std",
-    "do_convert_rgb",
-    "patch_size",
-    "temporal_patch_size",
-    "merge_size",
-    "do_sample_frames",
-    "fps",
-    "num_frames",
-    "min_frames",
-    "max_frames",
-    "cap_pixels_per_frame",
-    "max_video_tokens",
-)
-"""Video processor fields that change frames, pixels or grids (fingerprinted)."""
-
-
-@dataclass(frozen=True)
-class VideoFamily:
-    """How vLLM 0.32 serves one family's videos."""
-
-    loader: str
-    """The vLLM video loader registered for its video processor (:data:`protocol.videos.LoaderName`)."""
-    per_frame_runs: bool
-    """Placeholders as one run per temporal patch, each after a timestamp (Qwen3-VL)."""
-    second_per_grid_ts: bool
-    """The model takes ``second_per_grid_ts`` (Qwen2.5-VL's MRoPE time axis)."""
-
-
-VIDEO_FAMILIES: dict[str, VideoFamily] = {
-    "qwen2_5_vl": VideoFamily(loader="qwen2_vl", per_frame_runs=False, second_per_grid_ts=True),
-    "qwen3_vl": VideoFamily(loader="qwen3_vl", per_frame_runs=True, second_per_grid_ts=False),
-}
-"""Families whose videos this version resolves (Qwen2-VL and the MoE variants: not yet)."""
-
-
-def _timestamps(video: DecodedVideo, temporal_patch_size: int) -> tuple[float, ...]:
-    """Qwen3-VL's per-patch timestamps: transformers' ``Qwen3VLProcessor._calculate_timestamps``
-    (a method that reads nothing of its instance) on the sampled indices at the source fps, as
-    vLLM's ``Qwen3VLProcessingInfo._get_video_second_idx`` calls its copy of it."""
-    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
-
-    fps = video.fps if video.fps > 0 else 24.0  # vLLM's Qwen3-VL loader: an unknown fps is 24
-    return tuple(Qwen3VLProcessor._calculate_timestamps(None, list(video.indices), fps, temporal_patch_size))
+__all__ = ["VideoMixin"]
 
 
 class VideoMixin:
     """Video support for an adapter class (mixed into :class:`~protocol.adapters.QwenVLAdapter`).
 
     Off until :meth:`attach_video` gives it the model's video processor
-    (:func:`~protocol.adapters.load_adapter` does for a family of :data:`VIDEO_FAMILIES`).
+    (:func:`~protocol.adapters.load_adapter` does for a family of
+    :data:`~protocol.adapters.video_families.VIDEO_FAMILIES`).
     """
 
     family: str
@@ -131,32 +84,23 @@ class VideoMixin:
         defaults for the family).
 
         Raises:
-            UnsupportedFamily: the family has no video path here (not in :data:`VIDEO_FAMILIES`).
+            UnsupportedFamily: the family has no video path here (not in
+                :data:`~protocol.adapters.video_families.VIDEO_FAMILIES`).
         """
         spec = self._video_family()
         self.video_processor = video_processor
         self.video_sampling = sampling or VideoSampling(loader=spec.loader)  # type: ignore[arg-type]
-        vp = video_processor
-        fields: dict[str, Any] = {name: getattr(vp, name, None) for name in _VIDEO_FIELDS}
-        fields["size"] = dict(vp.size) if vp.size is not None else None
-        fields["sampling"] = self.video_sampling.fields()
-        fields["decoder"] = decoder_identity()
         self.video_fingerprint = layout_fingerprint(
             family=self.family,
-            processor_class=type(vp).__name__,
+            processor_class=type(video_processor).__name__,
             backend="torchvision",
             device=self.device,
-            fields=fields,
+            fields=video_fingerprint_fields(video_processor, self.video_sampling),
             versions=library_versions(),
         )
 
     def _video_family(self) -> VideoFamily:
-        spec = VIDEO_FAMILIES.get(self.family)
-        if spec is None:
-            raise UnsupportedFamily(
-                f"videos are not supported for {self.family!r} yet; supported: {sorted(VIDEO_FAMILIES)}"
-            )
-        return spec
+        return video_family(self.family)
 
     def _video_processor(self) -> Any:
         if self.video_processor is None:
@@ -316,10 +260,9 @@ class VideoMixin:
     def process_video(
         self, video: DecodedVideo, *, raw_pixels: bool = False, ref: str | None = None
     ) -> ProcessedVideo:
-        """Run the HF video processor on decoded frames, as vLLM 0.32 calls it: the frames with
-        their loader metadata (``VideoMetadata``, ``do_sample_frames`` left out); Qwen3-VL with
-        ``do_sample_frames`` from the loader (``len(frames) == total``); Qwen2.5-VL's
-        ``second_per_grid_ts = temporal_patch_size / sampled_fps`` (``Qwen2_5_VLProcessor._process_videos``).
+        """Run the HF video processor on decoded frames, as vLLM 0.32 calls it
+        (:func:`protocol.adapters.video_processing.call_video_processor`), with the grid, the
+        placeholder count and (per-frame-runs families) Qwen3-VL's per-patch timestamps.
 
         Args:
             raw_pixels: vLLM's raw uint8 pixels (``mm_device_do_normalize``; the trainer: False).
@@ -327,34 +270,20 @@ class VideoMixin:
         Raises:
             VideoUnreadable: the processor refuses the frames (e.g. aspect ratio above 200).
         """
-        from transformers.video_utils import VideoMetadata
-
         spec, vp = self._video_family(), self._video_processor()
-        meta = video.hf_metadata()
-        kwargs: dict[str, Any] = {"return_tensors": "pt", "return_metadata": True}
-        if raw_pixels:
-            kwargs.update(do_rescale=False, do_normalize=False)
-        if spec.per_frame_runs:
-            kwargs["do_sample_frames"] = meta["do_sample_frames"]
-        md = VideoMetadata(**{k: v for k, v in meta.items() if k != "do_sample_frames"})
         try:
-            out = vp(videos=[video.frames], video_metadata=[md], **kwargs)
+            tensors = call_video_processor(vp, spec, video, raw_pixels=raw_pixels)
         except ValueError as e:
             raise VideoUnreadable(f"{self.family} video processor refused the frames: {e}", ref=ref) from e
-        tensors = {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"]}
-        if spec.second_per_grid_ts:
-            sampled = out["video_metadata"][0].sampled_fps
-            tensors["second_per_grid_ts"] = torch.tensor(
-                [vp.temporal_patch_size / sampled], dtype=torch.float32
-            )
-        grid = tuple(int(g) for g in out["video_grid_thw"][0])
+        grid = tuple(int(g) for g in tensors["video_grid_thw"][0])
+        stamps = qwen3_vl_timestamps(video, int(vp.temporal_patch_size)) if spec.per_frame_runs else None
         return ProcessedVideo(
             tensors=tensors,
             grid=grid,
             num_placeholders=self.video_num_placeholders(grid),
             frames_indices=video.indices,
             fps=video.fps,
-            timestamps=_timestamps(video, int(vp.temporal_patch_size)) if spec.per_frame_runs else None,
+            timestamps=stamps,
         )
 
     def offload_video(

@@ -5,8 +5,10 @@ pixels in both modes, grids, counts, zero features, fingerprints, offload) is
 ``test_adapters_contract.py``; their golden grids (Qwen3-VL's) are ``test_adapters_qwen.py``'s.
 Here: the registry rows and what vLLM resolves for them (Qwen3-VL's processor), their tokenizer,
 the trainer-side HF processor (``Qwen3VLProcessor``) marking the same image positions in
-``mm_token_type_ids`` that the packing derives from the refs, the grid limits, and refs that
-never cross families.
+``mm_token_type_ids`` that the packing derives from the refs, the grid limits, refs that
+never cross families, and Qwen3.5's video path (Qwen3-VL's video processor and loader, a
+fingerprint naming the video processor's settings; ``tests/test_video.py`` holds its tensors to
+vLLM's).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 
 from helpers import chat_ids, ensure_tiny_model, image_bytes
 from protocol.adapters import (
+    VIDEO_FAMILIES,
     Qwen3VLMoeAdapter,
     Qwen35Adapter,
     QwenVLAdapter,
@@ -25,6 +28,7 @@ from protocol.adapters import (
     load_adapter,
     offload_image,
 )
+from protocol.adapters.video_processing import VIDEO_FIELDS
 from protocol.errors import GridMismatch, UnsupportedFamily
 from protocol.images import load_image
 from protocol.placeholders import expand_image_placeholders, locate_image_runs
@@ -151,3 +155,39 @@ def test_a_qwen3_vl_ref_is_refused_by_the_moe_adapter(trainer_adapter, family):
         trainer_adapter.check_ref(parse_ref(format_mmraw(body)), ref="r")
     own = parse_ref(format_mmraw(msgspec.structs.replace(body, family=family)))
     assert trainer_adapter.check_ref(own) == (1, 16, 16)
+
+
+# --- videos ---------------------------------------------------------------------------------------
+
+
+def test_qwen35_videos_take_qwen3_vls_path_and_name_its_settings(family, default_oracle, trainer_adapter):
+    """Qwen3.5 and Qwen3.5-MoE: vLLM's processor holds transformers' ``Qwen3VLVideoProcessor`` and loads its
+    clips with the loader registered for it (``qwen3_vl``); the adapter's video fingerprint hashes
+    that processor's frame- and pixel-deciding fields, so a change of any of them is another
+    fingerprint. Qwen3-VL-MoE has no video path yet: refused, typed."""
+    import copy
+
+    from vllm.multimodal.video import get_video_loader_backend_for_processor
+
+    if family not in VIDEO_FAMILIES:
+        assert trainer_adapter.video_fingerprint is None
+        with pytest.raises(UnsupportedFamily, match="not supported"):
+            trainer_adapter.video_token_runs([2, 4, 4])
+        return
+    served = default_oracle.processor.info.get_hf_processor().video_processor
+    assert type(served).__name__ == type(trainer_adapter.video_processor).__name__ == "Qwen3VLVideoProcessor"
+    assert get_video_loader_backend_for_processor(type(served).__name__) == VIDEO_FAMILIES[family].loader
+    assert trainer_adapter.video_sampling.loader == "qwen3_vl"
+    assert trainer_adapter.video_fingerprint not in (None, trainer_adapter.fingerprint)
+    assert trainer_adapter.video_token_runs([2, 4, 6]) == [6, 6]  # one run per temporal patch
+    for name, value in (
+        ("fps", 1),
+        ("max_frames", 64),
+        ("size", {"shortest_edge": 4096, "longest_edge": 8192}),
+    ):
+        assert name in VIDEO_FIELDS
+        other = load_adapter(ensure_tiny_model(family))
+        changed = copy.deepcopy(other.video_processor)
+        setattr(changed, name, value)
+        other.attach_video(changed)
+        assert other.video_fingerprint != trainer_adapter.video_fingerprint, name
