@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 
 from protocol.adapters import VIDEO_FAMILIES
 from protocol.errors import InvalidRef, InvalidRequest, NotCached, PlaceholderMismatch
-from protocol.placeholders import check_length, check_range, locate_image_runs
+from protocol.placeholder_ranges import check_length, check_range
+from protocol.placeholders import locate_image_runs
 from protocol.refs import ContentRef, RawRefBody, is_ref, parse_ref
 from protocol.structs import RawMMRef
 from upstream import load

@@ -62,7 +62,7 @@ class ProcessedVideo:
     grid: tuple[int, ...]
     """``video_grid_thw`` ``(t, h, w)``."""
     num_placeholders: int
-    """``<|video_pad|>`` tokens in all (:func:`protocol.placeholders.video_token_runs` gives the runs)."""
+    """``<|video_pad|>`` tokens in all (the runs: :func:`protocol.placeholder_counts.video_token_runs`)."""
     frames_indices: tuple[int, ...]
     """The sampled frame indices (what Qwen3-VL's prompt timestamps are computed from)."""
     fps: float

@@ -33,7 +33,7 @@ from protocol.adapters.offload import RefForm, content_named_ref
 from protocol.adapters.values import ProcessedVideo
 from protocol.errors import FingerprintMismatch, GridMismatch, InvalidRef, UnsupportedFamily, VideoUnreadable
 from protocol.fingerprint import layout_fingerprint, library_versions
-from protocol.placeholders import video_token_runs
+from protocol.placeholder_counts import video_token_runs
 from protocol.refs import ContentRef, RawRefBody, format_mmraw
 from protocol.roots import AssetRoot, AssetRoots
 from protocol.store import DEFAULT_MAX_VIDEO_BYTES, AssetStore, ImageSource
@@ -182,7 +182,8 @@ class VideoMixin:
         return sum(self.video_token_runs(grid))
 
     def video_token_runs(self, grid: Sequence[int]) -> list[int]:
-        """The video's placeholder runs in prompt order (:func:`protocol.placeholders.video_token_runs`)."""
+        """The video's placeholder runs in prompt order
+        (:func:`protocol.placeholder_counts.video_token_runs`)."""
         spec = self._video_family()
         merge = int(self._video_processor().merge_size)
         return video_token_runs(grid, merge, per_frame=spec.per_frame_runs)
