@@ -25,7 +25,7 @@ from protocol.adapters import VIDEO_FAMILIES
 from protocol.errors import InvalidRef, InvalidRequest, PlaceholderMismatch
 from protocol.placeholder_ranges import check_range
 from protocol.placeholders import locate_image_runs
-from protocol.refs import ContentRef, RawRefBody, is_ref, parse_ref
+from protocol.refs import ContentRef, RawRefBody, is_ref
 from protocol.structs import RawMMRef
 from upstream import load
 from vllm_plugin.engine_items import EngineItems, RecordedItem
@@ -282,7 +282,7 @@ def _check_declared(declared: RawMMRef, item: ResolvedItem) -> None:
             f"the image gives {list(item.grid)} / {item.num_placeholders}",
             ref=ref,
         )
-    body = parse_ref(ref)
+    body = item.body  # the ref as the resolver parsed it
     if isinstance(body, RawRefBody) and not declared.sha256.startswith(body.mm_hash):
         raise InvalidRef("RawMMRef sha256 and the ref's mm_hash disagree", ref=ref)
     if isinstance(body, ContentRef) and declared.sha256 != body.sha256:
