@@ -116,7 +116,7 @@ _ENTRY: tuple[Touchpoint, ...] = (
         reached_as="getattr(mm_processor.info, 'image_processor', None)", accessor="served_image_processor"),
     row("vllm.multimodal.processing:BaseMultiModalProcessor._get_mm_fields_config", "method",
         "vllm/multimodal/processing/processor.py", _DOOR, "vllm_plugin/startup.py", "bench/item_check.py",
-        "tests/plugin/test_items.py",
+        "tests/plugin/conftest.py",
         reached_as="mm_processor._get_mm_fields_config(hf_inputs, {})", accessor="mm_fields_config",
         positional=2,
         positional_names=("hf_inputs", "hf_processor_mm_kwargs"), private=True,
