@@ -75,6 +75,7 @@ class FeatureForm:
     ) -> None:
         self.resolver = resolver
         self.adapter = resolver.adapter
+        self.engine_items = engine_items
         self.placeholder_token_id = placeholder_token_id
         self.video_token_id = video_token_id
         self.max_refs = resolver.config.max_refs_per_request
