@@ -65,6 +65,7 @@ def build_resolver(model: Path, *, raw_pixels: bool):
     slots pass, nothing serves)."""
     from vllm_plugin.config import PluginConfig
     from vllm_plugin.engine_items import EngineItems
+    from vllm_plugin.feature_positions import PositionChecks
     from vllm_plugin.resolution import FeatureForm
     from vllm_plugin.serving import MMRefServing
     from vllm_plugin.startup import build_resolver as plugin_resolver
@@ -73,7 +74,9 @@ def build_resolver(model: Path, *, raw_pixels: bool):
     resolver = plugin_resolver(proc, mc, PluginConfig(asset_root=BENCH_OUTPUTS))
     pad = resolver.adapter.placeholder_token_id(mc.hf_config)
     serving = MMRefServing(
-        FeatureForm(resolver, EngineItems(object()), placeholder_token_id=pad, ec_transfer=False),
+        FeatureForm(
+            PositionChecks(resolver, EngineItems(object()), placeholder_token_id=pad, ec_transfer=False)
+        ),
         serving_tokens=None,
         allowed_local_media_path=None,
         max_body_bytes=1 << 30,

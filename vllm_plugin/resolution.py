@@ -28,10 +28,10 @@ from protocol.placeholders import locate_image_runs
 from protocol.refs import ContentRef, RawRefBody, is_ref
 from protocol.structs import RawMMRef
 from upstream import load
-from vllm_plugin.engine_items import EngineItems, RecordedItem
+from vllm_plugin.engine_items import RecordedItem
 from vllm_plugin.feature_positions import PositionChecks, positions
 from vllm_plugin.items import CheckedItem
-from vllm_plugin.resolver import MMRefResolver, ResolvedItem
+from vllm_plugin.resolver import ResolvedItem
 from vllm_plugin.serving_tokens import ResolvedSlot
 from vllm_plugin.weights import engine_hash
 
@@ -57,32 +57,20 @@ class FeatureForm:
     """Resolves and checks the images of generate requests for the served model.
 
     Args:
-        resolver: resolves refs (and owns the adapter, the settings, the item layout and the pool).
-        engine_items: what the engine may hold, for ``null`` slots.
-        placeholder_token_id: the model's image placeholder token id.
-        ec_transfer: whether the server has an encoder-cache connector (metadata-only items).
+        positions: the served modality's ``features`` positions, each checked; its resolver
+            (which owns the adapter, the settings, the item layout and the pool), engine items
+            (what the engine may hold, for ``null`` slots) and placeholder token id serve both forms.
         video_token_id: the model's video placeholder token id (None: no videos on this route).
     """
 
-    def __init__(
-        self,
-        resolver: MMRefResolver,
-        engine_items: EngineItems,
-        *,
-        placeholder_token_id: int,
-        ec_transfer: bool,
-        video_token_id: int | None = None,
-    ) -> None:
-        self.resolver = resolver
-        self.adapter = resolver.adapter
-        self.engine_items = engine_items
-        self.placeholder_token_id = placeholder_token_id
+    def __init__(self, positions: PositionChecks, *, video_token_id: int | None = None) -> None:
+        self.positions = positions
+        self.resolver = positions.resolver
+        self.adapter = positions.adapter
+        self.engine_items = positions.engine_items
+        self.placeholder_token_id = positions.placeholder_token_id
         self.video_token_id = video_token_id
-        self.max_refs = resolver.config.max_refs_per_request
-        self.positions = PositionChecks(
-            resolver, engine_items, placeholder_token_id=placeholder_token_id, ec_transfer=ec_transfer
-        )
-        """The served modality's ``features`` positions, each checked."""
+        self.max_refs = self.resolver.config.max_refs_per_request
 
     def check_ref_count(self, n: int) -> None:
         """Bound the refs (and image handles) one request may make the server read.

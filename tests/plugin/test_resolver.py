@@ -16,6 +16,7 @@ from protocol.errors import InvalidRef, UnsupportedFamily
 from protocol.refs import parse_ref
 from vllm_plugin.config import PluginConfig
 from vllm_plugin.engine_items import EngineItems
+from vllm_plugin.feature_positions import PositionChecks
 from vllm_plugin.resolution import FeatureForm
 from vllm_plugin.resolver import MMRefResolver
 
@@ -76,7 +77,9 @@ def test_a_ref_is_parsed_and_checked_once_and_its_parse_travels(resolver, counte
 
 def test_the_refs_form_checks_a_declared_ref_without_parsing_it_again(resolver, counted, photo_refs):
     pad = 151655  # any id: the prompt below is made of it
-    form = FeatureForm(resolver, EngineItems(object()), placeholder_token_id=pad, ec_transfer=False)
+    form = FeatureForm(
+        PositionChecks(resolver, EngineItems(object()), placeholder_token_id=pad, ec_transfer=False)
+    )
     declared = photo_refs["chelsea"]
     ids = [1, *[pad] * declared.num_placeholders, 2]
     resolution = asyncio.run(form.from_refs([declared], ids, "v0"))
