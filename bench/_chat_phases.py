@@ -8,7 +8,8 @@
   re-sent, the assistant turns as the text vLLM answered (what an OpenAI-style agent loop sends),
   all conversations of a path concurrently; per path and turn: API-server CPU ms per request, bytes.
 - :func:`timed_phase`: one phase of posts, the server's CPU read around it (also the benches' own
-  phases, e.g. chat_refs' repeated ref).
+  phases, e.g. chat_refs' repeated ref); :func:`served`: the plugin server the phases load, started
+  over the bench's store and stopped after.
 
 A bench hands its request bodies as a :class:`Bodies` (``make`` a body for a path and one medium,
 ``url`` of a medium on the chat route, ``chat`` body of messages) and its media as an iterator,
@@ -19,11 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+from _common import BENCH_OUTPUTS, bench_asset_root
 from _server_load import GROUP, server_cpu
 
 __all__ = [
@@ -41,6 +47,7 @@ __all__ = [
     "rotated",
     "route",
     "send_all",
+    "served",
     "tally",
     "timed_phase",
     "warm_up",
@@ -98,6 +105,22 @@ class Turns:
     system: str
     question: str
     label: str
+
+
+@contextmanager
+def served(model: Path, extra_args: tuple[str, ...], concurrency: int, name: str) -> Iterator[Server]:
+    """The plugin server for ``model`` over the bench's store (``scripts/vllm_server.py``, its log
+    in a temporary folder ``mmref-bench-<name>-*``), stopped and its log removed on the way out."""
+    from vllm_server import start_server
+
+    bench_asset_root()  # the server's asset root exists before it starts
+    log_dir = Path(tempfile.mkdtemp(prefix=f"mmref-bench-{name}-"))
+    server = start_server(model, BENCH_OUTPUTS, log_dir / "server.log", extra_args=extra_args)
+    try:
+        yield Server(server.url, server.process.pid, concurrency)
+    finally:
+        server.stop()
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def route(path: str) -> str:

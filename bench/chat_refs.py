@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,6 +40,7 @@ from _chat_phases import (
     rl_groups,
     rotated,
     send_all,
+    served,
     tally,
     timed_phase,
     warm_up,
@@ -210,8 +209,6 @@ def main() -> None:
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     model = ensure_bench_model()
-    from vllm_server import start_server
-
     make = Bodies(model)
     print_facts(make.adapter.backend)
     need = (
@@ -226,12 +223,8 @@ def main() -> None:
         "--max-model-len", "8192", "--max-num-seqs", str(CONCURRENCY), "--enable-prefix-caching",
         "--limit-mm-per-prompt", limit,
     )  # fmt: skip
-    bench_asset_root()  # the server's asset root exists before it starts
-    log_dir = Path(tempfile.mkdtemp(prefix="mmref-bench-chat-"))
-    server = start_server(model, BENCH_OUTPUTS, log_dir / "server.log", extra_args=extra)
     targets, rows, turn_rows = [], [], []
-    try:
-        load = Server(server.url, server.process.pid, CONCURRENCY)
+    with served(model, extra, CONCURRENCY, "chat") as load:
         warm_up(load, make, photos, (*GROUP_PATHS, "chat, text only (floor)"))
         results: dict = {}
         if "a" in parts:
@@ -243,9 +236,6 @@ def main() -> None:
         if "c" in parts:
             t, turn_rows = _report_c(agent_turns(load, make, photos, TURNS_PART, args.turn_rounds))
             targets += t
-    finally:
-        server.stop()
-        shutil.rmtree(log_dir, ignore_errors=True)
     header = ("scenario", "path", "requests", "req/s", *(f"CPU ms/req: {r}" for r in ROLES))
     print_table(
         f"(a, b) {CONCURRENCY} concurrent clients, max_tokens {MAX_TOKENS}, 1024x768 photos", header, rows

@@ -21,14 +21,12 @@ from __future__ import annotations
 import argparse
 import base64
 import itertools
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from _chat_phases import SAMPLING, Groups, Server, Turns, agent_turns, rl_groups, warm_up
-from _common import BENCH_OUTPUTS, REPO, bench_asset_root, fmt_bytes, print_facts, print_table
+from _chat_phases import SAMPLING, Groups, Turns, agent_turns, rl_groups, served, warm_up
+from _common import BENCH_OUTPUTS, REPO, fmt_bytes, print_facts, print_table
 from _server_load import GROUP, ROLES
 from _server_multiturn import slope
 
@@ -144,7 +142,6 @@ def main() -> None:
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     from make_tiny_models import ensure_tiny_model
-    from vllm_server import start_server
 
     model = ensure_tiny_model(FAMILY)
     make = Bodies(model)
@@ -155,12 +152,8 @@ def main() -> None:
         "--max-model-len", "4096", "--max-num-seqs", str(GROUP_CONCURRENCY), "--enable-prefix-caching",
         "--limit-mm-per-prompt", limit,
     )  # fmt: skip
-    bench_asset_root()  # the server's asset root exists before it starts
-    log_dir = Path(tempfile.mkdtemp(prefix="mmref-bench-video-"))
-    server = start_server(model, BENCH_OUTPUTS, log_dir / "server.log", extra_args=extra)
     rows_a, rows_b, ratios = [], [], []
-    try:
-        load = Server(server.url, server.process.pid, GROUP_CONCURRENCY)
+    with served(model, extra, GROUP_CONCURRENCY, "video") as load:
         warm_up(load, make, source, GROUP_PATHS)
         if "a" in parts:
             groups = Groups(GROUP_PATHS, args.groups, "video refs")
@@ -169,9 +162,6 @@ def main() -> None:
         if "b" in parts:
             rows_b, more = _report_b(agent_turns(load, make, source, TURNS_PART, args.rounds))
             ratios += more
-    finally:
-        server.stop()
-        shutil.rmtree(log_dir, ignore_errors=True)
     if rows_a:
         header = ("path", "requests", "req/s", "bytes/req", *(f"CPU ms/req: {r}" for r in ROLES))
         print_table(
