@@ -51,7 +51,7 @@ def miss_profile(serving, bodies: list[dict], parse_request) -> tuple[float, flo
         prepared = await serving.prepare(parse_request({"sampling_params": {}, **body}))
         features = prepared.request.features
         engine_input = {"mm_kwargs": mm_kwargs_from_features(features), "mm_hashes": features.mm_hashes}
-        _fill(engine_input, prepared.slots)
+        _fill(engine_input, prepared.resolution.slots)
 
     async def run() -> None:
         for body in bodies:

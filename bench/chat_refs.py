@@ -26,17 +26,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import json
-import shutil
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from _chat_phases import (
+    MAX_TOKENS,
+    SAMPLING,
+    Groups,
+    Server,
+    Turns,
+    agent_turns,
+    encoded,
+    rl_groups,
+    rotated,
+    send_all,
+    served,
+    tally,
+    timed_phase,
+    warm_up,
+)
 from _common import BENCH_OUTPUTS, bench_asset_root, fmt_bytes, print_facts, print_table, ratio_row
 from _common import unique_photos as distinct_photos
 from _models import ensure_bench_model
-from _server_load import GROUP, ROLES, run_load, server_cpu
+from _server_load import GROUP, ROLES
 from _server_multiturn import slope
 
 GROUP_CPU_TARGET = 0.25
@@ -45,10 +57,7 @@ SLOPE_TARGET = 0.1
 CONCURRENCY = 16
 CONVERSATIONS = 8
 TURNS = 6
-MAX_TOKENS = 4
 TEXT = "Describe the picture."
-CHAT, GENERATE = "/v1/chat/completions", "/inference/v1/generate"
-SAMPLING = {"temperature": 1.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
 class Bodies:
@@ -91,103 +100,38 @@ class Bodies:
         return self.chat([{"role": "user", "content": [*parts, {"type": "text", "text": TEXT}]}])
 
 
-def _route(path: str) -> str:
-    return GENERATE if path.startswith("token") else CHAT
-
-
-def _phase(url: str, pid: int, path: str, bodies: list[dict], results: dict, key: tuple) -> None:
-    cpu0 = server_cpu(pid)
-    wall, _ = asyncio.run(run_load(url, _route(path), bodies, CONCURRENCY))
-    cpu1 = server_cpu(pid)
-    res = results.setdefault(key, {"requests": 0, "wall": 0.0, "cpu": {}})
-    res["requests"] += len(bodies)
-    res["wall"] += wall
-    for role, t in cpu1.items():
-        res["cpu"][role] = res["cpu"].get(role, 0.0) + t - cpu0.get(role, 0.0)
-    print(f"[chat refs] {key[0]:<24} {path:<22}: {len(bodies)} requests in {wall:.1f} s", flush=True)
-
-
 def _api_ms(res: dict) -> float:
     return res["cpu"].get("api server", 0.0) / res["requests"] * 1000
 
 
 GROUP_PATHS = ("chat, refs", "chat, data URLs", "token route, refs")
-
-
-def part_a(url: str, pid: int, make: Bodies, photos: Iterator[bytes], requests: int, rounds: int) -> dict:
-    """RL groups: each image GROUP times in a row, paths rotated per round."""
-    results: dict = {}
-    for rnd in range(rounds):
-        for path in GROUP_PATHS[rnd % 3 :] + GROUP_PATHS[: rnd % 3]:
-            bodies = [
-                b
-                for b in (make.make(path, next(photos)) for _ in range(requests // GROUP))
-                for _ in range(GROUP)
-            ]
-            _phase(url, pid, path, bodies, results, ("RL groups", path))
-    return results
-
-
 HIT_PATHS = ("chat, refs", "token route, refs", "chat, text only (floor)")
-
-
-def part_b(url: str, pid: int, make: Bodies, photos: Iterator[bytes], requests: int, rounds: int) -> dict:
-    """A repeated ref: one image, seen before by its path (one warm request), then only hits."""
-    results: dict = {}
-    for rnd in range(rounds):
-        for path in HIT_PATHS[rnd % 3 :] + HIT_PATHS[: rnd % 3]:
-            body = make.make(path, None if "floor" in path else next(photos))
-            asyncio.run(run_load(url, _route(path), [body], 1))  # seen before
-            _phase(url, pid, path, [body] * requests, results, ("repeated ref", path))
-    return results
-
-
 TURN_PATHS = ("chat, refs", "chat, data URLs")
 
 
-async def _turn(http, make: Bodies, path: str, chats: list[list[dict]], urls: list[str]) -> int:
-    """One turn of every conversation of a path, concurrently; returns the request bytes sent."""
-
-    async def one(chat: list[dict], url: str) -> int:
-        part = {"type": "image_url", "image_url": {"url": url}}
-        chat.append({"role": "user", "content": [part, {"type": "text", "text": "What now?"}]})
-        raw = json.dumps(make.chat(chat)).encode()
-        r = await http.post(CHAT, content=raw, headers={"content-type": "application/json"})
-        if r.status_code != 200:
-            raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text[:300]}")
-        chat.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"] or ""})
-        return len(raw)
-
-    return sum(await asyncio.gather(*(one(c, u) for c, u in zip(chats, urls, strict=True))))
+def part_a(server: Server, make: Bodies, photos: Iterator[bytes], requests: int, rounds: int) -> dict:
+    """RL groups: each image GROUP times in a row, paths rotated per round (``_chat_phases``)."""
+    groups = Groups(GROUP_PATHS, requests // GROUP, "chat refs")
+    return {("RL groups", p): r for p, r in rl_groups(server, make, photos, groups, rounds).items()}
 
 
-def part_c(url: str, pid: int, make: Bodies, photos: Iterator[bytes], rounds: int) -> dict:
-    """Multi-turn agents; refs offloaded before each round (the client's own work is a lookup)."""
-    import httpx
-
+def part_b(server: Server, make: Bodies, photos: Iterator[bytes], requests: int, rounds: int) -> dict:
+    """A repeated ref: one image, seen before by its path (one warm request), then only hits."""
     results: dict = {}
-
-    async def run(path: str, shots: list[list[str]]) -> None:
-        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-            chats: list[list[dict]] = [
-                [{"role": "system", "content": "You operate a computer."}] for _ in shots
-            ]
-            for k in range(TURNS):
-                cpu0 = server_cpu(pid)
-                sent = await _turn(http, make, path, chats, [s[k] for s in shots])
-                api = server_cpu(pid).get("api server", 0.0) - cpu0.get("api server", 0.0)
-                res = results.setdefault((path, k), {"api_ms": [], "bytes": 0})
-                res["api_ms"].append(api / CONVERSATIONS * 1000)
-                res["bytes"] += sent
-
     for rnd in range(rounds):
-        for path in TURN_PATHS[rnd % 2 :] + TURN_PATHS[: rnd % 2]:
-            # the refs path's photos offloaded now, outside the timed turns
-            shots = [[make.url(path, next(photos)) for _ in range(TURNS)] for _ in range(CONVERSATIONS)]
-            t0 = time.monotonic()
-            asyncio.run(run(path, shots))
-            print(f"[chat refs] multi-turn round {rnd} {path}: {time.monotonic() - t0:.1f} s", flush=True)
+        for path in rotated(HIT_PATHS, rnd):
+            raw = encoded(make.make(path, None if "floor" in path else next(photos)))
+            asyncio.run(send_all(server.url, path, [raw], 1))  # seen before
+            res = results.setdefault(("repeated ref", path), tally())
+            wall = timed_phase(server, path, [raw] * requests, res)
+            print(f"[chat refs] repeated ref {path:<22}: {requests} requests in {wall:.1f} s", flush=True)
     return results
+
+
+TURNS_PART = Turns(
+    TURN_PATHS, CONVERSATIONS, TURNS, "image_url", "You operate a computer.", "What now?", "chat refs"
+)
+"""(c) multi-turn agents: refs offloaded before each round (the client's own work is a lookup)."""
 
 
 def _report_a(res: dict) -> tuple[list[tuple], list[tuple]]:
@@ -265,8 +209,6 @@ def main() -> None:
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     model = ensure_bench_model()
-    from vllm_server import start_server
-
     make = Bodies(model)
     print_facts(make.adapter.backend)
     need = (
@@ -281,34 +223,19 @@ def main() -> None:
         "--max-model-len", "8192", "--max-num-seqs", str(CONCURRENCY), "--enable-prefix-caching",
         "--limit-mm-per-prompt", limit,
     )  # fmt: skip
-    bench_asset_root()  # the server's asset root exists before it starts
-    log_dir = Path(tempfile.mkdtemp(prefix="mmref-bench-chat-"))
-    server = start_server(model, BENCH_OUTPUTS, log_dir / "server.log", extra_args=extra)
     targets, rows, turn_rows = [], [], []
-    try:
-        pid = server.process.pid
-        for path in (*GROUP_PATHS, "chat, text only (floor)"):  # warm-up
-            asyncio.run(
-                run_load(
-                    server.url,
-                    _route(path),
-                    [make.make(path, None if "floor" in path else next(photos))] * 2,
-                    2,
-                )
-            )
+    with served(model, extra, CONCURRENCY, "chat") as load:
+        warm_up(load, make, photos, (*GROUP_PATHS, "chat, text only (floor)"))
         results: dict = {}
         if "a" in parts:
-            results |= part_a(server.url, pid, make, photos, args.group_requests, args.rounds)
+            results |= part_a(load, make, photos, args.group_requests, args.rounds)
         if "b" in parts:
-            results |= part_b(server.url, pid, make, photos, args.hits, args.rounds)
+            results |= part_b(load, make, photos, args.hits, args.rounds)
         t, rows = _report_a(results)
         targets += t
         if "c" in parts:
-            t, turn_rows = _report_c(part_c(server.url, pid, make, photos, args.turn_rounds))
+            t, turn_rows = _report_c(agent_turns(load, make, photos, TURNS_PART, args.turn_rounds))
             targets += t
-    finally:
-        server.stop()
-        shutil.rmtree(log_dir, ignore_errors=True)
     header = ("scenario", "path", "requests", "req/s", *(f"CPU ms/req: {r}" for r in ROLES))
     print_table(
         f"(a, b) {CONCURRENCY} concurrent clients, max_tokens {MAX_TOKENS}, 1024x768 photos", header, rows

@@ -4,7 +4,8 @@
     plugin builds it: the adapter, a ``PluginConfig``, and ``fields_config`` from vLLM's
     engine-free processor). Target <= 0.05 ms per image.
 (b) A cache miss (read + sha256 + decode + validation + HF processor + vLLM item,
-    ``MMRefResolver._resolve_raw_sync``) vs the bare HF processor call on the same decoded
+    ``MMRefResolver._resolve_raw_sync`` on the ref ``resolve`` checked once before it, the
+    check timed apart) vs the bare HF processor call on the same decoded
     image, in both pixel modes. Target: overhead <= 10 %. Also the breakdown of a miss, and a
     cProfile of the route's whole in-process miss path (``prepare`` + vLLM's
     ``mm_kwargs_from_features`` + the hand-off's fill) with the share of base64/msgpack
@@ -64,6 +65,7 @@ def build_resolver(model: Path, *, raw_pixels: bool):
     slots pass, nothing serves)."""
     from vllm_plugin.config import PluginConfig
     from vllm_plugin.engine_items import EngineItems
+    from vllm_plugin.feature_positions import PositionChecks
     from vllm_plugin.resolution import FeatureForm
     from vllm_plugin.serving import MMRefServing
     from vllm_plugin.startup import build_resolver as plugin_resolver
@@ -72,7 +74,9 @@ def build_resolver(model: Path, *, raw_pixels: bool):
     resolver = plugin_resolver(proc, mc, PluginConfig(asset_root=BENCH_OUTPUTS))
     pad = resolver.adapter.placeholder_token_id(mc.hf_config)
     serving = MMRefServing(
-        FeatureForm(resolver, EngineItems(object()), placeholder_token_id=pad, ec_transfer=False),
+        FeatureForm(
+            PositionChecks(resolver, EngineItems(object()), placeholder_token_id=pad, ec_transfer=False)
+        ),
         serving_tokens=None,
         allowed_local_media_path=None,
         max_body_bytes=1 << 30,
@@ -199,6 +203,7 @@ def miss_steps(serving, jpeg: bytes, kwargs: dict) -> dict[str, Callable[[], obj
     from transformers import BatchFeature
 
     from protocol.adapters import offload_image
+    from protocol.adapters.values import CheckedRef
     from protocol.images import load_image
     from protocol.refs import parse_ref
     from upstream import load
@@ -208,16 +213,15 @@ def miss_steps(serving, jpeg: bytes, kwargs: dict) -> dict[str, Callable[[], obj
     adapter, raw = resolver.adapter, resolver.raw_pixels
     ref = offload_image(jpeg, bench_asset_root(), adapter).ref
     body = parse_ref(ref)
+    checked = CheckedRef(body, adapter.check_ref(body, ref=ref))  # as resolve() checks it, once
     image = load_image(jpeg)
     hf_inputs = BatchFeature(dict(adapter.process(image, raw_pixels=raw).tensors))
-    mmfile = feature_ref(resolver, resolver._resolve_raw_sync(body, ref))
+    mmfile = feature_ref(resolver, resolver._resolve_raw_sync(checked, ref))
     return {
         "bare HF processor call": lambda: adapter.image_processor(images=[image], **kwargs),
-        "full miss (_resolve_raw_sync)": lambda: resolver._resolve_raw_sync(body, ref),
+        "full miss (_resolve_raw_sync)": lambda: resolver._resolve_raw_sync(checked, ref),
         "parse_ref + check_ref": lambda: adapter.check_ref(parse_ref(ref), ref=ref),
-        "read + sha256 (read_hashed)": lambda: resolver.store.read_hashed(body.raw_image_uri, body.mm_hash)[
-            0
-        ],
+        "read + sha256 (read_image)": lambda: resolver.store.read_image(body)[0],
         "decode (load_image)": lambda: load_image(jpeg),
         "adapter.process (HF processor + wrap)": lambda: adapter.process(image, raw_pixels=raw),
         "vLLM item (from_hf_inputs)": lambda: from_hf_inputs(

@@ -19,35 +19,31 @@ docs/PERFORMANCE.md ("Video by reference").
 from __future__ import annotations
 
 import argparse
-import asyncio
 import base64
 import itertools
-import json
-import shutil
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from _common import BENCH_OUTPUTS, REPO, bench_asset_root, fmt_bytes, print_facts, print_table
-from _server_load import ROLES, server_cpu
+from _chat_phases import SAMPLING, Groups, Turns, agent_turns, rl_groups, served, warm_up
+from _common import BENCH_OUTPUTS, REPO, fmt_bytes, print_facts, print_table
+from _server_load import GROUP, ROLES
 from _server_multiturn import slope
 
 sys.path.insert(0, str(REPO / "scripts"))  # the clips the tests and the demo use
 
-GROUP = 8
 GROUP_CONCURRENCY = 8
 CONVERSATIONS = 4
 TURNS = 6
-MAX_TOKENS = 4
 FAMILY = "qwen2_5_vl"
 TEXT = "Describe the video."
-CHAT, GENERATE = "/v1/chat/completions", "/inference/v1/generate"
-SAMPLING = {"temperature": 1.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "immunohistochemistry", "hubble_deep_field")
 GROUP_PATHS = ("chat, refs", "chat, data URLs", "token route, refs")
 TURN_PATHS = ("chat, refs", "chat, data URLs")
+TURNS_PART = Turns(
+    TURN_PATHS, CONVERSATIONS, TURNS, "video_url", "You watch videos.", "And now?", "video refs"
+)
+"""(b) agents with a growing clip history; refs offloaded before each round."""
 
 
 def clips(seconds: int) -> Iterator[bytes]:
@@ -100,88 +96,6 @@ class Bodies:
         return self.chat([{"role": "user", "content": [part, {"type": "text", "text": TEXT}]}])
 
 
-async def _send(url: str, route: str, raws: list[bytes], concurrency: int) -> float:
-    """Post the encoded bodies in order with ``concurrency`` clients; the wall seconds."""
-    import httpx
-
-    queue = list(reversed(raws))
-    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-
-        async def worker() -> None:
-            while queue:
-                raw = queue.pop()
-                r = await http.post(route, content=raw, headers={"content-type": "application/json"})
-                if r.status_code != 200:
-                    raise RuntimeError(f"{route}: HTTP {r.status_code}: {r.text[:300]}")
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return time.perf_counter() - t0
-
-
-def part_a(url: str, pid: int, make: Bodies, source: Iterator[bytes], groups: int, rounds: int) -> dict:
-    """RL groups: each clip GROUP times in a row, the path order rotated per round."""
-    results: dict = {}
-    for rnd in range(rounds):
-        for path in GROUP_PATHS[rnd % 3 :] + GROUP_PATHS[: rnd % 3]:
-            raws = [json.dumps(make.make(path, next(source))).encode() for _ in range(groups)]
-            raws = [raw for raw in raws for _ in range(GROUP)]
-            route = GENERATE if path.startswith("token") else CHAT
-            cpu0 = server_cpu(pid)
-            wall = asyncio.run(_send(url, route, raws, GROUP_CONCURRENCY))
-            cpu1 = server_cpu(pid)
-            res = results.setdefault(path, {"requests": 0, "wall": 0.0, "bytes": 0, "cpu": {}})
-            res["requests"] += len(raws)
-            res["wall"] += wall
-            res["bytes"] += sum(map(len, raws))
-            for role, t in cpu1.items():
-                res["cpu"][role] = res["cpu"].get(role, 0.0) + t - cpu0.get(role, 0.0)
-            print(f"[video refs] RL groups {path:<18}: {len(raws)} requests in {wall:.1f} s", flush=True)
-    return results
-
-
-async def _turn(http, make: Bodies, chats: list[list[dict]], urls: list[str]) -> int:
-    """One turn of every conversation, concurrently; the request bytes sent."""
-
-    async def one(chat: list[dict], url: str) -> int:
-        part = {"type": "video_url", "video_url": {"url": url}}
-        chat.append({"role": "user", "content": [part, {"type": "text", "text": "And now?"}]})
-        raw = json.dumps(make.chat(chat)).encode()
-        r = await http.post(CHAT, content=raw, headers={"content-type": "application/json"})
-        if r.status_code != 200:
-            raise RuntimeError(f"chat: HTTP {r.status_code}: {r.text[:300]}")
-        chat.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"] or ""})
-        return len(raw)
-
-    return sum(await asyncio.gather(*(one(c, u) for c, u in zip(chats, urls, strict=True))))
-
-
-def part_b(url: str, pid: int, make: Bodies, source: Iterator[bytes], rounds: int) -> dict:
-    """Agents with a growing clip history; refs offloaded before each round."""
-    import httpx
-
-    results: dict = {}
-
-    async def run(path: str, shots: list[list[str]]) -> None:
-        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-            chats: list[list[dict]] = [[{"role": "system", "content": "You watch videos."}] for _ in shots]
-            for k in range(TURNS):
-                cpu0 = server_cpu(pid)
-                sent = await _turn(http, make, chats, [s[k] for s in shots])
-                api = server_cpu(pid).get("api server", 0.0) - cpu0.get("api server", 0.0)
-                res = results.setdefault((path, k), {"api_ms": [], "bytes": 0})
-                res["api_ms"].append(api / CONVERSATIONS * 1000)
-                res["bytes"] += sent
-
-    for rnd in range(rounds):
-        for path in TURN_PATHS[rnd % 2 :] + TURN_PATHS[: rnd % 2]:
-            shots = [[make.url(path, next(source)) for _ in range(TURNS)] for _ in range(CONVERSATIONS)]
-            t0 = time.monotonic()
-            asyncio.run(run(path, shots))
-            print(f"[video refs] agents round {rnd} {path}: {time.monotonic() - t0:.1f} s", flush=True)
-    return results
-
-
 def _report_a(res: dict) -> tuple[list[tuple], list[tuple]]:
     """(the paths' rows, the ratios)."""
     rows = []
@@ -228,7 +142,6 @@ def main() -> None:
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     from make_tiny_models import ensure_tiny_model
-    from vllm_server import start_server
 
     model = ensure_tiny_model(FAMILY)
     make = Bodies(model)
@@ -239,24 +152,16 @@ def main() -> None:
         "--max-model-len", "4096", "--max-num-seqs", str(GROUP_CONCURRENCY), "--enable-prefix-caching",
         "--limit-mm-per-prompt", limit,
     )  # fmt: skip
-    bench_asset_root()  # the server's asset root exists before it starts
-    log_dir = Path(tempfile.mkdtemp(prefix="mmref-bench-video-"))
-    server = start_server(model, BENCH_OUTPUTS, log_dir / "server.log", extra_args=extra)
     rows_a, rows_b, ratios = [], [], []
-    try:
-        pid = server.process.pid
-        for path in GROUP_PATHS:  # warm-up
-            route = GENERATE if path.startswith("token") else CHAT
-            asyncio.run(_send(server.url, route, [json.dumps(make.make(path, next(source))).encode()] * 2, 2))
+    with served(model, extra, GROUP_CONCURRENCY, "video") as load:
+        warm_up(load, make, source, GROUP_PATHS)
         if "a" in parts:
-            rows_a, more = _report_a(part_a(server.url, pid, make, source, args.groups, args.rounds))
+            groups = Groups(GROUP_PATHS, args.groups, "video refs")
+            rows_a, more = _report_a(rl_groups(load, make, source, groups, args.rounds))
             ratios += more
         if "b" in parts:
-            rows_b, more = _report_b(part_b(server.url, pid, make, source, args.rounds))
+            rows_b, more = _report_b(agent_turns(load, make, source, TURNS_PART, args.rounds))
             ratios += more
-    finally:
-        server.stop()
-        shutil.rmtree(log_dir, ignore_errors=True)
     if rows_a:
         header = ("path", "requests", "req/s", "bytes/req", *(f"CPU ms/req: {r}" for r in ROLES))
         print_table(

@@ -12,29 +12,22 @@ sides must agree, token for token, on where each image sits::
 Adjacent images share one run and are split by their counts in order; an image never spans two
 runs. All functions raise :class:`~protocol.errors.PlaceholderMismatch` (HTTP 422
 ``placeholder_mismatch``) naming the token id and both counts.
+
+This module writes and finds the runs in a prompt; beside it, one job each:
+:mod:`protocol.placeholder_counts` (how many tokens a grid takes, a video's runs, a sample's claimed
+counts) and :mod:`protocol.placeholder_ranges` (the server's check of a range a request states).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
 from protocol.errors import InvalidRequest, PlaceholderMismatch
 from protocol.structs import RawMMRef
 
-__all__ = [
-    "check_length",
-    "check_no_typed_images",
-    "check_placeholder_counts",
-    "check_range",
-    "expand_image_placeholders",
-    "grid_placeholder_count",
-    "locate_image_runs",
-    "locate_video_runs",
-    "video_token_runs",
-]
+__all__ = ["expand_image_placeholders", "locate_image_runs", "locate_video_runs"]
 
 
 def expand_image_placeholders(
@@ -64,90 +57,6 @@ def expand_image_placeholders(
     for t in token_ids:
         out.extend([t] * next(images).num_placeholders if t == placeholder_token_id else [t])
     return out
-
-
-def grid_placeholder_count(
-    num_placeholders: Callable[[Sequence[int]], int],
-    grid: Sequence[int],
-    *,
-    sample: int | None = None,
-    ref: str | None = None,
-) -> int:
-    """``num_placeholders(grid)`` (an adapter's ``num_placeholders``), as an int.
-
-    Raises:
-        PlaceholderMismatch: a grid the function cannot read (wrong length, not ints).
-    """
-    try:
-        return int(num_placeholders(grid))
-    except (TypeError, ValueError) as e:
-        where = f"sample {sample}: " if sample is not None else ""
-        raise PlaceholderMismatch(
-            f"{where}grid {list(grid)} gives no placeholder count ({e})", ref=ref
-        ) from e
-
-
-def video_token_runs(grid: Sequence[int], merge_size: int, *, per_frame: bool) -> list[int]:
-    """The ``<|video_pad|>`` runs of one video with ``video_grid_thw`` ``grid = [t, h, w]``, in
-    prompt order: ``t*h*w // merge_size**2`` tokens in all (vLLM's ``get_replacement_qwen2vl``).
-
-    Qwen2-VL / Qwen2.5-VL place them as one run (``per_frame=False``); Qwen3-VL as ``t`` runs of
-    ``h*w // merge_size**2``, one per temporal patch, each after its timestamp text
-    (``<t.t seconds><|vision_start|>...<|vision_end|>``: vLLM ``Qwen3VLMultiModalProcessor.get_video_repl``).
-
-    Example::
-
-        video_token_runs([2, 10, 8], 2, per_frame=False) == [40]
-        video_token_runs([2, 10, 8], 2, per_frame=True) == [20, 20]
-
-    Raises:
-        PlaceholderMismatch: a grid that is not three positive ints, or a frame whose patches do
-            not merge into whole tokens.
-    """
-    values = [int(g) for g in grid]
-    if len(values) != 3 or min(values) < 1 or (values[1] * values[2]) % merge_size**2:
-        raise PlaceholderMismatch(f"video grid {values} gives no placeholder count (merge size {merge_size})")
-    t, h, w = values
-    per = h * w // merge_size**2
-    return [per] * t if per_frame else [t * per]
-
-
-def check_no_typed_images(mm_token_type_ids: Sequence[int] | None, *, sample: int | None = None) -> None:
-    """A sample without images may hold the placeholder id as text (a stray placeholder), but
-    ``mm_token_type_ids`` may not mark any token as an image.
-
-    Raises:
-        PlaceholderMismatch: ``mm_token_type_ids`` marks an image token.
-    """
-    if mm_token_type_ids is not None and any(mm_token_type_ids):
-        raise PlaceholderMismatch(
-            f"sample {sample}: mm_token_type_ids marks {sum(mm_token_type_ids)} image token(s) but the "
-            f"sample has no images"
-        )
-
-
-def check_placeholder_counts(
-    refs: Sequence[RawMMRef], num_placeholders: Callable[[Sequence[int]], int], *, sample: int | None = None
-) -> None:
-    """Each ref's ``num_placeholders`` must be what its ``grid`` gives.
-
-    Args:
-        refs: the images of one prompt.
-        num_placeholders: the adapter's ``num_placeholders`` (grid -> placeholder tokens).
-        sample: the sample's position in a batch, named in error messages.
-
-    Raises:
-        PlaceholderMismatch: naming the ref, both counts and the grid (also a grid that
-            :func:`grid_placeholder_count` cannot read).
-    """
-    for r in refs:
-        want = grid_placeholder_count(num_placeholders, r.grid, sample=sample, ref=r.ref)
-        if want != r.num_placeholders:
-            where = f"sample {sample}: " if sample is not None else ""
-            raise PlaceholderMismatch(
-                f"{where}ref claims {r.num_placeholders} placeholders, its grid {r.grid} gives {want}",
-                ref=r.ref,
-            )
 
 
 def locate_image_runs(
@@ -229,7 +138,8 @@ def locate_video_runs(
 
     Args:
         refs: the videos in prompt order (named in errors).
-        runs: per video, its runs' token counts (``adapter.video_token_runs(grid)``).
+        runs: per video, its runs' token counts (``adapter.video_token_runs(grid)``,
+            :func:`protocol.placeholder_counts.video_token_runs`).
 
     Raises:
         PlaceholderMismatch: see :func:`locate_image_runs` (its messages say "image" for the
@@ -343,61 +253,3 @@ def _runs_fast(
         spans.append((i, c))
         pos = i + c
     return spans
-
-
-def check_range(
-    token_ids: Sequence[int],
-    placeholder: Mapping[str, Any],
-    placeholder_token_id: int,
-    expected: int,
-    ref: str | None,
-) -> None:
-    """Check one ``{"offset", "length"}`` range (vLLM's ``PlaceholderRange`` as a request states it):
-    ``expected`` long, in bounds, every token the placeholder.
-
-    Args:
-        token_ids: the prompt.
-        placeholder: ``{"offset": int, "length": int}``.
-        placeholder_token_id: e.g. the id of ``<|image_pad|>``.
-        expected: the item's feature count (its ``num_placeholders``).
-        ref: the item's ref (or hash), carried by the error.
-
-    Raises:
-        InvalidRequest: offset or length missing or not integers.
-        PlaceholderMismatch: naming the offset, both lengths and the token id.
-    """
-    offset, length = placeholder.get("offset"), placeholder.get("length")
-    if type(offset) is not int or type(length) is not int:
-        raise InvalidRequest(
-            f"mm_placeholders entries need integer offset and length, got {offset!r}, {length!r}"
-        )
-    check_length(placeholder, expected, ref=ref)
-    window = token_ids[offset : offset + length] if offset >= 0 else []
-    if len(window) != length or any(t != placeholder_token_id for t in window):
-        raise PlaceholderMismatch(
-            f"tokens {offset}..{offset + length} are not all placeholder id {placeholder_token_id}", ref=ref
-        )
-
-
-def check_length(
-    placeholder: Mapping[str, Any], expected: int, where: str = "", ref: str | None = None
-) -> None:
-    """Check that one ``{"offset", "length"}`` range (integers) is ``expected`` long: the one copy
-    of the rule that a range covers exactly its item's features (:func:`check_range` adds the
-    token check).
-
-    Args:
-        placeholder: ``{"offset": int, "length": int}``.
-        expected: the item's feature count (its ``num_placeholders``).
-        where: the item, for the message (e.g. ``"image item 2"``).
-        ref: the item's ref (or hash), carried by the error.
-
-    Raises:
-        PlaceholderMismatch: naming the offset and both lengths.
-    """
-    offset, length = placeholder["offset"], placeholder["length"]
-    if length != expected:
-        prefix = f"{where}: " if where else ""
-        raise PlaceholderMismatch(
-            f"{prefix}placeholder range at {offset} has length {length}, the item needs {expected}", ref=ref
-        )

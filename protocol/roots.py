@@ -264,7 +264,7 @@ class AssetRoots:
         first_error: AssetOutsideRoot | AssetNotFound | None = None
         if self.legacy is not None:
             try:
-                return self.legacy.read_hashed(body.raw_image_uri, body.mm_hash, max_bytes=max_bytes, ref=ref)
+                return self.legacy.read_path_hashed(path, body.mm_hash, max_bytes=max_bytes, ref=ref)
             except (AssetOutsideRoot, AssetNotFound) as e:
                 first_error = e
         return self._first_holding(

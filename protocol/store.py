@@ -310,7 +310,21 @@ class AssetStore:
         """
         if not MM_HASH_RE.fullmatch(mm_hash):
             raise InvalidRef(f"mm_hash {mm_hash[:80]!r} does not match {MM_HASH_RE.pattern}", ref=ref)
-        data = self.read_confined(file_uri_to_path(uri, ref=ref), max_bytes=max_bytes, ref=ref)
+        return self.read_path_hashed(file_uri_to_path(uri, ref=ref), mm_hash, max_bytes=max_bytes, ref=ref)
+
+    def read_path_hashed(
+        self, path: str, mm_hash: str, *, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES, ref: str | None = None
+    ) -> tuple[bytes, str]:
+        """:meth:`read_hashed` for a ref already parsed: ``path`` read from its URI once
+        (:func:`~protocol.refs.file_uri_to_path`) and ``mm_hash`` checked when the ref was
+        (:class:`~protocol.refs.RawRefBody`), so neither is checked again (issue 45). Returns the
+        bytes and their full hex sha256.
+
+        Raises:
+            AssetOutsideRoot, AssetNotFound, StoreUnavailable, AssetTooLarge, HashMismatch: see
+                :meth:`read_hashed`.
+        """
+        data = self.read_confined(path, max_bytes=max_bytes, ref=ref)
         return data, check_sha256(data, mm_hash, ref=ref)
 
     def read_image(
@@ -334,7 +348,8 @@ class AssetStore:
         if isinstance(body, ContentRef):
             data = self.read_confined(self.root / body.key, max_bytes=max_bytes, ref=ref, name=body.key)
             return data, check_sha256(data, body.sha256, ref=ref)
-        return self.read_hashed(body.raw_image_uri, body.mm_hash, max_bytes=max_bytes, ref=ref)
+        path = file_uri_to_path(body.raw_image_uri, ref=ref)
+        return self.read_path_hashed(path, body.mm_hash, max_bytes=max_bytes, ref=ref)
 
 
 def _shown(path: str | os.PathLike[str], name: str | None) -> str:

@@ -197,6 +197,31 @@ def test_second_per_grid_ts_is_temporal_patch_over_sampled_fps(tmp_path):
     assert got.tensors["second_per_grid_ts"].tolist() == [1.0] and got.frames_indices == (0, 4, 8, 12)
 
 
+def test_a_checked_video_ref_is_not_checked_again_and_an_image_claim_is(monkeypatch, tmp_path):
+    """``CheckedRef`` (issue 45): the server's resolver checks a ref once, before it queues the
+    read; the read path takes that claim as is, checks a bare body, and checks a ref claimed for
+    the other modality (refused as before)."""
+    import msgspec
+
+    from protocol.adapters.values import CheckedRef
+
+    adapter, store = trainer_adapter("qwen2_5_vl"), AssetStore(tmp_path)
+    ref = offload_video(clip_bytes(), tmp_path, adapter)
+    body = parse_ref(ref.ref)
+    checked = CheckedRef(body, adapter.check_video_ref(body, ref=ref.ref))
+    calls: list[str | None] = []
+    real = adapter.check_video_ref
+    monkeypatch.setattr(
+        adapter, "check_video_ref", lambda b, *, ref=None: calls.append(ref) or real(b, ref=ref)
+    )
+    got = adapter.resolve_video(checked, store, ref=ref.ref)
+    assert calls == [] and got.grid == tuple(ref.grid)
+    assert adapter.resolve_video(body, store, ref=ref.ref).grid == got.grid and calls == [ref.ref]
+    image_claim = CheckedRef(msgspec.structs.replace(body, modality="image"), tuple(ref.grid))
+    with pytest.raises(InvalidRef, match="an image ref where a video is expected"):
+        adapter.resolve_video(image_claim, store, ref=ref.ref)
+
+
 def test_offload_is_idempotent_and_content_addressed(tmp_path):
     adapter = trainer_adapter("qwen3_vl")
     a = offload_video(clip_bytes(), tmp_path, adapter, form="v2")

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from protocol.adapters import ImageAdapter
 from protocol.errors import GridMismatch, InvalidRef
-from protocol.placeholders import check_no_typed_images, check_placeholder_counts, locate_image_runs
+from protocol.placeholder_counts import check_no_typed_images, check_placeholder_counts
+from protocol.placeholders import locate_image_runs
 from protocol.refs import ContentRef, FileRef, RawRefBody, parse_ref
 from protocol.roots import AssetRoots, LocalRoot
 from protocol.store import AssetStore, ImageSource

@@ -116,7 +116,7 @@ _ENTRY: tuple[Touchpoint, ...] = (
         reached_as="getattr(mm_processor.info, 'image_processor', None)", accessor="served_image_processor"),
     row("vllm.multimodal.processing:BaseMultiModalProcessor._get_mm_fields_config", "method",
         "vllm/multimodal/processing/processor.py", _DOOR, "vllm_plugin/startup.py", "bench/item_check.py",
-        "tests/plugin/test_items.py",
+        "tests/plugin/conftest.py",
         reached_as="mm_processor._get_mm_fields_config(hf_inputs, {})", accessor="mm_fields_config",
         positional=2,
         positional_names=("hf_inputs", "hf_processor_mm_kwargs"), private=True,
@@ -259,7 +259,7 @@ _ITEMS: tuple[Touchpoint, ...] = (
         positional=0,
         keywords=("batch_size",)),
     row(f"{_INPUTS}:MultiModalKwargsItem", "class", _INPUTS_FILE, "vllm_plugin/engine_items.py",
-        "vllm_plugin/items.py", "vllm_plugin/resolution.py", "tests/plugin/test_engine_items.py",
+        "vllm_plugin/items.py", "vllm_plugin/feature_positions.py", "tests/plugin/test_engine_items.py",
         positional=1),
     # --- items.py, resolver.py: vLLM's item codec and field layout ---------------------------------------
     row("vllm.v1.serial_utils:MsgpackEncoder", "class", "vllm/v1/serial_utils.py", "vllm_plugin/items.py",
@@ -287,7 +287,7 @@ _ITEMS: tuple[Touchpoint, ...] = (
 )
 
 _ROUTE: tuple[Touchpoint, ...] = (
-    # --- protocol.py, serving.py, resolution.py, seeds.py: the token-in/token-out schema ----------------
+    # --- protocol.py, serving.py, resolution.py, feature_positions.py, seeds.py: the token schema ---
     row(f"{_TIT}.protocol:GenerateRequest", "class", f"{_TIT_FILE}/protocol.py", "vllm_plugin/protocol.py",
         reached_as="subclassed by MMRefGenerateRequest (adds mm_refs)"),
     row(f"{_TIT}.protocol:GenerateRequest.token_ids", "attribute", f"{_TIT_FILE}/protocol.py",
@@ -306,10 +306,10 @@ _ROUTE: tuple[Touchpoint, ...] = (
         "vllm_plugin/resolution.py", positional=0,
         keywords=("mm_hashes", "mm_placeholders", "kwargs_data", "mm_metadata")),
     *_attrs(f"{_TIT}.protocol:MultiModalFeatures", f"{_TIT_FILE}/protocol.py",
-            ("vllm_plugin/serving.py", "vllm_plugin/resolution.py"),
+            ("vllm_plugin/serving.py", "vllm_plugin/resolution.py", "vllm_plugin/feature_positions.py"),
             "mm_hashes", "kwargs_data", "mm_metadata"),
     row(f"{_TIT}.protocol:MultiModalFeatures.mm_placeholders", "attribute", f"{_TIT_FILE}/protocol.py",
-        "vllm_plugin/resolution.py", "vllm_plugin/seeds.py"),
+        "vllm_plugin/resolution.py", "vllm_plugin/feature_positions.py", "vllm_plugin/seeds.py"),
     row(f"{_TIT}.protocol:PlaceholderRangeInfo.offset", "attribute", f"{_TIT_FILE}/protocol.py",
         "vllm_plugin/resolution.py"),
     row(f"{_TIT}.protocol:PlaceholderRangeInfo.length", "attribute", f"{_TIT_FILE}/protocol.py",

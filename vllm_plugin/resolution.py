@@ -4,9 +4,11 @@ returned by :class:`FeatureForm` for each of the two request forms.
 - ``mm_refs`` (prompt order, :meth:`FeatureForm.from_refs`): each ref resolved (``resolver.py``),
   its placeholder run located in the prompt (``protocol.placeholders.locate_image_runs``; video
   refs, Qwen2.5-VL, under ``"video"`` with the video token's runs);
-- ``features`` (:meth:`FeatureForm.check`): each position a ref (resolved), an inline item (decoded
-  and checked as vLLM will merge it), or a ``null`` slot (the engine's cache, or a content-named
-  handle resolved from the roots), every range as long as its item (docs/ARCHITECTURE.md).
+- ``features`` (:meth:`FeatureForm.check`): each position of the served modality a ref
+  (resolved), an inline item (decoded and checked as vLLM will merge it), or a ``null`` slot (the
+  engine's cache, or a content-named handle resolved from the roots), every range as long as its
+  item (``feature_positions.py``'s :class:`~vllm_plugin.feature_positions.PositionChecks`); video
+  positions (Qwen2.5-VL) video refs only, resolved here (docs/ARCHITECTURE.md).
 
 A resolved ref's slot is left ``null`` in the features vLLM reads; its item travels as a
 :class:`~vllm_plugin.serving_tokens.ResolvedSlot` and enters the engine input at the hand-off.
@@ -20,16 +22,18 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from protocol.adapters import VIDEO_FAMILIES
-from protocol.errors import InvalidRef, InvalidRequest, NotCached, PlaceholderMismatch
-from protocol.placeholders import check_length, check_range, locate_image_runs
-from protocol.refs import ContentRef, RawRefBody, is_ref, parse_ref
+from protocol.errors import InvalidRef, InvalidRequest, PlaceholderMismatch
+from protocol.placeholder_ranges import check_range
+from protocol.placeholders import locate_image_runs
+from protocol.refs import ContentRef, RawRefBody, is_ref
 from protocol.structs import RawMMRef
 from upstream import load
-from vllm_plugin.engine_items import EngineItems, RecordedItem
-from vllm_plugin.items import CheckedItem, decode_item
-from vllm_plugin.resolver import MMRefResolver, ResolvedItem
+from vllm_plugin.engine_items import RecordedItem
+from vllm_plugin.feature_positions import PositionChecks, positions
+from vllm_plugin.items import CheckedItem
+from vllm_plugin.resolver import ResolvedItem
 from vllm_plugin.serving_tokens import ResolvedSlot
-from vllm_plugin.weights import ENGINE_HASH_PREFIX, binding_digest, engine_hash, parse_handle
+from vllm_plugin.weights import engine_hash
 
 __all__ = ["FeatureForm", "Resolution"]
 
@@ -49,51 +53,24 @@ class Resolution:
     """The weight version its engine hashes are bound to."""
 
 
-class _Position(NamedTuple):
-    """One ``features`` position of the served modality."""
-
-    index: int
-    mm_hash: str
-    slot: str | None
-    metadata: str | None
-    placeholder: Any
-    """vLLM's ``PlaceholderRangeInfo`` (``offset``, ``length``)."""
-
-
-class _Call(NamedTuple):
-    """What every check of one request reads."""
-
-    token_ids: list[int]
-    version: str
-
-
 class FeatureForm:
     """Resolves and checks the images of generate requests for the served model.
 
     Args:
-        resolver: resolves refs (and owns the adapter, the settings, the item layout and the pool).
-        engine_items: what the engine may hold, for ``null`` slots.
-        placeholder_token_id: the model's image placeholder token id.
-        ec_transfer: whether the server has an encoder-cache connector (metadata-only items).
+        positions: the served modality's ``features`` positions, each checked; its resolver
+            (which owns the adapter, the settings, the item layout and the pool), engine items
+            (what the engine may hold, for ``null`` slots) and placeholder token id serve both forms.
         video_token_id: the model's video placeholder token id (None: no videos on this route).
     """
 
-    def __init__(
-        self,
-        resolver: MMRefResolver,
-        engine_items: EngineItems,
-        *,
-        placeholder_token_id: int,
-        ec_transfer: bool,
-        video_token_id: int | None = None,
-    ) -> None:
-        self.resolver = resolver
-        self.adapter = resolver.adapter
-        self.engine_items = engine_items
-        self.placeholder_token_id = placeholder_token_id
+    def __init__(self, positions: PositionChecks, *, video_token_id: int | None = None) -> None:
+        self.positions = positions
+        self.resolver = positions.resolver
+        self.adapter = positions.adapter
+        self.engine_items = positions.engine_items
+        self.placeholder_token_id = positions.placeholder_token_id
         self.video_token_id = video_token_id
-        self.ec_transfer = ec_transfer
-        self.max_refs = resolver.config.max_refs_per_request
+        self.max_refs = self.resolver.config.max_refs_per_request
 
     def check_ref_count(self, n: int) -> None:
         """Bound the refs (and image handles) one request may make the server read.
@@ -174,9 +151,10 @@ class FeatureForm:
         """The ``features`` form: every position checked, refs and content-named handles resolved.
 
         Raises:
-            InvalidRequest: another modality, too many reads, a reserved hash on an item the server
-            did not resolve, a metadata-only item without an encoder-cache connector, an inline
-            item that is not the model's. PlaceholderMismatch, NotCached: see :meth:`_null_slot`.
+            InvalidRequest: another modality, too many reads; a position's refusals
+            (``feature_positions.PositionChecks``: ``check_reserved``, ``check_all``).
+            PlaceholderMismatch, NotCached, MMRefError subclasses: see ``check_all``;
+            :meth:`_video_slots`.
         """
         m = self.adapter.vllm_modality
         other = sorted(set(features.mm_hashes) - ({m, "video"} if self._places_videos() else {m}))
@@ -188,13 +166,11 @@ class FeatureForm:
             return Resolution(features, (), (), version)  # no items: vLLM's answer as is
         if not hashes:
             return _with_videos(features, Resolution(None, (), (), version), videos, None)
-        positions = _positions(features, m, hashes)
-        self._check_positions(positions)
-        if any(p.slot is None and p.metadata is None for p in positions):
-            await self.engine_items.settle()  # null slots: P0 current first (vLLM >= 0.33)
-        call = _Call(token_ids, version)
-        results = await asyncio.gather(*(self._check_position(call, p) for p in positions))
-        kwargs, metadata = [p.slot for p in positions], [p.metadata for p in positions]
+        found = positions(features, m, hashes)
+        self.check_ref_count(self.positions.reads(found))
+        self.positions.check_reserved(found)
+        results = await self.positions.check_all(found, token_ids, version)
+        kwargs, metadata = [p.slot for p in found], [p.metadata for p in found]
         sent, slots = [], []
         for i, result in enumerate(results):
             if isinstance(result, ResolvedItem):
@@ -204,7 +180,7 @@ class FeatureForm:
                 sent.append((hashes[i], _recorded(result)))
         checked = load("MultiModalFeatures")(
             mm_hashes={m: hashes},
-            mm_placeholders={m: [p.placeholder for p in positions]},
+            mm_placeholders={m: [p.placeholder for p in found]},
             kwargs_data={m: kwargs} if features.kwargs_data is not None else None,
             mm_metadata={m: metadata} if features.mm_metadata is not None else None,
         )
@@ -223,18 +199,19 @@ class FeatureForm:
         hashes = list(features.mm_hashes.get("video", ()))
         if not hashes:
             return None
-        positions = _positions(features, "video", hashes)
-        if any(p.slot is None or not is_ref(p.slot) for p in positions):
+        found = positions(features, "video", hashes)
+        refs = [p.slot for p in found if p.slot is not None and is_ref(p.slot)]
+        if len(refs) != len(found):
             raise InvalidRequest(
                 "video positions take video refs only (inline items and null slots: not yet)"
             )
-        self.check_ref_count(len(positions))
-        items = await asyncio.gather(*(self.resolver.resolve(p.slot) for p in positions))
+        self.check_ref_count(len(refs))
+        items = await asyncio.gather(*(self.resolver.resolve(ref) for ref in refs))
         token_id = self._video_token(items)
-        for p, item in zip(positions, items, strict=True):
-            check_range(token_ids, p.placeholder.model_dump(), token_id, item.num_placeholders, p.slot)
+        for p, ref, item in zip(found, refs, items, strict=True):
+            check_range(token_ids, p.placeholder.model_dump(), token_id, item.num_placeholders, ref)
         new = [engine_hash(item.content_key, version) for item in items]
-        return _Videos(new, [p.placeholder for p in positions], list(items))
+        return _Videos(new, [p.placeholder for p in found], list(items))
 
     def _video_token(self, items: list[ResolvedItem]) -> int:
         """The video token of a family whose videos this route places (see :meth:`_by_modality`)."""
@@ -242,100 +219,6 @@ class FeatureForm:
         if "video" not in groups:
             raise InvalidRequest('a "video" position takes a video ref (this one names an image)')
         return groups["video"][0]
-
-    def _check_positions(self, positions: list[_Position]) -> None:
-        """The read bound (each ref slot, and each null slot naming an image, costs a read) and the
-        reserved namespace (an inline item may not claim an ``mmref-`` hash)."""
-        reads = [
-            is_ref(p.slot) if p.slot is not None else parse_handle(p.mm_hash) is not None for p in positions
-        ]
-        self.check_ref_count(sum(reads))
-        for p in positions:
-            if not (p.slot is not None and is_ref(p.slot)) and p.mm_hash.startswith(ENGINE_HASH_PREFIX):
-                if p.slot is not None or p.metadata is not None:
-                    raise InvalidRequest(
-                        f"{self._where(p)}: hashes starting with {ENGINE_HASH_PREFIX!r} are reserved for "
-                        "refs this server resolves; send the ref, or a null slot"
-                    )
-
-    async def _check_position(self, call: _Call, p: _Position) -> ResolvedItem | CheckedItem | None:
-        """One ``features`` position: a ref (resolved), an inline item (checked), a ``null`` slot."""
-        if p.slot is not None and is_ref(p.slot):
-            item = await self.resolver.resolve(p.slot)
-            if item.content_key.kind == "video":
-                raise InvalidRequest(f'{self._where(p)}: a video ref goes in a "video" position')
-            self._check_range(call, p, item.num_placeholders, p.slot)
-            return item
-        if p.slot is None and p.metadata is None:
-            return await self._null_slot(call, p)
-        if p.slot is None and not self.ec_transfer:
-            raise InvalidRequest(
-                f"{self._where(p)}: a metadata-only item needs an encoder-cache connector on the server"
-            )
-        loop = asyncio.get_running_loop()
-        checked = await loop.run_in_executor(self.resolver.pool, self._check_inline, p)
-        check_length(p.placeholder.model_dump(), checked.num_placeholders, self._where(p))
-        return checked
-
-    async def _null_slot(self, call: _Call, p: _Position) -> ResolvedItem | None:
-        """A ``null`` slot: served from the engine's cache (None), or, for a content-named image
-        hash (``weights.parse_handle``) bound to this server's fingerprint, pixel mode and the
-        call's version that the engine does not hold, resolved from the roots as a ref is.
-
-        Raises:
-            NotCached: a content-named hash under another binding (other weights, fingerprint or
-                pixel mode: no item this server computes can be it), or any other hash the engine
-                does not hold.
-            PlaceholderMismatch: the slot's range is not the item's length.
-            MMRefError subclasses: the handle's image cannot be resolved (``resolver.resolve_handle``).
-        """
-        handle = parse_handle(p.mm_hash)
-        if handle is not None:
-            binding = binding_digest(self.adapter.fingerprint, self.resolver.pixel_mode, call.version)
-            if handle.binding != binding:
-                raise NotCached(
-                    f"{self._where(p)}: hash {p.mm_hash[:120]!r} was minted under other weights or another "
-                    f"layout (this server: version {call.version!r}, fingerprint {self.adapter.fingerprint}, "
-                    f"{self.resolver.pixel_mode} pixels); send the ref"
-                )
-        known, recorded = self.engine_items.lookup(p.mm_hash)
-        if not known and handle is not None:
-            item = await self.resolver.resolve_handle(handle.sha256, handle.ext, p.mm_hash)
-            self._check_range(call, p, item.num_placeholders, p.mm_hash)
-            return item
-        if not known:
-            raise NotCached(
-                f"{self._where(p)}: the engine holds no item under hash {p.mm_hash[:80]!r} "
-                f"({self.engine_items.mode.value} cache); send the item or its ref"
-            )
-        if recorded is None:  # a ref's item whose request runs, or one vLLM's own processor sent
-            items = self.engine_items
-            recorded = items.length_of(p.mm_hash) or await items.recorded_by_vllm(p.mm_hash)
-        if recorded is not None:
-            check_length(p.placeholder.model_dump(), recorded.num_placeholders, self._where(p))
-        return None
-
-    def _check_inline(self, p: _Position) -> CheckedItem:
-        """Decode an inline item and its ``mm_metadata`` as vLLM will, merge them as vLLM merges
-        them (``mm_features.merge_mm_kwargs_items``), check the result (worker thread)."""
-        where = self._where(p)
-        item = decode_item(p.slot, InvalidRequest, f"{where} (kwargs_data)") if p.slot is not None else None
-        meta = (
-            decode_item(p.metadata, InvalidRequest, f"{where} (mm_metadata)")
-            if p.metadata is not None
-            else None
-        )
-        merged = load("MultiModalKwargsItem")({**(item or {}), **(meta or {})})
-        if item is None:  # metadata-only (encoder-cache transfer): only its grid and range are checked
-            grid = self.resolver.layout.grid_of(merged, InvalidRequest, where)
-            return CheckedItem(grid, self.adapter.num_placeholders(grid))
-        return self.resolver.layout.check(merged, InvalidRequest, where)
-
-    def _check_range(self, call: _Call, p: _Position, expected: int, ref: str) -> None:
-        check_range(call.token_ids, p.placeholder.model_dump(), self.placeholder_token_id, expected, ref)
-
-    def _where(self, p: _Position) -> str:
-        return f"{self.adapter.vllm_modality} item {p.index}"
 
 
 class _Videos(NamedTuple):
@@ -374,15 +257,6 @@ def _with_videos(features: Any, resolution: Resolution, videos: _Videos, m: str 
     return Resolution(merged, sent, slots, resolution.version)
 
 
-def _positions(features: Any, modality: str, hashes: list[str]) -> list[_Position]:
-    ranges = list(features.mm_placeholders.get(modality, ()))
-    kwargs = list((features.kwargs_data or {}).get(modality) or [None] * len(hashes))
-    metadata = list((features.mm_metadata or {}).get(modality) or [None] * len(hashes))
-    return [
-        _Position(i, *parts) for i, parts in enumerate(zip(hashes, kwargs, metadata, ranges, strict=True))
-    ]
-
-
 def _recorded(item: ResolvedItem | CheckedItem) -> RecordedItem:
     """The one place a sent item's record is made (its feature count, for later ``null`` slots)."""
     return RecordedItem(item.num_placeholders)
@@ -397,7 +271,7 @@ def _check_declared(declared: RawMMRef, item: ResolvedItem) -> None:
             f"the image gives {list(item.grid)} / {item.num_placeholders}",
             ref=ref,
         )
-    body = parse_ref(ref)
+    body = item.body  # the ref as the resolver parsed it
     if isinstance(body, RawRefBody) and not declared.sha256.startswith(body.mm_hash):
         raise InvalidRef("RawMMRef sha256 and the ref's mm_hash disagree", ref=ref)
     if isinstance(body, ContentRef) and declared.sha256 != body.sha256:

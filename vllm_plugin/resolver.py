@@ -24,6 +24,10 @@
   weight version for vLLM's caches.
 - Results are cached by the sha256 of the whole ref string (handles: by their content; byte-bounded
   LRU, single-flight, failures never cached).
+- Each ref is parsed and checked once (issue 45): :meth:`MMRefResolver.resolve` parses it, checks
+  it against the adapter before queueing any work, and hands the adapter's read path the
+  :class:`~protocol.adapters.values.CheckedRef` (not checked again there); the resolved item keeps
+  the parsed ref (:attr:`ResolvedItem.body`) for the checks of the request that named it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from protocol.adapters import ImageAdapter, ProcessedImage, VideoMixin
+from protocol.adapters.values import CheckedRef
 from protocol.errors import (
     CorruptFeature,
     FingerprintMismatch,
@@ -72,6 +77,9 @@ class ResolvedItem:
     """vLLM's ``MultiModalKwargsItem`` (shared by every request that uses the ref: never mutated)."""
     grid: tuple[int, ...]
     num_placeholders: int
+    body: RawRefBody | ContentRef | FileRef | None = None
+    """The ref as parsed once (None: a content-named handle): what a ``RawMMRef``'s declared
+    sha256 is checked against (``resolution.py``), never parsed again."""
 
     @property
     def nbytes(self) -> int:
@@ -136,13 +144,14 @@ class MMRefResolver:
         if cached is not None:
             return cached
         parsed = parse_ref(ref)
+        # the cheap checks (grid bound too) before queueing work, once: the read path takes them
         if isinstance(parsed, RawRefBody | ContentRef) and parsed.modality == "video":
             video = self._video_adapter(ref)
-            video.check_video_ref(parsed, ref=ref)  # cheap checks (grid bound too) before queueing work
-            return await self._compute(key, "video", lambda: self._resolve_video_sync(video, parsed, ref))
+            checked = CheckedRef(parsed, video.check_video_ref(parsed, ref=ref))
+            return await self._compute(key, "video", lambda: self._resolve_video_sync(video, checked, ref))
         if isinstance(parsed, RawRefBody | ContentRef):
-            self.adapter.check_ref(parsed, ref=ref)  # cheap checks (grid bound too) before queueing work
-            return await self._compute(key, "mmraw", lambda: self._resolve_raw_sync(parsed, ref))
+            checked = CheckedRef(parsed, self.adapter.check_ref(parsed, ref=ref))
+            return await self._compute(key, "mmraw", lambda: self._resolve_raw_sync(checked, ref))
         return await self._compute(key, "mmfile", lambda: self._resolve_file_sync(parsed, ref))
 
     async def resolve_handle(self, sha256: str, ext: str, handle: str) -> ResolvedItem:
@@ -178,11 +187,11 @@ class MMRefResolver:
         loop = asyncio.get_running_loop()
         return await self.cache.get_or_compute(key, lambda: loop.run_in_executor(self.pool, timed))
 
-    def _resolve_raw_sync(self, body: RawRefBody | ContentRef, ref: str) -> ResolvedItem:
+    def _resolve_raw_sync(self, checked: CheckedRef, ref: str) -> ResolvedItem:
         source = ExtRecorder(self.store)
         limit = self.config.max_image_bytes
-        processed = self._pixels(self.adapter.resolve_raw, body, source, ref=ref, max_bytes=limit)
-        return self._raw_item(processed, source.ext)
+        processed = self._pixels(self.adapter.resolve_raw, checked, source, ref=ref, max_bytes=limit)
+        return dataclasses.replace(self._raw_item(processed, source.ext), body=checked.body)
 
     def _video_adapter(self, ref: str) -> VideoMixin:
         """The adapter, where it serves videos (Qwen2.5-VL, Qwen3-VL: ``VideoMixin.attach_video``).
@@ -194,9 +203,7 @@ class MMRefResolver:
             raise UnsupportedFamily(f"videos are not served for {self.adapter.family!r}", ref=ref)
         return self.adapter
 
-    def _resolve_video_sync(
-        self, adapter: VideoMixin, body: RawRefBody | ContentRef, ref: str
-    ) -> ResolvedItem:
+    def _resolve_video_sync(self, adapter: VideoMixin, checked: CheckedRef, ref: str) -> ResolvedItem:
         """A video ref: ``VideoMixin.resolve_video`` (the limits before decoding: the file's bytes,
         ``MMREF_MAX_IMAGE_PIXELS`` per frame, ``DEFAULT_VIDEO_LIMITS``' frames, duration and
         decoded bytes) in this server's pixel mode, built into vLLM's ``"video"`` item."""
@@ -205,7 +212,7 @@ class MMRefResolver:
         limits = dataclasses.replace(DEFAULT_VIDEO_LIMITS, max_pixels=self.config.max_image_pixels)
         with load("set_default_torch_num_threads")():
             processed = adapter.resolve_video(
-                body,
+                checked,
                 self.store,
                 ref=ref,
                 raw_pixels=self.raw_pixels,
@@ -216,11 +223,10 @@ class MMRefResolver:
         (item,) = load("MultiModalKwargsItems.from_hf_inputs")(
             hf_inputs, self.layout.fields_config(hf_inputs)
         )["video"]
+        body = checked.body
         ext = body.ext if isinstance(body, ContentRef) else PurePosixPath(body.raw_image_uri or "").suffix
         key = ContentKey("video", processed.sha256, ext, str(adapter.video_fingerprint), self.pixel_mode)
-        return ResolvedItem(
-            content_key=key, item=item, grid=processed.grid, num_placeholders=processed.num_placeholders
-        )
+        return ResolvedItem(key, item, processed.grid, processed.num_placeholders, body)
 
     def _pixels(self, path: Callable[..., ProcessedImage], *args: Any, **kwargs: Any) -> ProcessedImage:
         """An adapter's pixel path (``resolve_raw``, ``process_bytes``) with this server's pixel
@@ -285,6 +291,7 @@ class MMRefResolver:
             item=item,
             grid=checked.grid,
             num_placeholders=checked.num_placeholders,
+            body=ref_ids,
         )
 
 

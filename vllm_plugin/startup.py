@@ -17,6 +17,7 @@ from upstream import (
 )
 from vllm_plugin.config import PluginConfig
 from vllm_plugin.engine_items import EngineItems
+from vllm_plugin.feature_positions import PositionChecks
 from vllm_plugin.items import ItemLayout
 from vllm_plugin.preflight import refuse_insecure_serialization
 from vllm_plugin.resolution import FeatureForm
@@ -61,13 +62,13 @@ def build_serving(engine_client: Any, state: Any, args: Namespace) -> MMRefServi
         bytes_per_placeholder=resolver.layout.float32_bytes_per_placeholder,
         max_image_bytes=config.max_image_bytes,
     )
-    form = FeatureForm(
+    positions = PositionChecks(
         resolver,
         items,
         placeholder_token_id=resolver.adapter.placeholder_token_id(model_config.hf_config),
         ec_transfer=vllm_config.ec_transfer_config is not None,
-        video_token_id=getattr(model_config.hf_config, "video_token_id", None),
     )
+    form = FeatureForm(positions, video_token_id=getattr(model_config.hf_config, "video_token_id", None))
     return MMRefServing(
         form,
         serving_tokens=build_serving_tokens(engine_client, items, state, args),

@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from protocol.adapters.offload import RefForm, store_and_ref
-from protocol.adapters.values import ProcessedImage, RawImage
+from protocol.adapters.values import CheckedRef, ProcessedImage, RawImage
 from protocol.errors import (
     FingerprintMismatch,
     GridMismatch,
@@ -263,7 +263,7 @@ class ImageAdapter(ABC):
 
     def read_raw(
         self,
-        body: RawRefBody | ContentRef,
+        body: RawRefBody | ContentRef | CheckedRef,
         store: ImageSource,
         *,
         max_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
@@ -272,7 +272,8 @@ class ImageAdapter(ABC):
     ) -> RawImage:
         """The read half of :meth:`resolve_raw`: the ref's checks, the confined read, the hash
         check and the vLLM-style decode, no processor (the chat route's connector hands the image
-        to vLLM's own processor).
+        to vLLM's own processor). A :class:`~protocol.adapters.values.CheckedRef` of an image is
+        not checked again (its caller ran :meth:`check_ref`).
 
         Raises:
             UnsupportedFamily, FingerprintMismatch, InvalidRef, GridMismatch: see :meth:`check_ref`.
@@ -280,10 +281,10 @@ class ImageAdapter(ABC):
                 :meth:`resolve_raw`.
             ImageUnreadable, AssetTooLarge: see :func:`protocol.images.load_image`.
         """
-        claimed = self.check_ref(body, ref=ref)
-        data, sha256 = store.read_image(body, max_bytes=max_bytes, ref=ref)
+        checked = CheckedRef.of(body, "image", self.check_ref, ref)
+        data, sha256 = store.read_image(checked.body, max_bytes=max_bytes, ref=ref)
         image = load_image(data, max_pixels=max_pixels, ref=ref)
-        return RawImage(image=image, data=data, sha256=sha256, grid=claimed)
+        return RawImage(image=image, data=data, sha256=sha256, grid=checked.grid)
 
     def check_decoded_grid(self, raw: RawImage, *, ref: str | None = None) -> None:
         """Check the grid the processor will give ``raw.image`` (from its size,
@@ -301,7 +302,7 @@ class ImageAdapter(ABC):
 
     def resolve_raw(
         self,
-        body: RawRefBody | ContentRef,
+        body: RawRefBody | ContentRef | CheckedRef,
         store: ImageSource,
         *,
         ref: str | None = None,
@@ -314,7 +315,8 @@ class ImageAdapter(ABC):
         This is the one path both the server and the trainer take (:meth:`read_raw`, then the
         processor). ``store`` is one :class:`AssetStore` (v1 refs by path, v2 refs by key under
         it) or the party's :class:`protocol.roots.AssetRoots` (every form, by content across the
-        roots).
+        roots). ``body`` may be a :class:`~protocol.adapters.values.CheckedRef` (checked once,
+        by its caller: :meth:`read_raw`).
 
         Raises:
             UnsupportedFamily, FingerprintMismatch, InvalidRef: see :meth:`check_ref`.

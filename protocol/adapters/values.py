@@ -1,14 +1,52 @@
-"""The values an adapter returns: one image processed, one image read and decoded, one video processed."""
+"""The values an adapter returns: one image processed, one image read and decoded, one video processed;
+and one ref checked against the adapter (what its read paths take, to check a ref once)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from PIL import Image
 
-__all__ = ["ProcessedImage", "ProcessedVideo", "RawImage"]
+from protocol.refs import ContentRef, RawRefBody
+
+__all__ = ["CheckedRef", "ProcessedImage", "ProcessedVideo", "RawImage"]
+
+
+@dataclass(frozen=True)
+class CheckedRef:
+    """An ``mmraw`` ref, parsed and checked once against the adapter that reads it, with the grid
+    the check returned: what the read paths (``ImageAdapter.read_raw`` / ``resolve_raw``,
+    ``VideoMixin.read_video`` / ``resolve_video``) take from a caller that checked the ref itself
+    (the server's resolver, before it queues any work), so the checks run once per item (issue 45).
+
+    A caller makes one from the adapter's own check, e.g.
+    ``CheckedRef(body, adapter.check_ref(body, ref=ref))``; the read paths trust it for its
+    modality (:meth:`of`) and still check a bare body.
+    """
+
+    body: RawRefBody | ContentRef
+    """The parsed ref (:func:`protocol.refs.parse_ref`)."""
+    grid: tuple[int, ...]
+    """The grid the ref claims, as the check returned it (bounded by the processor's limits)."""
+
+    @staticmethod
+    def of(
+        body: RawRefBody | ContentRef | CheckedRef,
+        modality: Literal["image", "video"],
+        check: Callable[..., tuple[int, ...]],
+        ref: str | None = None,
+    ) -> CheckedRef:
+        """``body`` checked once: as given when it is a :class:`CheckedRef` of ``modality``, else
+        ``check(body, ref=ref)`` on the bare body (``ImageAdapter.check_ref``,
+        ``VideoMixin.check_video_ref``, with their errors)."""
+        if isinstance(body, CheckedRef):
+            if body.body.modality == modality:
+                return body
+            body = body.body
+        return CheckedRef(body, check(body, ref=ref))
 
 
 @dataclass(frozen=True)
@@ -62,7 +100,7 @@ class ProcessedVideo:
     grid: tuple[int, ...]
     """``video_grid_thw`` ``(t, h, w)``."""
     num_placeholders: int
-    """``<|video_pad|>`` tokens in all (:func:`protocol.placeholders.video_token_runs` gives the runs)."""
+    """``<|video_pad|>`` tokens in all (the runs: :func:`protocol.placeholder_counts.video_token_runs`)."""
     frames_indices: tuple[int, ...]
     """The sampled frame indices (what Qwen3-VL's prompt timestamps are computed from)."""
     fps: float

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from protocol.adapters.offload import RefForm, content_named_ref
-from protocol.adapters.values import ProcessedVideo
+from protocol.adapters.values import CheckedRef, ProcessedVideo
 from protocol.adapters.video_families import VideoFamily, video_family
 from protocol.adapters.video_processing import (
     call_video_processor,
@@ -38,7 +38,7 @@ from protocol.adapters.video_processing import (
 )
 from protocol.errors import FingerprintMismatch, GridMismatch, InvalidRef, UnsupportedFamily, VideoUnreadable
 from protocol.fingerprint import layout_fingerprint, library_versions
-from protocol.placeholders import video_token_runs
+from protocol.placeholder_counts import video_token_runs
 from protocol.refs import ContentRef, RawRefBody, format_mmraw
 from protocol.roots import AssetRoot, AssetRoots
 from protocol.store import DEFAULT_MAX_VIDEO_BYTES, AssetStore, ImageSource
@@ -126,7 +126,8 @@ class VideoMixin:
         return sum(self.video_token_runs(grid))
 
     def video_token_runs(self, grid: Sequence[int]) -> list[int]:
-        """The video's placeholder runs in prompt order (:func:`protocol.placeholders.video_token_runs`)."""
+        """The video's placeholder runs in prompt order
+        (:func:`protocol.placeholder_counts.video_token_runs`)."""
         spec = self._video_family()
         merge = int(self._video_processor().merge_size)
         return video_token_runs(grid, merge, per_frame=spec.per_frame_runs)
@@ -208,7 +209,7 @@ class VideoMixin:
 
     def resolve_video(
         self,
-        body: RawRefBody | ContentRef,
+        body: RawRefBody | ContentRef | CheckedRef,
         store: ImageSource,
         *,
         ref: str | None = None,
@@ -217,7 +218,9 @@ class VideoMixin:
         limits: VideoLimits = DEFAULT_VIDEO_LIMITS,
     ) -> ProcessedVideo:
         """Resolve a video ref: checks, confined read and sha256, decode, the HF video processor,
-        grid check. The one video path of the server and the trainer.
+        grid check. The one video path of the server and the trainer. A video's
+        :class:`~protocol.adapters.values.CheckedRef` is not checked again (its caller ran
+        :meth:`check_video_ref`).
 
         Raises:
             InvalidRef, UnsupportedFamily, FingerprintMismatch, GridMismatch: see :meth:`check_video_ref`.
@@ -238,7 +241,7 @@ class VideoMixin:
 
     def read_video(
         self,
-        body: RawRefBody | ContentRef,
+        body: RawRefBody | ContentRef | CheckedRef,
         store: ImageSource,
         *,
         ref: str | None = None,
@@ -252,10 +255,10 @@ class VideoMixin:
         Raises:
             See :meth:`resolve_video` (all but the processor's refusals and the grid comparison).
         """
-        claimed = self.check_video_ref(body, ref=ref)
-        data, sha256 = store.read_image(body, max_bytes=max_bytes, ref=ref)
+        checked = CheckedRef.of(body, "video", self.check_video_ref, ref)
+        data, sha256 = store.read_image(checked.body, max_bytes=max_bytes, ref=ref)
         decoded = load_video(data, self.video_sampling, limits=limits, ref=ref)  # type: ignore[arg-type]
-        return claimed, decoded, data, sha256
+        return checked.grid, decoded, data, sha256
 
     def process_video(
         self, video: DecodedVideo, *, raw_pixels: bool = False, ref: str | None = None

@@ -19,25 +19,6 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def mm_processor(qwen2_vl_dir):
-    """vLLM's own multimodal processor for the tiny model (what a server's renderer holds)."""
-    from vllm.config import ModelConfig
-    from vllm.multimodal import MULTIMODAL_REGISTRY
-
-    config = ModelConfig(
-        model=str(qwen2_vl_dir), dtype="float32", max_model_len=2048, limit_mm_per_prompt={"image": 4}
-    )
-    return MULTIMODAL_REGISTRY.create_processor(config)
-
-
-@pytest.fixture(scope="module")
-def layout(qwen2_vl_adapter, mm_processor):
-    from vllm_plugin.items import ItemLayout
-
-    return ItemLayout(qwen2_vl_adapter, lambda hf: mm_processor._get_mm_fields_config(hf, {}))
-
-
-@pytest.fixture(scope="module")
 def photo_item(qwen2_vl_adapter, layout):
     """The item vLLM builds for a real photo (raw uint8 pixels, as a default server feeds)."""
     from transformers import BatchFeature

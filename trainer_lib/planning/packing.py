@@ -38,13 +38,12 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from protocol.placeholders import (
+from protocol.placeholder_counts import (
     check_no_typed_images,
     check_placeholder_counts,
     grid_placeholder_count,
-    locate_image_runs,
-    locate_video_runs,
 )
+from protocol.placeholders import locate_image_runs, locate_video_runs
 from protocol.structs import MicroBatch, MMRefs, RawMMRef, TrainingSample
 from trainer_lib.micro_batch import ImageSpan, PackedBatch, PackedMicroBatch, SampleSlot
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY, bin_capacity, plan_bins
