@@ -24,6 +24,7 @@ frames and metadata with vLLM's own loaders (``tests/test_video.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from io import BytesIO
@@ -43,6 +44,7 @@ __all__ = [
     "VideoLimits",
     "VideoSampling",
     "decoder_identity",
+    "frame_limits",
     "load_video",
     "sample_indices",
 ]
@@ -67,6 +69,13 @@ class VideoLimits:
 
 DEFAULT_VIDEO_LIMITS = VideoLimits()
 """The limits every party applies unless configured otherwise."""
+
+
+def frame_limits(max_image_pixels: int) -> VideoLimits:
+    """:data:`DEFAULT_VIDEO_LIMITS` with the image pixel cap applied to every frame, as vLLM's
+    ``check_frame_pixel_limit`` applies ``VLLM_MAX_IMAGE_PIXELS``: the server (``MMREF_MAX_IMAGE_PIXELS``)
+    and the trainer (``MaterializeOptions.max_image_pixels``) read videos under the same limits."""
+    return dataclasses.replace(DEFAULT_VIDEO_LIMITS, max_pixels=max_image_pixels)
 
 
 @dataclass(frozen=True)

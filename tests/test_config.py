@@ -89,8 +89,11 @@ def test_materialize_config(monkeypatch, tmp_path):
     monkeypatch.setenv("MMREF_MISSING_POLICY", "error")
     monkeypatch.setenv("MMREF_MAX_WORKERS", "4")
     monkeypatch.setenv("MMREF_MAX_IMAGE_PIXELS", "1000")
+    monkeypatch.setenv("MMREF_MAX_VIDEO_BYTES", "5000")
     config = MaterializeConfig()
-    assert config.options() == MaterializeOptions(policy="error", max_workers=4, max_image_pixels=1000)
+    assert config.options() == MaterializeOptions(
+        policy="error", max_workers=4, max_image_pixels=1000, max_video_bytes=5000
+    )
     # the pixel mode and the placeholder check are the model's (PackingSpec), given by the caller
     options = config.options(raw_pixels=True, placeholder_token_id=7)
     assert options.raw_pixels and options.placeholder_token_id == 7 and options.max_workers == 4

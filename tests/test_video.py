@@ -409,3 +409,43 @@ def test_materialize_checks_video_counts_before_reading(tmp_path):
 
     with pytest.raises(PlaceholderMismatch):
         materialize([sample], adapter, Path(tmp_path) / "nowhere")  # refused before any read
+
+
+def test_materialize_reads_videos_within_the_servers_limits(tmp_path):
+    """The trainer applies the server's video limits from its options: ``max_video_bytes`` per
+    file, ``max_image_pixels`` per frame (``protocol.videos.frame_limits``, as the plugin does with
+    ``MMREF_MAX_IMAGE_PIXELS``); over either, the clip is ``AssetTooLarge``, or a zero-loss
+    stand-in under the default policy."""
+    from protocol.errors import AssetTooLarge
+    from protocol.video_header import read_video_header
+
+    adapter = trainer_adapter("qwen2_5_vl")
+    data = clip_bytes()
+    header = read_video_header(data)
+    a = offload_video(data, tmp_path, adapter)
+    assert materialize([_sample([a])], adapter, tmp_path).stats.failed_by_code == {}
+    for tight in (
+        {"max_image_pixels": header.width * header.height - 1},
+        {"max_video_bytes": len(data) - 1},
+    ):
+        with pytest.raises(AssetTooLarge):
+            materialize([_sample([a])], adapter, tmp_path, MaterializeOptions(policy="error", **tight))
+        batch = materialize([_sample([a])], adapter, tmp_path, MaterializeOptions(**tight))
+        assert batch.placeholder_refs == [a.ref] and not any(batch.samples[0].loss_mask), tight
+
+
+def test_materialize_checks_each_distinct_ref_once(monkeypatch, tmp_path):
+    """One check per distinct ref per batch (issue 45): ``checked_refs`` checks the image refs and
+    ``materialize_videos`` the video refs, and the read paths take the ``CheckedRef`` without
+    checking it again."""
+    adapter = load_adapter(ensure_tiny_model("qwen2_5_vl"))
+    a = offload_video(clip_bytes(), tmp_path, adapter)
+    image = offload_image(photo_bytes("rocket"), tmp_path, adapter)
+    calls: dict[str, list] = {"check_ref": [], "check_video_ref": []}
+    for name, seen in calls.items():
+        check = getattr(adapter, name)
+        monkeypatch.setattr(
+            adapter, name, lambda body, *, ref=None, _c=check, _s=seen: _s.append(ref) or _c(body, ref=ref)
+        )
+    materialize([_sample([image, a]), _sample([a]), _sample([image])], adapter, tmp_path)
+    assert calls == {"check_ref": [image.ref], "check_video_ref": [a.ref]}

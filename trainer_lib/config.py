@@ -12,7 +12,7 @@ from pydantic_settings import SettingsConfigDict
 
 from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
 from protocol.settings import RootSettings
-from protocol.store import DEFAULT_MAX_IMAGE_BYTES
+from protocol.store import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_VIDEO_BYTES
 
 __all__ = ["DEFAULT_MATERIALIZE_OPTIONS", "MaterializeConfig", "MaterializeOptions", "MissingPolicy"]
 
@@ -49,7 +49,10 @@ class MaterializeOptions:
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     """Bytes an image file may have: the server's limit."""
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-    """Pixels (``width * height``) an image may decode to: the server's limit."""
+    """Pixels (``width * height``) an image, or each frame of a video, may decode to: the server's
+    limit (:func:`protocol.videos.frame_limits`)."""
+    max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES
+    """Bytes a video file may have: the server's limit (``MMREF_MAX_VIDEO_BYTES``)."""
 
     def __post_init__(self) -> None:
         if self.policy not in ("placeholder_zero_loss", "error"):
@@ -92,6 +95,7 @@ class MaterializeConfig(RootSettings):
     max_workers: int = Field(default=2, ge=1, le=64)
     max_image_bytes: int = Field(default=DEFAULT_MAX_IMAGE_BYTES, ge=1)
     max_image_pixels: int = Field(default=DEFAULT_MAX_IMAGE_PIXELS, ge=1)
+    max_video_bytes: int = Field(default=DEFAULT_MAX_VIDEO_BYTES, ge=1)
 
     def options(
         self, *, raw_pixels: bool = False, placeholder_token_id: int | None = None
@@ -106,4 +110,5 @@ class MaterializeConfig(RootSettings):
             placeholder_token_id=placeholder_token_id,
             max_image_bytes=self.max_image_bytes,
             max_image_pixels=self.max_image_pixels,
+            max_video_bytes=self.max_video_bytes,
         )

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from protocol.adapters import ImageAdapter, ProcessedImage, ProcessedVideo
+from protocol.adapters.values import CheckedRef
 from protocol.errors import AssetNotFound, AssetTooLarge, HashMismatch, ImageUnreadable, MMRefError
-from protocol.refs import ContentRef, RawRefBody
 from protocol.store import ImageSource
 from protocol.structs import TrainingSample
 from trainer_lib import metrics
@@ -120,7 +120,7 @@ def materialize(
     per_sample, bodies, grids = checked_refs(samples, adapter, options.placeholder_token_id)
     keep = resolved is not None  # the caller's cache holds each processed image for the step
     resolved = {} if resolved is None else resolved
-    todo = [(ref, body) for ref, body in bodies.items() if ref not in resolved]
+    todo = [(ref, CheckedRef(body, grids[ref])) for ref, body in bodies.items() if ref not in resolved]
     writer = FeatureWriter(adapter, grids) if dedup and grids else None  # rows: first-seen order
     store = image_source(source)
     resolve = functools.partial(
@@ -158,7 +158,7 @@ def _warn_replaced(stats: MaterializeStats, n_samples: int, roots: list[str]) ->
 
 
 def _resolve(
-    ref_and_body: tuple[str, RawRefBody | ContentRef],
+    ref_and_body: tuple[str, CheckedRef],
     *,
     adapter: ImageAdapter,
     store: ImageSource,
@@ -185,9 +185,9 @@ def _resolve(
 
 
 def _write(
-    ref_and_body: tuple[str, RawRefBody | ContentRef],
+    ref_and_body: tuple[str, CheckedRef],
     *,
-    resolve: Callable[[tuple[str, RawRefBody | ContentRef]], ProcessedImage | MMRefError],
+    resolve: Callable[[tuple[str, CheckedRef]], ProcessedImage | MMRefError],
     writer: FeatureWriter,
     keep: bool,
 ) -> ProcessedImage | MMRefError | None:

@@ -21,6 +21,7 @@ import msgspec
 import torch
 
 from protocol.adapters import ProcessedVideo, VideoMixin
+from protocol.adapters.values import CheckedRef
 from protocol.errors import (
     AssetNotFound,
     AssetTooLarge,
@@ -34,6 +35,7 @@ from protocol.errors import (
 from protocol.refs import ContentRef, RawRefBody
 from protocol.store import ImageSource
 from protocol.structs import RawMMRef, TrainingSample
+from protocol.videos import frame_limits
 from trainer_lib.config import MaterializeOptions
 from trainer_lib.pool import run_on_pool
 from trainer_lib.sources import raw_body
@@ -90,8 +92,9 @@ def materialize_videos(
     Args:
         source: where the videos are read (``sources.image_source`` of ``materialize``'s source).
         options: ``materialize``'s: its pool's workers, its policy (``replace_missing``: zero
-            stand-ins for a missing or unreadable video) and pixel mode. Its image limits are
-            not applied: a video is read within ``resolve_video``'s default limits.
+            stand-ins for a missing or unreadable video), pixel mode, and the server's limits:
+            ``max_video_bytes`` per file, ``max_image_pixels`` per frame
+            (:func:`protocol.videos.frame_limits`).
         dedup: each distinct video once plus ``video_index``; False: one copy per slot.
         resolved: the step's :data:`trainer_lib.materialize.Resolved` (ref -> processed video).
 
@@ -106,7 +109,7 @@ def materialize_videos(
     per_sample = [video_refs(s) for s in samples]
     grids = _checked(per_sample, adapter)
     resolved = {} if resolved is None else resolved
-    todo = [(ref, body) for ref, (body, _) in grids.items() if ref not in resolved]
+    todo = [(ref, CheckedRef(body, grid)) for ref, (body, grid) in grids.items() if ref not in resolved]
     resolve = functools.partial(_resolve, adapter=adapter, source=source, options=options)
     done = dict(zip((ref for ref, _ in todo), run_on_pool(resolve, todo, options.max_workers), strict=True))
     resolved.update(done)
@@ -187,17 +190,24 @@ def _checked(
 
 
 def _resolve(
-    ref_and_body: tuple[str, RawRefBody | ContentRef],
+    ref_and_body: tuple[str, CheckedRef],
     *,
     adapter: VideoMixin,
     source: ImageSource,
     options: MaterializeOptions,
 ) -> ProcessedVideo | MMRefError:
-    """``adapter.resolve_video`` of one ref; with ``options.replace_missing``, a replaceable error
-    is returned."""
+    """``adapter.resolve_video`` of one checked ref (not checked again) within ``options``' limits;
+    with ``options.replace_missing``, a replaceable error is returned."""
     ref, body = ref_and_body
     try:
-        return adapter.resolve_video(body, source, ref=ref, raw_pixels=options.raw_pixels)
+        return adapter.resolve_video(
+            body,
+            source,
+            ref=ref,
+            raw_pixels=options.raw_pixels,
+            max_bytes=options.max_video_bytes,
+            limits=frame_limits(options.max_image_pixels),
+        )
     except MMRefError as e:
         if options.replace_missing and isinstance(e, _REPLACEABLE):
             return e

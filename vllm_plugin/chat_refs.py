@@ -37,7 +37,6 @@ answer as the plugin's typed 4xx.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import re
 from collections.abc import Awaitable, Callable, Sequence
@@ -50,7 +49,7 @@ from protocol.images import load_image
 from protocol.refs import IMAGE_EXTS, ContentRef, FileRef, is_ref, parse_ref
 from protocol.store import check_sha256
 from protocol.video_header import sniff_video_type
-from protocol.videos import DEFAULT_VIDEO_LIMITS
+from protocol.videos import frame_limits
 from upstream import load
 from vllm_plugin import request_scope
 from vllm_plugin.cache import ByteBudgetLRU
@@ -193,7 +192,7 @@ class ChatRefs:
         adapter = self.adapter
         if not isinstance(adapter, VideoMixin):
             raise UnsupportedFamily(f"videos are not supported for {adapter.family!r}", ref=ref)
-        limits = dataclasses.replace(DEFAULT_VIDEO_LIMITS, max_pixels=self.config.max_image_pixels)
+        limits = frame_limits(self.config.max_image_pixels)
         claimed, decoded, data, sha256 = adapter.read_video(
             parsed, self.store, ref=ref, max_bytes=self.config.max_video_bytes, limits=limits
         )

@@ -56,7 +56,7 @@ from protocol.features import read_feature_item
 from protocol.images import sniff_media_type
 from protocol.refs import ContentRef, FileRef, RawRefBody, parse_ref
 from protocol.roots import AssetRoots
-from protocol.videos import DEFAULT_VIDEO_LIMITS
+from protocol.videos import frame_limits
 from upstream import load
 from vllm_plugin import metrics
 from vllm_plugin.cache import ByteBudgetLRU
@@ -209,7 +209,7 @@ class MMRefResolver:
         decoded bytes) in this server's pixel mode, built into vLLM's ``"video"`` item."""
         from transformers import BatchFeature
 
-        limits = dataclasses.replace(DEFAULT_VIDEO_LIMITS, max_pixels=self.config.max_image_pixels)
+        limits = frame_limits(self.config.max_image_pixels)
         with load("set_default_torch_num_threads")():
             processed = adapter.resolve_video(
                 checked,
