@@ -10,7 +10,9 @@ the descent, :func:`anneal` the annealing (the algorithms are the refine module'
 the hot helpers they call (:func:`_best_partner` per sample of a slowest bin, and the inlined
 :func:`_change` per candidate) take its arrays one by one: handed the NamedTuple, ``_best_partner``
 made the descent 15x slower on ``bench/pack.py``'s mini-batches (7.8 ms against 0.53 ms per
-mini-batch, the same changes), the tuple's fields read at every call.
+mini-batch, the same changes), the tuple's fields read at every call. The annealing's step goes
+further (:func:`_walk`): its checks and costs are written out over scalars, as even an inlined
+helper taking arrays costs their reference counts (issue 43: 3.5x the steps/s, the same plans).
 
 numba compiles them on first use (a few seconds, cached on disk next to this file) with ``nogil``,
 so a trainer may plan the next step in a thread while the GPU runs this one. Without numba they
