@@ -25,6 +25,8 @@ __all__ = [
 ]
 
 TARGET_IDLE, TARGET_WASTE, TARGET_PLAN, TARGET_FLOP_IDLE = 0.02, 0.04, 200_000, 0.03
+TARGET_PLAN_MS = 50
+"""Issue 43: ``plan_step`` per mini-batch (256 samples), as one rank spends it, in ms."""
 BASE, COMPUTE = "balanced, tokens (#13)", "balanced, compute (#29)"
 """The plan before issue 29 (the step-time reference) and ``plan_step``'s default since."""
 DESCENT, ANNEAL = "balanced, compute + descent", "balanced, compute + descent + anneal"
@@ -151,13 +153,16 @@ def target_rows(name: str, plan: str, r: dict) -> list[tuple]:
 def compute_target_rows(name: str, r: dict, plan: str = COMPUTE) -> list[tuple]:
     """Issue 29's targets for a compute-balanced plan: FLOP idle with each distinct image encoded
     once per micro-batch, the micro-batch count (hence the capacity waste) at its floor, the plan
-    rate; the step time printed (and, for the plan without search, two reference idle shares)."""
+    rate; issue 43's ``plan_step`` time per mini-batch; the step time printed (and, for the plan
+    without search, two reference idle shares)."""
     c, f = r[plan], r["floor"]
     idle, rate = float(np.mean(c["flop"])), float(np.median(c["plan"]))
     waste, m, floor = 1 - c["real"] / c["cap"], float(np.mean(c["m"])), float(np.mean(f["m"]))
     label = f"{name}, {plan.removeprefix('balanced, ')}"
     idle_verdict = verdict(idle, TARGET_FLOP_IDLE, higher_is_better=False)
     rate_verdict = verdict(rate, TARGET_PLAN, higher_is_better=True)
+    ms = float(np.median(c["ms"])) * r["mbs"] / 1024  # ms per 1024 samples -> per mini-batch
+    ms_verdict = verdict(ms, TARGET_PLAN_MS, higher_is_better=False)
     at_floor = "pass" if m <= floor else f"MISS by {m - floor:.2f} micro-batches"
     steps = f"{c['step'] / r[BASE]['step']:.3f}; {c['step'] / r[BASE]['step_slot']:.3f}"
     rank_time = r["dp"] * c["step"]  # the plan's rank-time, all steps
@@ -167,6 +172,7 @@ def compute_target_rows(name: str, r: dict, plan: str = COMPUTE) -> list[tuple]:
         (f"{label}: micro-batches/rank (floor), waste", f"{m:.2f} ({floor:.2f}), {waste:.2%}", "floor", at_floor),  # noqa: E501
         (f"{label}: plan samples/s (partition)", f"{rate:,.0f}", f">= {TARGET_PLAN:,}", rate_verdict),
         (f"{label}: step FLOPs vs #13 with dedup; vs #13 per slot", steps, "printed", "-"),
+        (f"{label}: plan_step ms per mini-batch (one rank's wire structs)", f"{ms:.1f}", f"<= {TARGET_PLAN_MS}", ms_verdict),  # noqa: E501
     ]  # fmt: skip
     if plan != COMPUTE:
         return rows

@@ -49,9 +49,10 @@ Columns
 - **plan** samples/s: single rank and *today*: ``plan_bins`` (first-fit-decreasing from
   lengths/kinds/keys, the issue's 200k reference); *verl KK*: KK + ``plan_bins`` per share;
   *balanced*: ``partition_mini_batch`` (vision costs included); **plan_step ms/1024**: the whole
-  plan end to end (analysis, planning, every ``MicroBatch`` built), per 1024 samples, and
-  **per mini-batch** (the planning time a step spends per optimizer step);
-- **pack** samples/s (single rank): ``pack_samples`` end to end.
+  plan end to end as one rank spends it (analysis, planning, every micro-batch laid out, and rank
+  0's ``MicroBatch`` wire structs built: the others' are built on first read, by their own rank),
+  per 1024 samples, and **per mini-batch** (the planning time a step spends per optimizer step);
+- **pack** samples/s (single rank): ``pack_samples`` end to end, every wire struct built.
 """
 
 from __future__ import annotations
@@ -219,13 +220,22 @@ def plans_for(cap: int) -> list[str]:
     return [name for name in PLANS if cap < SEQ_LEN or "stretch" not in name]
 
 
+def _built(*args, **kwargs):
+    """``pack_samples(*args, **kwargs)`` with every micro-batch's wire struct built (one rank
+    reads them all; they are built on first read)."""
+    packed = pack_samples(*args, **kwargs)
+    for mb in packed.micro_batches:
+        _ = mb.micro_batch
+    return packed
+
+
 def run_single(rng, mix: dict, cap: int, steps: int, repeats: int, prompts: int) -> tuple:
     n_total = mbs = real = capacity = 0
     plan, pack = [], []
     for _ in range(steps):
         samples = make_step(rng, **{"prompts": prompts, **mix})
         spec = PackingSpec(placeholder_token_id=TOK, pad_token_id=PAD)  # as before: counts not checked
-        run = functools.partial(pack_samples, samples, spec, seq_len=SEQ_LEN, micro_batch_max_tokens=cap)
+        run = functools.partial(_built, samples, spec, seq_len=SEQ_LEN, micro_batch_max_tokens=cap)
         packed = run()
         kinds = [PIXELS if s.mm_refs else (STRAY if TOK in s.input_ids else NEUTRAL) for s in samples]
         keys = [s.isolation_key for s in samples]
@@ -292,6 +302,16 @@ def plan_rate(name: str, inputs: list[tuple], dp: int, cap: int, repeats: int) -
     return n / timeit(fn, repeat=1 if slow else repeats * 3).best
 
 
+def _rank_zero(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``'s plan with rank 0's wire structs built: what one rank spends per
+    step (every rank plans every rank's micro-batches, and reads its own; issue 43)."""
+    plan = fn(*args, **kwargs)
+    for ranks in plan.mini_batches:
+        for mb in ranks[0].micro_batches:
+            _ = mb.micro_batch
+    return plan
+
+
 def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
     out = {
         name: {
@@ -312,7 +332,7 @@ def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
         for name in plans_for(cap)
     }
     out["floor"] = {"m": [], "waste": [], "idle": [], "forced": 0.0, "tidy": 0.0}
-    out["dp"] = 8
+    out["dp"], out["mbs"] = 8, mbs
     shape = StepShape(dp_size=8, mini_batch_size=mbs, seq_len=SEQ_LEN, micro_batch_max_tokens=cap)
     for _ in range(args.steps):
         samples = make_step(rng, **{"prompts": args.prompts, **mix})
@@ -322,7 +342,7 @@ def run_dp(rng, mix: dict, mbs: int, cap: int, cm: CostModel, args) -> dict:
             balanced = {"cost_model": cm} if name.startswith("balanced") else {}
             step = dataclasses.replace(shape, stretch_cap=options.get("stretch_cap", False))
             options = {k: v for k, v in options.items() if k != "stretch_cap"}  # the shape's
-            run = functools.partial(fn, samples, SPEC, step, **options, **balanced)
+            run = functools.partial(_rank_zero, fn, samples, SPEC, step, **options, **balanced)
             plan, r = run(), out[name]
             shares = [s for ranks in plan.mini_batches for s in ranks]
             r["m"] += [ranks[0].num_micro_batches for ranks in plan.mini_batches]

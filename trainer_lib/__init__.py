@@ -21,6 +21,8 @@ One module per stage, in data order (docs/ARCHITECTURE.md):
 - :func:`deal_mini_batch`, :class:`StepShape` — one mini-batch as every rank's micro-batches, the
   step's sizes (:mod:`trainer_lib.planning.ranks`).
 - :func:`plan_step`, :class:`StepPlan`, :class:`RankLoad` — a whole step (:mod:`trainer_lib.planning.plan`).
+- :func:`plan_ahead` — step ``t + 1`` planned on a background thread while step ``t`` runs
+  (:mod:`trainer_lib.planning.ahead`).
 - :func:`build_position_ids`, :func:`cu_seqlens` — MRoPE positions, sample boundaries
   (:mod:`trainer_lib.positions`).
 - :func:`packed_inputs`, :func:`check_placeholders_match_features` — model inputs and the tripwire
@@ -67,6 +69,7 @@ from trainer_lib.mismatch import (
 )
 from trainer_lib.model_inputs import PackedInputs, check_placeholders_match_features, packed_inputs
 from trainer_lib.packed_call import CU_SEQLENS_KWARG, PackingUnsupported
+from trainer_lib.planning.ahead import plan_ahead
 from trainer_lib.planning.cost import CostModel
 from trainer_lib.planning.items import MiniBatchItems
 from trainer_lib.planning.packing import PackEntry, pack_samples, rebuild_micro_batch
@@ -132,6 +135,7 @@ __all__ = [
     "packed_logprobs",
     "padded_sample_count",
     "partition_mini_batch",
+    "plan_ahead",
     "plan_step",
     "prepare_model_for_packing",
     "rebuild_micro_batch",

@@ -15,7 +15,7 @@ import msgspec
 
 from protocol.structs import MicroBatch, RawMMRef, TrainingSample
 
-__all__ = ["ImageSpan", "PackedBatch", "PackedMicroBatch", "SampleSlot", "replace_loss_mask"]
+__all__ = ["ImageSpan", "PackedBatch", "PackedMicroBatch", "SampleSlot", "replace_loss_mask", "wire_struct"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,24 @@ class SampleSlot:
     sample: TrainingSample = field(repr=False)
 
 
+class _WireStruct:
+    """The :attr:`PackedMicroBatch.micro_batch` field: the struct given to the constructor, or,
+    given None (the default), built from the slots and images on first read and kept
+    (:func:`wire_struct`). A data descriptor as a dataclass default (the ``dataclasses`` docs,
+    "Descriptor-typed fields"): ``__init__``'s value goes through :meth:`__set__`."""
+
+    def __get__(self, obj: PackedMicroBatch | None, owner: type | None = None) -> MicroBatch | None:
+        if obj is None:
+            return None  # the field's default: build on first read
+        wire = obj.__dict__.get("_wire")
+        if wire is None:
+            wire = obj.__dict__["_wire"] = wire_struct(obj.slots, obj.images)
+        return wire
+
+    def __set__(self, obj: PackedMicroBatch, value: MicroBatch | None) -> None:
+        obj.__dict__["_wire"] = value
+
+
 @dataclass(frozen=True)
 class PackedMicroBatch:
     """A :class:`protocol.structs.MicroBatch` plus the trainer-side facts it has no field for.
@@ -83,16 +101,21 @@ class PackedMicroBatch:
     ``inference_logprobs`` and :attr:`mm_token_type_ids`) has :attr:`num_tokens` entries
     (``MicroBatch.__post_init__`` checks that on construction, decoding and ``msgspec.structs.replace``).
     :func:`~trainer_lib.planning.packing.build_micro_batch` derives :attr:`slots` and :attr:`images` from
-    the same analysis it writes the wire struct from. Padding samples sit after the real samples.
+    its analysis; the wire struct's per-token arrays are concatenated from the slots' samples on
+    the first read of :attr:`micro_batch` (:func:`wire_struct`), so a rank that plans every rank's
+    micro-batches copies the tokens of its own only (issue 43). Padding samples sit after the real
+    samples. Every count below reads the slots, never the arrays.
     """
 
-    micro_batch: MicroBatch
-    """The wire struct; everything below can be rebuilt from it (:func:`rebuild_micro_batch`)."""
     slots: tuple[SampleSlot, ...]
     images: tuple[ImageSpan, ...]
     """Every image and video in pack order (sample order, then prompt order): the order the
     features of each modality are concatenated in and the order transformers' ``masked_scatter``
     fills each modality's placeholders. ``MicroBatch.images_per_sample`` counts both."""
+    micro_batch: MicroBatch = _WireStruct()  # type: ignore[assignment]
+    """The wire struct; everything above can be rebuilt from it (:func:`rebuild_micro_batch`).
+    Given (decoded, or replaced), or None: :func:`wire_struct` of the slots and images, built on
+    first read and kept."""
 
     @property
     def mm_token_type_ids(self) -> list[int]:
@@ -101,15 +124,15 @@ class PackedMicroBatch:
 
     @property
     def run_id(self) -> str:
-        return self.micro_batch.run_id
+        return self.slots[0].sample.run_id
 
     @property
     def lora_id(self) -> str | None:
-        return self.micro_batch.lora_id
+        return self.slots[0].sample.lora_id
 
     @property
     def num_tokens(self) -> int:
-        return len(self.micro_batch.input_ids)
+        return sum(s.length for s in self.slots)
 
     @property
     def num_loss_tokens(self) -> int:
@@ -118,12 +141,12 @@ class PackedMicroBatch:
 
     @property
     def seq_lens(self) -> list[int]:
-        return self.micro_batch.seq_lens
+        return [s.length for s in self.slots]
 
     @property
     def sample_count(self) -> int:
         """Packed samples, padding included (``MicroBatch.sample_count``)."""
-        return self.micro_batch.sample_count
+        return len(self.slots)
 
     @property
     def num_real_samples(self) -> int:
@@ -241,3 +264,43 @@ def _refuse_loss_at_starts(slots: tuple[SampleSlot, ...], loss_mask: list[bool])
                 f"loss_mask is True at position {s.start}, the first token of packed sample {i}: it "
                 f"has no logprob (nothing precedes it) and takes no loss"
             )
+
+
+def wire_struct(slots: tuple[SampleSlot, ...], images: tuple[ImageSpan, ...]) -> MicroBatch:
+    """The wire struct of a micro-batch: its slots' samples' per-token arrays concatenated (in slot
+    order), one ``seq_lens`` entry per slot, the refs in pack order, ``mm_token_type_ids`` from
+    the image spans' runs (0 text, 1 image, 2 video: transformers' convention) and the synthetic
+    pads' grids. ``(run_id, lora_id)``: the first slot's (the packer keeps one per micro-batch).
+
+    Raises:
+        IndexError: no slots (a micro-batch holds at least one sample).
+    """
+    input_ids: list[int] = []
+    loss_mask: list[bool] = []
+    advantages: list[float] = []
+    logprobs: list[float] = []
+    for slot in slots:  # list += list copies in C: ~6x faster than chaining iterators
+        input_ids += slot.sample.input_ids
+        loss_mask += slot.sample.loss_mask
+        advantages += slot.sample.advantages
+        logprobs += slot.sample.inference_logprobs
+    type_ids = [0] * len(input_ids)
+    for im in images:
+        for start, length in im.token_runs:
+            type_ids[start : start + length] = [2 if im.is_video else 1] * length
+    first = slots[0].sample
+    return MicroBatch(
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        advantages=advantages,
+        inference_logprobs=logprobs,
+        seq_lens=[s.length for s in slots],
+        sample_count=len(slots),
+        mm_refs=[im.ref for im in images if im.ref is not None],
+        mm_token_type_ids=type_ids,
+        images_per_sample=[s.num_images for s in slots],
+        is_padding=[s.is_padding for s in slots],
+        synthetic_grids=[list(im.grid) for im in images if im.ref is None] or None,
+        run_id=first.run_id,
+        lora_id=first.lora_id,
+    )

@@ -5,6 +5,8 @@ them (docs/PACKING.md §1, §3):
 
 - :mod:`~trainer_lib.planning.plan` — a whole step: pad, cut into mini-batches, deal each;
   :class:`~trainer_lib.planning.plan.StepPlan` reports each rank's load.
+- :mod:`~trainer_lib.planning.ahead` — :func:`~trainer_lib.planning.ahead.plan_ahead`: step
+  ``t + 1`` planned on a background thread while the trainer runs step ``t``.
 - :mod:`~trainer_lib.planning.padding` — zero-loss pads and the padded sample count.
 - :mod:`~trainer_lib.planning.ranks` — one mini-batch as every rank's micro-batches.
 - :mod:`~trainer_lib.planning.items` — one mini-batch's samples and rules

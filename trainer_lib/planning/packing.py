@@ -194,13 +194,16 @@ def _video_spans(
 def build_micro_batch(
     entries: Sequence[PackEntry], spec: PackingSpec, analyses: Sequence[SampleAnalysis] | None = None
 ) -> PackedMicroBatch:
-    """Concatenate entries (in the given order) into one :class:`PackedMicroBatch` (``analyses``:
-    the entries', when already made by :func:`analyze_entry`).
+    """Lay entries out (in the given order) as one :class:`PackedMicroBatch` (``analyses``: the
+    entries', when already made by :func:`analyze_entry`): its slots and image spans now, its wire
+    struct's per-token arrays concatenated on the first read of ``.micro_batch``
+    (:func:`~trainer_lib.micro_batch.wire_struct`; a :class:`~protocol.structs.TrainingSample`'s
+    arrays were checked aligned when it was made).
 
     Raises:
         ValueError: entries of different ``(run_id, lora_id)``, pixels mixed with a stray
-            placeholder sample, misaligned per-token arrays, an empty sample, or a loss on a
-            sample's first token (it has no logprob).
+            placeholder sample, an empty sample, or a loss on a sample's first token (it has no
+            logprob).
         PlaceholderMismatch: see :func:`locate_image_runs`.
     """
     if not entries:
@@ -218,8 +221,7 @@ def build_micro_batch(
             f"micro-batch with image features"
         )
     slots, images = _layout(entries, analyses)
-    micro_batch = _concatenate([e.sample for e in entries], slots, images, *keys.pop())
-    return PackedMicroBatch(micro_batch=micro_batch, slots=slots, images=images)
+    return PackedMicroBatch(slots=slots, images=images)  # the wire struct on first read
 
 
 def _layout(
@@ -249,40 +251,6 @@ def _layout(
         )
         start += a.length
     return tuple(slots), tuple(images)
-
-
-def _concatenate(
-    samples: Sequence[TrainingSample],
-    slots: Sequence[SampleSlot],
-    images: Sequence[ImageSpan],
-    run_id: str,
-    lora_id: str | None,
-) -> MicroBatch:
-    """The wire struct: per-token arrays concatenated, one row per sample, refs in pack order."""
-
-    def cat(name: str) -> list:
-        return list(itertools.chain.from_iterable(getattr(s, name) for s in samples))
-
-    input_ids = cat("input_ids")
-    type_ids = [0] * len(input_ids)  # transformers' convention: 0 text, 1 image, 2 video placeholder
-    for im in images:
-        for start, length in im.token_runs:
-            type_ids[start : start + length] = [2 if im.is_video else 1] * length
-    return MicroBatch(
-        input_ids=input_ids,
-        loss_mask=cat("loss_mask"),
-        advantages=cat("advantages"),
-        inference_logprobs=cat("inference_logprobs"),
-        seq_lens=[s.length for s in slots],
-        sample_count=len(slots),
-        mm_refs=[im.ref for im in images if im.ref is not None],
-        mm_token_type_ids=type_ids,
-        images_per_sample=[s.num_images for s in slots],
-        is_padding=[s.is_padding for s in slots],
-        synthetic_grids=[list(im.grid) for im in images if im.ref is None] or None,
-        run_id=run_id,
-        lora_id=lora_id,
-    )
 
 
 def pack_samples(

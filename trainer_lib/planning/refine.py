@@ -1,4 +1,4 @@
-"""Opt-in refinement of a compute-balanced plan by search on the step itself (docs/PACKING.md §3.8).
+"""The search of a compute-balanced plan on the step itself, on by default (docs/PACKING.md §3.8).
 
 The constructive plan (:mod:`~trainer_lib.planning.grouped`) is fast but leaves a few percent of
 the ranks' FLOPs idle at the syncs. :func:`refine_slots` lowers the predicted step, the sum over
@@ -12,7 +12,8 @@ sample; the slots keep their count and their kind, so token waste stays where it
    ``1e-6`` of the slot or ``changes`` were made.
 2. **Annealing** (``anneal_steps > 0``): random moves and swaps accepted with probability
    ``exp(-delta / T)`` (Kirkpatrick, Gelatt & Vecchi 1983), ``T`` falling geometrically from
-   ``4e-4`` to ``2e-6`` of the mean slot cost; the best plan seen is kept.
+   ``2e-3`` to ``2e-6`` of the mean slot cost; the best plan seen is kept, then the descent runs
+   again from it (at most :data:`POLISH_CHANGES`: the annealing ends cold, not at a local optimum).
 
 Every change keeps the partition's rules: a sample with images stays in a slot that runs the
 tower, a stray-placeholder or near-cap text sample in one that does not; a bin holds at most
@@ -23,11 +24,11 @@ is left as it is. Only single-key mini-batches are refined.
 **Budget.** Both stages run for at most :attr:`Refinement.plan_time_budget_s` per mini-batch,
 converted to iteration counts by rates measured once (:data:`DESCENT_CHANGES_PER_S`,
 :data:`ANNEAL_STEPS_PER_S`), never by reading a clock: the same inputs give the same plan on any
-machine. The descent gets the budget first; what its changes leave (at the measured rate) goes
-to the annealing. Default budget (:func:`default_budget_s`): :data:`BUDGET_SHARE` of the
-mini-batch's predicted step on the cost model's card, at least :data:`BUDGET_FLOOR_S`, at most
-:data:`BUDGET_CAP_S` (docs/DESIGN-DECISIONS.md, "Issue 43: the plan's search under a time
-budget").
+machine. The descent gets the budget first, then the final descent's :data:`POLISH_CHANGES`;
+what they leave (at the measured rates) goes to the annealing. Default budget
+(:func:`default_budget_s`): :data:`BUDGET_SHARE` of the mini-batch's predicted step on the cost
+model's card, at least :data:`BUDGET_FLOOR_S`, at most :data:`BUDGET_CAP_S`
+(docs/DESIGN-DECISIONS.md, "Issue 43: the plan's search under a time budget").
 
 Costs: both stages are compiled with numba (:mod:`~trainer_lib.planning.search`)."""
 
@@ -48,6 +49,7 @@ __all__ = [
     "BUDGET_FLOOR_S",
     "BUDGET_SHARE",
     "DESCENT_CHANGES_PER_S",
+    "POLISH_CHANGES",
     "Refinement",
     "default_budget_s",
     "refine_plan",
@@ -57,8 +59,14 @@ __all__ = [
 _Bins = list[tuple[int, list[int]]]
 _EPS = 1e-6
 """The smallest change the descent makes, as a share of its slot's cost."""
-_T0, _T1 = 4e-4, 2e-6
-"""Annealing temperatures at the first and last step, as shares of the mean slot cost."""
+_T0, _T1 = 2e-3, 2e-6
+"""Annealing temperatures at the first and last step, as shares of the mean slot cost (``T0``
+4e-4 until the annealing ran ~3x faster: at ~450k steps per mini-batch 2e-3 did best of 1e-4 to
+8e-3; docs/DESIGN-DECISIONS.md, "Issue 43: the planning targets met")."""
+POLISH_CHANGES = 32
+"""Most descent changes from the annealing's best plan (the annealing ends at a low temperature,
+not at a local optimum: on ``bench/pack.py``'s mix 7 changes on average, at most 30); counted in
+the budget before the annealing gets its share."""
 
 BUDGET_SHARE = 0.02
 """The default budget's share of the mini-batch's predicted step (issue 43: planning <= 2%)."""
@@ -73,10 +81,14 @@ DESCENT_CHANGES_PER_S = 60_000.0
 once by ``bench/search_rate.py`` (``bench/pack.py``'s mix, dp 8, mini-batch 256, cap 16k, 12
 mini-batches) on the project's shared 2-core AMD EPYC VM, 2026-12-04: 59.7k at load 8, 72.0k at
 load 3-5 (docs/DESIGN-DECISIONS.md, "Issue 43: the plan's search under a time budget")."""
-ANNEAL_STEPS_PER_S = 3_500_000.0
-"""Annealing steps per second, compiled, measured as :data:`DESCENT_CHANGES_PER_S`: 4.81M at load
-8, 6.38M at load 3-5; and 3.7M in ``bench/pack.py``'s 1M-step row (load ~4): the lowest, rounded
-down, so that a budget holds on this loaded machine too."""
+ANNEAL_STEPS_PER_S = 10_000_000.0
+"""Annealing steps per second, compiled, measured as :data:`DESCENT_CHANGES_PER_S`. Before the
+step was written out over scalars (``search._walk``): 4.81M at load 8, 6.38M at load 3-5, 3.7M in
+``bench/pack.py``'s 1M-step row (load ~4), kept as 3.5M, the lowest rounded down. The written-out
+step, side by side with the old one on the same VM (2026-12-04, load ~1, two runs each): 26.6M
+against 7.4-7.6M steps/s, 3.5x; the old 3.5M scaled by less than that, 2.86x, so that a budget
+still holds on this loaded machine (docs/DESIGN-DECISIONS.md, "Issue 43: the planning targets
+met")."""
 
 
 @dataclass(frozen=True)
@@ -176,7 +188,8 @@ def refine_slots(slots: list[_Bins], items: MiniBatchItems, refine: Refinement) 
     budget = refine.budget_s(None if items.unit_seconds is None else step * items.unit_seconds)
     changes = _within(refine.changes, budget * DESCENT_CHANGES_PER_S)
     made = descend(state, dp, items.cap, items.reserve, changes, _EPS) if changes else 0
-    left = max(budget - made / DESCENT_CHANGES_PER_S, 0.0)  # seconds, at the measured rate
+    polish = min(POLISH_CHANGES, refine.changes - made)  # the descent again, from the annealing's best
+    left = max(budget - (made + polish) / DESCENT_CHANGES_PER_S, 0.0)  # seconds, at the measured rates
     steps = _within(refine.anneal_steps, left * ANNEAL_STEPS_PER_S)
     if made == 0 and steps == 0:
         return slots  # nothing changed: the plan as constructed (budget 0 among others)
@@ -184,13 +197,19 @@ def refine_slots(slots: list[_Bins], items: MiniBatchItems, refine: Refinement) 
     if steps and per_slot > 0:
         with np.errstate(over="ignore"):  # SplitMix64 wraps by design (as Python, numpy warns)
             seed = np.uint64(refine.seed)
-            bin_of = anneal(state, dp, items.cap, items.reserve, steps, seed, _T0 * per_slot, _T1 * per_slot)
-    else:
-        bin_of = bins_of(state.members, state.count, items.n)
+            best = anneal(state, dp, items.cap, items.reserve, steps, seed, _T0 * per_slot, _T1 * per_slot)
+        state = _state(_slots_of(best, S, dp, items.lengths), items)
+        if polish:
+            descend(state, dp, items.cap, items.reserve, polish, _EPS)
+    return _slots_of(bins_of(state.members, state.count, items.n), S, dp, items.lengths)
+
+
+def _slots_of(bin_of: np.ndarray, S: int, dp: int, lengths: list[int]) -> list[_Bins]:
+    """The ``S`` slots of ``dp`` ``(tokens, sample indices)`` bins that ``bin_of`` (``[n]`` int64,
+    each sample's bin ``k * dp + r``) describes, each bin's samples in index order."""
     held: list[list[int]] = [[] for _ in range(S * dp)]
     for i in np.argsort(bin_of, kind="stable").tolist():
         held[int(bin_of[i])].append(i)
-    lengths = items.lengths
     return [
         [(sum(lengths[i] for i in held[k * dp + r]), held[k * dp + r]) for r in range(dp)] for k in range(S)
     ]
