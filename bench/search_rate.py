@@ -29,7 +29,7 @@ from _common import print_facts, print_table
 from _models import qwen2_vl_2b_config
 from pack import RESERVE, SEQ_LEN, make_step, mini_batch_inputs
 
-from trainer_lib.planning import refine, search
+from trainer_lib.planning import annealing, descent, refine, search
 from trainer_lib.planning.cost import CostModel
 from trainer_lib.planning.items import MiniBatchItems
 from trainer_lib.planning.partition import partition_mini_batch
@@ -58,12 +58,12 @@ def measure(items: MiniBatchItems, anneal_steps: int) -> tuple[int, float, float
     state, S = _state(items)
     step = refine._step_cost(state, S, DP)
     t0 = time.perf_counter()
-    made = search.descend(state, DP, CAP, items.reserve, 10**9, refine._EPS)
+    made = descent.descend(state, DP, CAP, items.reserve, 10**9, refine._EPS)
     t1 = time.perf_counter()
     per_slot = refine._step_cost(state, S, DP) / S
     with np.errstate(over="ignore"):
         temps = (refine._T0 * per_slot, refine._T1 * per_slot)
-        search.anneal(state, DP, CAP, items.reserve, anneal_steps, np.uint64(0), *temps)
+        annealing.anneal(state, DP, CAP, items.reserve, anneal_steps, np.uint64(0), *temps)
     t2 = time.perf_counter()
     return made, t1 - t0, t2 - t1, step * (items.unit_seconds or 0.0)
 

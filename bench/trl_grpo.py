@@ -157,26 +157,15 @@ def run(kind: str, args, model_dir: Path, root: Path, url: str, photos: list[byt
     import httpx
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
-    from trl import GRPOConfig
 
+    from demo_trl import cpu_grpo_config
     from integrations.common import MMRefSettings, WeightPusher
     from integrations.trl import MMRefGRPOTrainer
     from rollout_client import RolloutClient
 
     meter = Meter()
-    config = GRPOConfig(
-        output_dir=str(root / kind),
-        max_steps=args.steps,
-        per_device_train_batch_size=args.prompts * args.group,
-        num_generations=args.group,
-        max_completion_length=16,
-        learning_rate=1e-3,
-        beta=0.0,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        gradient_checkpointing=False,
-        seed=0,
+    config = cpu_grpo_config(
+        root / kind, steps=args.steps, prompts=args.prompts, group=args.group, completion_tokens=16
     )
     common = dict(
         model=AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32),

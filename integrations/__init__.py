@@ -1,4 +1,4 @@
-"""mmref inside RL frameworks: one module per framework, each an optional extra (docs/INTEGRATIONS.md).
+"""mmref inside RL frameworks: one package per framework, each an optional extra (docs/INTEGRATIONS.md).
 
 - :mod:`integrations.trl` — TRL's ``GRPOTrainer`` with rollouts by ref on an mmref server, the
   training batch from :mod:`trainer_lib` and the weights pushed each step (extra ``trl``).
@@ -9,7 +9,7 @@
   pushes, rows' completion logprobs from the packed forward, and the stand-in row of a dataset row
   whose image cannot be read.
 
-Importing this package imports no framework: each framework module checks the installed
+Importing this package imports no framework: each framework package checks the installed
 framework's version on import and stops with a message naming it when it is outside the range
 tested here.
 """

@@ -22,6 +22,7 @@ import copy
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +30,9 @@ from demo_rl import jpeg, mismatch_bound
 from make_tiny_models import ensure_tiny_model
 from tiny_models import SERVE_DTYPES
 from vllm_server import start_server
+
+if TYPE_CHECKING:
+    from trl import GRPOConfig
 
 PROMPTS = [
     (("astronaut", "coffee"), "Compare the two pictures."),
@@ -41,6 +45,33 @@ def letters(completions, **kwargs) -> list[float]:
     """A toy reward: the share of letters in the completion's text."""
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return [sum(ch.isalpha() for ch in t) / max(len(t), 1) for t in texts]
+
+
+def cpu_grpo_config(
+    output_dir: Path, *, steps: int, prompts: int, group: int, completion_tokens: int, **extra: Any
+) -> GRPOConfig:
+    """TRL's ``GRPOConfig`` of a tiny run on the CPU, one place for the demo, ``bench/trl_grpo.py``
+    and ``tests/test_integration_trl.py``: ``prompts`` x ``group`` rows per step, at most
+    ``completion_tokens`` per completion, no KL term (``beta=0``), seed 0, no reports, no
+    checkpoints, no gradient checkpointing; ``extra`` is passed on (``logging_steps``, ``bf16``, a
+    setting a test expects refused...)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(output_dir),
+        max_steps=steps,
+        per_device_train_batch_size=prompts * group,
+        num_generations=group,
+        max_completion_length=completion_tokens,
+        learning_rate=1e-3,
+        beta=0.0,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        gradient_checkpointing=False,
+        seed=0,
+        **extra,
+    )
 
 
 def dataset(folder: Path):
@@ -105,26 +136,18 @@ def control_mismatch(trainer, report, state, spec, config) -> float:
 def train(args, model_dir: Path, root: Path, url: str):
     """Build the trainer and run ``args.steps`` steps; returns the trainer and the snapshots."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
-    from trl import GRPOConfig
 
     from integrations.common import MMRefSettings
     from integrations.trl import MMRefGRPOTrainer
 
-    config = GRPOConfig(
-        output_dir=str(root / "trl"),
-        max_steps=args.steps,
-        per_device_train_batch_size=len(PROMPTS) * args.group,
-        num_generations=args.group,
-        max_completion_length=12,
-        learning_rate=1e-3,
-        beta=0.0,
+    config = cpu_grpo_config(
+        root / "trl",
+        steps=args.steps,
+        prompts=len(PROMPTS),
+        group=args.group,
+        completion_tokens=12,
         logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
         bf16=False,
-        gradient_checkpointing=False,
-        seed=0,
     )
     settings = MMRefSettings(server_url=url, model_dir=model_dir, output_root=root, seq_len=2048)
     snapshots = Snapshots()

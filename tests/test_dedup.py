@@ -7,14 +7,11 @@ Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, real photos.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from helpers import Family, chat
+from helpers import Family, chat, forward_backward
 from trainer_lib import (
     materialize_micro_batch,
     pack_samples,
-    packed_inputs,
-    packed_logprobs,
     prepare_model_for_packing,
 )
 
@@ -34,25 +31,6 @@ def group_samples(fam: Family):
     r, t = fam.refs, fam.tok
     group = [chat([r["coffee"]], "Describe.", f"answer number {k}", t) for k in range(4)]
     return [*group, chat([r["astronaut"], r["coffee"]], "Both?", "yes, both", t), chat([], "hi", "hello", t)]
-
-
-def forward_backward(fam: Family, m) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int]]:
-    """Logprobs, every parameter's gradient of a GRPO-like loss, and the rows the vision tower saw."""
-    rows: list[int] = []
-    hook = fam.model.model.visual.register_forward_hook(lambda mod, a, o: rows.append(a[0].shape[0]))
-    fam.model.zero_grad(set_to_none=True)
-    try:
-        inputs = packed_inputs(m.packed, m.features, fam.model, fam.spec, image_index=m.image_index)
-        out = packed_logprobs(fam.model, inputs)
-        weights = torch.linspace(
-            0.5, 1.5, out.logprobs.shape[0]
-        )  # distinct per token: no symmetry hides a bug
-        (out.logprobs * out.loss_mask * weights).sum().backward()
-    finally:
-        hook.remove()
-    grads = {n: p.grad.detach().clone() for n, p in fam.model.named_parameters() if p.grad is not None}
-    fam.model.zero_grad(set_to_none=True)
-    return out.logprobs.detach(), grads, rows
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import photo_bytes
+from helpers import join_ranks, photo_bytes
 from protocol.adapters import offload_image
 from protocol.errors import AssetNotFound, PlaceholderMismatch
 from protocol.refs import format_mmraw, parse_ref
@@ -208,15 +207,7 @@ def test_one_rank_error_fails_both_ranks_without_hanging(refs, qwen2_vl_dir, tmp
     out.mkdir()
     args = (2, str(tmp_path / "pg_init"), str(qwen2_vl_dir), str(root), good, missing, str(out))
     ctx = mp.start_processes(_worker, args=args, nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"ranks still running after {TIMEOUT_S} s: a rank hangs in a collective")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    join_ranks(ctx, TIMEOUT_S)
 
     def read(phase: str) -> list:
         return [json.loads((out / f"{phase}.rank{r}.json").read_text()) for r in (0, 1)]

@@ -13,7 +13,6 @@ FSDP collective, and both then run another sharded step (nothing hangs, nothing 
 from __future__ import annotations
 
 import json
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import PAD, Family, chat
+from helpers import PAD, Family, chat, join_ranks
 from protocol.errors import AssetNotFound
 from protocol.refs import format_mmraw, parse_ref
 from trainer_lib import StepShape, plan_step
@@ -133,15 +132,7 @@ def test_fsdp2_two_ranks_equal_one_process_and_fail_fast_holds(family, tmp_path)
     )  # both ranks' towers
     want_loss = _loss(model, spec, config, samples, 1, 0)
     want = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"ranks still running after {TIMEOUT_S} s: a rank hangs in a collective")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    join_ranks(ctx, TIMEOUT_S)
 
     got = torch.load(out / "sharded.pt")
     assert got["grads"].keys() == want.keys() and len(want) > 20

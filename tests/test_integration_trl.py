@@ -67,8 +67,8 @@ def make_trainer(
 ):
     from datasets import Dataset
     from transformers import AutoModelForImageTextToText, AutoProcessor
-    from trl import GRPOConfig
 
+    from demo_trl import cpu_grpo_config
     from integrations.trl import MMRefGRPOTrainer
     from rollout_client import RolloutClient
 
@@ -83,20 +83,13 @@ def make_trainer(
     client = RolloutClient(
         srv.url, qwen2_vl_dir, settings.rollout_asset_root(), http_client=httpx.Client(event_hooks=hooks)
     )
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "trl"),
-        max_steps=steps,
-        per_device_train_batch_size=len(rows) * GROUP,
-        num_generations=GROUP,
-        max_completion_length=8,
+    args = cpu_grpo_config(
+        tmp_path / "trl",
+        steps=steps,
+        prompts=len(rows),
+        group=GROUP,
+        completion_tokens=8,
         logging_steps=1,
-        learning_rate=1e-3,
-        beta=0.0,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        gradient_checkpointing=False,
-        seed=0,
         **config,
     )
     processor = AutoProcessor.from_pretrained(qwen2_vl_dir)

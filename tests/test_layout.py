@@ -42,8 +42,8 @@ IMPOSED_SIGNATURES = {
     "trainer_lib.attention._varlen_attention_forward": "transformers' AttentionInterface signature",
     "trainer_lib.logprob_head.forward": "torch.autograd.Function.forward: one argument per input",
     "protocol.adapters.kimi_vl.__init__": "an HF image processor's config fields (from_pretrained passes)",
-    "integrations.trl.__init__": "TRL's GRPOTrainer.__init__, which the subclass accepts unchanged",
-    "integrations.trl._get_per_token_logps_and_entropies": "the GRPOTrainer method it overrides",
+    "integrations.trl.trainer.__init__": "TRL's GRPOTrainer.__init__, which the subclass accepts unchanged",
+    "integrations.trl.trainer._get_per_token_logps_and_entropies": "the GRPOTrainer method it overrides",
     "integrations.verl.weights.__init__": "verl builds a checkpoint engine from its YAML engine_kwargs",
     "rollout_client.core.__init__": "an HTTP client's keyword settings, all defaulted (httpx.Client: 20)",
 }

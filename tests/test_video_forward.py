@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from video_clips import clip_bytes
 
-from helpers import IM_END, IM_START, PAD, V_END, V_START, Family
+from helpers import IM_END, IM_START, PAD, V_END, V_START, Family, forward_backward
 from protocol.adapters import offload_video
 from protocol.errors import PlaceholderMismatch
 from protocol.structs import MMRefs, TrainingSample, decode_microbatch, encode
@@ -231,25 +231,6 @@ def test_video_tripwire_names_the_video_token(families):
             num_placeholders=count,
             kind=2,
         )
-
-
-def forward_backward(fam: VideoFamily, m) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int]]:
-    """Logprobs, every parameter's gradient of a GRPO-like loss, and the rows each vision-tower call saw."""
-    rows: list[int] = []
-    hook = fam.model.model.visual.register_forward_hook(lambda mod, a, o: rows.append(a[0].shape[0]))
-    fam.model.zero_grad(set_to_none=True)
-    try:
-        inputs = packed_inputs(
-            m.packed, m.features, fam.model, fam.spec, image_index=m.image_index, video_index=m.video_index
-        )
-        out = packed_logprobs(fam.model, inputs)
-        weights = torch.linspace(0.5, 1.5, out.logprobs.shape[0])  # distinct per token
-        (out.logprobs * out.loss_mask * weights).sum().backward()
-    finally:
-        hook.remove()
-    grads = {n: p.grad.detach().clone() for n, p in fam.model.named_parameters() if p.grad is not None}
-    fam.model.zero_grad(set_to_none=True)
-    return out.logprobs.detach(), grads, rows
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -10,7 +10,8 @@ import photo_bytes``), which re-exports every module's names. Importing the pack
 - :mod:`helpers.packing`: samples to pack (refs whose pixels are never read);
 - :mod:`helpers.oracles`: vLLM's multimodal processor as the adapter tests' oracle;
 - :mod:`helpers.forward`: the packed forward on tiny models and its oracles;
-- :mod:`helpers.s3`: a real S3 endpoint and a proxy for its faults.
+- :mod:`helpers.s3`: a real S3 endpoint and a proxy for its faults;
+- :mod:`helpers.ranks`: ranks as processes for the multi-rank tests (:func:`join_ranks`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .forward import (  # noqa: E402
     Families,
     Family,
     chat,
+    forward_backward,
     gradients,
     reference_logprobs,
     relative,
@@ -61,6 +63,7 @@ from .packing import (  # noqa: E402
     make_sample,
 )
 from .photos import photo_array, photo_bytes  # noqa: E402
+from .ranks import join_ranks  # noqa: E402
 from .rollouts import jittered_weights, rollout, rollout_sample, server_mismatch  # noqa: E402
 from .s3 import FIXTURE_ENV, DelayProxy, MotoS3  # noqa: E402
 from .servers import (  # noqa: E402
@@ -103,9 +106,11 @@ __all__ = [
     "count",
     "dev_served",
     "ensure_tiny_model",
+    "forward_backward",
     "gradients",
     "image_bytes",
     "jittered_weights",
+    "join_ranks",
     "make_oracle",
     "make_ref",
     "make_sample",

@@ -29,6 +29,7 @@ __all__ = [
     "Families",
     "Family",
     "chat",
+    "forward_backward",
     "gradients",
     "reference_logprobs",
     "relative",
@@ -163,6 +164,31 @@ def vllm_positions(family: str, config, ids: list[int], spans) -> torch.Tensor:
     shim = types.SimpleNamespace(config=config)
     shim.iter_mm_grid_thw = types.MethodType(cls.iter_mm_grid_thw, shim)
     return torch.as_tensor(cls.get_mrope_input_positions(shim, ids, feats)[0])
+
+
+def forward_backward(fam: Family, m) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int]]:
+    """One materialized micro-batch ``m`` (images, videos or both) through the packed forward and a
+    GRPO-like loss (each token's logprob weighted distinctly, so no symmetry hides a bug), backward.
+
+    Returns:
+        the ``[T]`` float32 logprobs, every parameter's gradient (cloned; the model's grads cleared
+        after), and the rows each vision-tower call saw (one entry per call, in call order).
+    """
+    rows: list[int] = []
+    hook = fam.model.model.visual.register_forward_hook(lambda mod, a, o: rows.append(a[0].shape[0]))
+    fam.model.zero_grad(set_to_none=True)
+    try:
+        inputs = packed_inputs(
+            m.packed, m.features, fam.model, fam.spec, image_index=m.image_index, video_index=m.video_index
+        )
+        out = packed_logprobs(fam.model, inputs)
+        weights = torch.linspace(0.5, 1.5, out.logprobs.shape[0])  # distinct per token
+        (out.logprobs * out.loss_mask * weights).sum().backward()
+    finally:
+        hook.remove()
+    grads = {n: p.grad.detach().clone() for n, p in fam.model.named_parameters() if p.grad is not None}
+    fam.model.zero_grad(set_to_none=True)
+    return out.logprobs.detach(), grads, rows
 
 
 def gradients(model, loss_fn) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import REPO
-from trainer_lib.planning import refine, search
+from trainer_lib.planning import annealing, refine
 from trainer_lib.planning.bins import NEUTRAL, PIXELS, STRAY
 from trainer_lib.planning.items import EITHER, TEXT, VISION, MiniBatchItems, places
 from trainer_lib.planning.partition import partition_mini_batch
@@ -205,7 +205,7 @@ def test_the_annealing_draws_from_splitmix64():
         16408922859458223821,
     ]  # fmt: skip
     numba = pytest.importorskip("numba")
-    splitmix = search._splitmix
+    splitmix = annealing._splitmix
 
     @numba.njit
     def draws(state, k):

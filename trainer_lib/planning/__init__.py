@@ -14,7 +14,8 @@ them (docs/PACKING.md §1, §3):
 - :mod:`~trainer_lib.planning.partition` — balanced data-parallel slots, with the bound of
   :mod:`~trainer_lib.planning.slot_bound` and the tighter packings of
   :mod:`~trainer_lib.planning.repack`; the search (on by default, within a time budget) of
-  :mod:`~trainer_lib.planning.refine` (kernels in :mod:`~trainer_lib.planning.search`).
+  :mod:`~trainer_lib.planning.refine` (kernels: :mod:`~trainer_lib.planning.descent`,
+  :mod:`~trainer_lib.planning.annealing`, on :mod:`~trainer_lib.planning.search`'s state).
 - :mod:`~trainer_lib.planning.grouped` — the vision section balanced by compute, image groups
   kept together, after :mod:`~trainer_lib.planning.heavy_slot`'s slot of the samples that set
   their own pace.

@@ -30,7 +30,8 @@ what they leave (at the measured rates) goes to the annealing. Default budget
 model's card, at least :data:`BUDGET_FLOOR_S`, at most :data:`BUDGET_CAP_S`
 (docs/DESIGN-DECISIONS.md, "Issue 43: the plan's search under a time budget").
 
-Costs: both stages are compiled with numba (:mod:`~trainer_lib.planning.search`)."""
+Costs: both stages are compiled with numba (:mod:`~trainer_lib.planning.descent`,
+:mod:`~trainer_lib.planning.annealing`, on :mod:`~trainer_lib.planning.search`'s state)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trainer_lib.planning.annealing import anneal
+from trainer_lib.planning.descent import descend
 from trainer_lib.planning.items import VISION, MiniBatchItems
-from trainer_lib.planning.search import SearchState, anneal, bins_of, descend
+from trainer_lib.planning.search import SearchState, bins_of
 
 __all__ = [
     "ANNEAL_STEPS_PER_S",
@@ -83,7 +86,7 @@ mini-batches) on the project's shared 2-core AMD EPYC VM, 2026-12-04: 59.7k at l
 load 3-5 (docs/DESIGN-DECISIONS.md, "Issue 43: the plan's search under a time budget")."""
 ANNEAL_STEPS_PER_S = 10_000_000.0
 """Annealing steps per second, compiled, measured as :data:`DESCENT_CHANGES_PER_S`. Before the
-step was written out over scalars (``search._walk``): 4.81M at load 8, 6.38M at load 3-5, 3.7M in
+step was written out over scalars (``annealing._walk``): 4.81M at load 8, 6.38M at load 3-5, 3.7M in
 ``bench/pack.py``'s 1M-step row (load ~4), kept as 3.5M, the lowest rounded down. The written-out
 step, side by side with the old one on the same VM (2026-12-04, load ~1, two runs each): 26.6M
 against 7.4-7.6M steps/s, 3.5x; the old 3.5M scaled by less than that, 2.86x, so that a budget

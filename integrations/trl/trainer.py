@@ -1,8 +1,6 @@
-"""TRL's ``GRPOTrainer`` on an mmref server: rollouts by ref, the training batch from
-:mod:`trainer_lib`, the weights pushed before each generation (docs/INTEGRATIONS.md).
-
-:class:`MMRefGRPOTrainer` is ``trl.GRPOTrainer`` with five hooks, cited against TRL 1.16.0's
-``trl/trainer/grpo_trainer.py`` (the only range this module imports under, :data:`SUPPORTED`):
+""":class:`MMRefGRPOTrainer`: ``trl.GRPOTrainer`` with five hooks, cited against TRL 1.16.0's
+``trl/trainer/grpo_trainer.py`` (the package checked the installed version first:
+:data:`integrations.trl.SUPPORTED`); the rows' types and layouts are :mod:`integrations.trl.rows`.
 
 - ``rollout_func`` (public, ``GRPOTrainer.__init__``; called by ``_generate``, line 2210): each
   group of ``num_generations`` identical prompts is prepared once (chat template, each image
@@ -35,16 +33,15 @@ by TRL's own backend), PEFT (the push writes full weights), MoE router aux loss.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import torch
-import trl
+from accelerate.utils import gather_object
+from trl import GRPOConfig, GRPOTrainer
 
 from integrations.common import (
     IMAGE_READ_ERRORS,
@@ -52,68 +49,24 @@ from integrations.common import (
     PushRecord,
     WeightPusher,
     completion_rows,
-    require_version,
     stand_in_sample,
     text_only,
 )
-
-SUPPORTED = ">=1.16,<1.17"
-"""The TRL releases this module is tested with (``pyproject.toml``'s ``trl`` extra)."""
-require_version("trl", trl.__version__, SUPPORTED)
-
-from accelerate.utils import gather_object  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-from trl.data_utils import is_conversational, prepare_multimodal_messages  # noqa: E402
-
-from protocol.adapters import load_adapter  # noqa: E402
-from protocol.structs import TrainingSample  # noqa: E402
-from rollout_client import PreparedPrompt, RolloutClient, Sampling  # noqa: E402
-from trainer_lib import (  # noqa: E402
-    LogprobOptions,
-    MismatchStats,
-    PackingSpec,
-    logprob_mismatch,
-    prepare_model_for_packing,
+from integrations.trl.rows import (
+    GenerationReport,
+    Row,
+    check_rows,
+    group_runs,
+    images_into_prompt,
+    trl_outputs,
+    zero_rows,
 )
-from trainer_lib import sample_logprobs as packed_rows  # noqa: E402
+from protocol.adapters import load_adapter
+from rollout_client import PreparedPrompt, RolloutClient, Sampling
+from trainer_lib import LogprobOptions, PackingSpec, logprob_mismatch, prepare_model_for_packing
+from trainer_lib import sample_logprobs as packed_rows
 
-__all__ = ["SUPPORTED", "GenerationReport", "MMRefGRPOTrainer", "Row"]
-
-_log = logging.getLogger("integrations.trl")
-
-
-@dataclass(frozen=True)
-class Row:
-    """One row of a generation batch: its sample and where its completion starts."""
-
-    sample: TrainingSample
-    prompt_length: int
-    unreadable: bool = False
-    """A stand-in for a dataset row whose image could not be read (zero loss)."""
-
-
-@dataclass
-class GenerationReport:
-    """What one generation did (:attr:`MMRefGRPOTrainer.mmref_reports`, one per generation)."""
-
-    step: int
-    """``trainer.state.global_step`` when it ran."""
-    version: str
-    """The weights every rollout was served under (``x-mmref-weight-version``)."""
-    push: PushRecord | None
-    rows: list[Row]
-    unreadable_rows: int = 0
-    zeroed_rows: int = 0
-    """Rows whose image went missing after the rollout (zeroed by ``placeholder_zero_loss``)."""
-    served_versions: set[str] = field(default_factory=set)
-    """The versions the server's answers named (one, ``version``, unless something went wrong)."""
-    trainer_pixel_bytes: int = 0
-    """Bytes of image features the loss forwards were given (each distinct image once per
-    micro-batch: the trainer's image input, beside TRL's ``pixel_values`` of every row)."""
-    mismatch: MismatchStats | None = None
-    """Server vs trainer logprobs on this generation's completions, measured on the first loss
-    forward (the trainer then holds the weights the server sampled with)."""
-    _compared: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
+__all__ = ["MMRefGRPOTrainer"]
 
 
 class MMRefGRPOTrainer(GRPOTrainer):
@@ -127,7 +80,6 @@ class MMRefGRPOTrainer(GRPOTrainer):
 
     Raises:
         ValueError: a setting this integration refuses (see the module docstring).
-        FrameworkVersionError: TRL outside :data:`SUPPORTED` (on import).
     """
 
     def __init__(
@@ -180,7 +132,7 @@ class MMRefGRPOTrainer(GRPOTrainer):
         version = self._mmref_version
         sampling = Sampling(temperature=self.temperature, max_tokens=self.max_completion_length)
         prepared = [self._mmref_prepare(p) for p in prompts]
-        runs = _runs(prepared)
+        runs = group_runs(prepared)
         with ThreadPoolExecutor(max_workers=max(1, min(8, len(runs)))) as pool:
             futures = {
                 start: pool.submit(
@@ -207,7 +159,7 @@ class MMRefGRPOTrainer(GRPOTrainer):
         report = GenerationReport(self.state.global_step, str(version), push, rows, served_versions=served)
         report.unreadable_rows = sum(r.unreadable for r in rows)
         self.mmref_reports.append(report)
-        return _trl_outputs(rows, version)
+        return trl_outputs(rows, version)
 
     def _mmref_prepare(self, messages: Any) -> PreparedPrompt | BaseException:
         """The prompt's tokens and refs (images offloaded once by content), or the read error of a
@@ -242,7 +194,7 @@ class MMRefGRPOTrainer(GRPOTrainer):
     # --- the training batch -----------------------------------------------------------------------
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        output = super()._generate_and_score_completions([_images_into_prompt(x) for x in inputs])
+        output = super()._generate_and_score_completions([images_into_prompt(x) for x in inputs])
         output["mmref_rows"] = list(self._mmref_rows)
         server = output.get("sampling_per_token_logps")
         if output.get("old_per_token_logps") is None and server is not None and not server.isnan().any():
@@ -280,7 +232,7 @@ class MMRefGRPOTrainer(GRPOTrainer):
         Raises:
             RuntimeError: TRL's rows are not the rollouts' (count or completion tokens differ).
         """
-        _check_rows(rows, input_ids, width)
+        check_rows(rows, input_ids, width)
         forward = packed_rows(
             [r.sample for r in rows],
             self.accelerator.unwrap_model(model),
@@ -309,7 +261,7 @@ class MMRefGRPOTrainer(GRPOTrainer):
         report = self.mmref_reports[-1]
         report.trainer_pixel_bytes += forward.pixel_bytes
         if forward.zeroed:
-            inputs = {**inputs, "tool_mask": _zero_rows(inputs["tool_mask"], forward.zeroed)}
+            inputs = {**inputs, "tool_mask": zero_rows(inputs["tool_mask"], forward.zeroed)}
             report.zeroed_rows += len(forward.zeroed)
         self._mmref_note_mismatch(logps.detach(), inputs)
         self._mmref_pending = (logps, entropies)
@@ -368,59 +320,3 @@ def _refuse(args: GRPOConfig | None, kwargs: dict[str, Any]) -> None:
             problems.append(f"{key} (not supported with mmref's rollouts; see integrations.trl)")
     if problems:
         raise ValueError("MMRefGRPOTrainer: " + "; ".join(problems))
-
-
-def _images_into_prompt(row: dict[str, Any]) -> dict[str, Any]:
-    """The row with its ``image``/``images`` column moved into its prompt messages (TRL's
-    ``prepare_multimodal_messages``) and the column removed."""
-    if "images" not in row and "image" not in row:
-        return row
-    row = dict(row)
-    images = row.pop("images", None) or []
-    if "image" in row:
-        image = row.pop("image")
-        images = [image] if image is not None else []
-    if not is_conversational(row):
-        raise ValueError("multimodal rows need conversational prompts (a list of chat messages)")
-    row["prompt"] = prepare_multimodal_messages(row["prompt"], images=images)
-    return row
-
-
-def _runs(prepared: Sequence[Any]) -> list[tuple[int, int]]:
-    """``[start, end)`` of each run of consecutive equal prompts (one group each)."""
-    runs: list[tuple[int, int]] = []
-    for i, p in enumerate(prepared):
-        if runs and isinstance(p, PreparedPrompt) and prepared[runs[-1][0]] == p:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
-
-
-def _trl_outputs(rows: Sequence[Row], version: str | None) -> dict[str, list]:
-    """TRL's ``rollout_func`` keys of the rows."""
-    return {
-        "prompt_ids": [r.sample.input_ids[: r.prompt_length] for r in rows],
-        "completion_ids": [r.sample.input_ids[r.prompt_length :] for r in rows],
-        "logprobs": [r.sample.inference_logprobs[r.prompt_length :] for r in rows],
-        "env_mask": [[0 if r.unreadable else 1] * (len(r.sample.input_ids) - r.prompt_length) for r in rows],
-        "mmref_unreadable_image": [r.unreadable for r in rows],
-        "mmref_weight_version": [version] * len(rows),
-    }
-
-
-def _check_rows(rows: Sequence[Row], input_ids: torch.Tensor, width: int) -> None:
-    """TRL's ``[B, P + C]`` ids must be the rows' (same count, same completion tokens)."""
-    if len(rows) != input_ids.shape[0]:
-        raise RuntimeError(f"{input_ids.shape[0]} rows in TRL's batch, {len(rows)} mmref rows")
-    start = input_ids.shape[1] - width
-    for b, r in enumerate(rows):
-        completion = r.sample.input_ids[r.prompt_length :]
-        if input_ids[b, start : start + len(completion)].tolist() != completion:
-            raise RuntimeError(f"row {b}: TRL's completion tokens are not the rollout's")
-
-
-def _zero_rows(mask: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-    out = mask.clone()
-    out[list(rows)] = 0
-    return out
