@@ -10,11 +10,30 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from protocol.errors import (
+    AssetNotFound,
+    AssetTooLarge,
+    HashMismatch,
+    ImageUnreadable,
+    MMRefError,
+    VideoUnreadable,
+)
 from protocol.images import DEFAULT_MAX_IMAGE_PIXELS
 from protocol.settings import RootSettings
 from protocol.store import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_VIDEO_BYTES
 
-__all__ = ["DEFAULT_MATERIALIZE_OPTIONS", "MaterializeConfig", "MaterializeOptions", "MissingPolicy"]
+__all__ = [
+    "DEFAULT_MATERIALIZE_OPTIONS",
+    "REPLACEABLE",
+    "MaterializeConfig",
+    "MaterializeOptions",
+    "MissingPolicy",
+]
+
+REPLACEABLE = (AssetNotFound, ImageUnreadable, VideoUnreadable, HashMismatch, AssetTooLarge)
+"""Errors about an image or video file itself, which a zero stand-in may replace. Others (outside
+the roots, invalid ref, wrong family or fingerprint, grid mismatch) mean the batch is wrong, not
+the file, and ``StoreUnavailable`` means the file may exist: they always raise."""
 
 MissingPolicy = Literal["placeholder_zero_loss", "error"]
 """What a missing or unreadable image or video becomes: zero features of its grid and the sample's
@@ -64,6 +83,11 @@ class MaterializeOptions:
     def replace_missing(self) -> bool:
         """Zero stand-ins for a missing or unreadable image or video (``placeholder_zero_loss``)."""
         return self.policy == "placeholder_zero_loss"
+
+    def replaces(self, error: MMRefError) -> bool:
+        """Whether a zero stand-in takes the place of the image or video that raised ``error``:
+        under ``placeholder_zero_loss``, for an error about the file itself (:data:`REPLACEABLE`)."""
+        return self.replace_missing and isinstance(error, REPLACEABLE)
 
 
 DEFAULT_MATERIALIZE_OPTIONS = MaterializeOptions()

@@ -36,7 +36,7 @@ import torch
 
 from protocol.adapters import ImageAdapter, ProcessedImage, ProcessedVideo
 from protocol.adapters.values import CheckedRef
-from protocol.errors import AssetNotFound, AssetTooLarge, HashMismatch, ImageUnreadable, MMRefError
+from protocol.errors import MMRefError
 from protocol.store import ImageSource
 from protocol.structs import TrainingSample
 from trainer_lib import metrics
@@ -69,10 +69,7 @@ Resolved = dict[str, ProcessedImage | ProcessedVideo | MMRefError]
 """Refs already resolved in this step (ref string -> processed image, or the replaceable error
 that stood for it): pass one dict to every :func:`materialize` / :func:`materialize_micro_batch`
 call of a step and each distinct image is read, decoded and processed once per step."""
-_REPLACEABLE = (AssetNotFound, ImageUnreadable, HashMismatch, AssetTooLarge)
-"""Errors a placeholder may stand in for. Others (outside root, invalid ref, wrong family or
-fingerprint, grid mismatch) mean the batch is wrong, not the image, and ``StoreUnavailable``
-means the image may exist: they always raise."""
+
 _log = logging.getLogger(__name__)
 
 
@@ -179,7 +176,7 @@ def _resolve(
             max_pixels=options.max_image_pixels,
         )
     except MMRefError as e:
-        if options.replace_missing and isinstance(e, _REPLACEABLE):
+        if options.replaces(e):
             return e
         raise type(e)(f"{e.message} (trainer asset roots checked: {', '.join(roots)})", ref=e.ref) from e
 

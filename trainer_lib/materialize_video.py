@@ -23,14 +23,10 @@ import torch
 from protocol.adapters import ProcessedVideo, VideoMixin
 from protocol.adapters.values import CheckedRef
 from protocol.errors import (
-    AssetNotFound,
-    AssetTooLarge,
     GridMismatch,
-    HashMismatch,
     MMRefError,
     PlaceholderMismatch,
     UnsupportedFamily,
-    VideoUnreadable,
 )
 from protocol.refs import ContentRef, RawRefBody
 from protocol.store import ImageSource
@@ -51,8 +47,6 @@ __all__ = [
 
 VIDEO_FEATURES = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 """The feature names a family's videos add (``VideoMixin.collate_videos``: the HF processor's)."""
-_REPLACEABLE = (AssetNotFound, VideoUnreadable, HashMismatch, AssetTooLarge)
-"""Errors a zero stand-in may replace (as for images); the others mean the batch is wrong."""
 
 
 @dataclass
@@ -209,7 +203,7 @@ def _resolve(
             limits=frame_limits(options.max_image_pixels),
         )
     except MMRefError as e:
-        if options.replace_missing and isinstance(e, _REPLACEABLE):
+        if options.replaces(e):
             return e
         raise
 
