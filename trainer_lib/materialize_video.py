@@ -28,7 +28,6 @@ from protocol.errors import (
     PlaceholderMismatch,
     UnsupportedFamily,
 )
-from protocol.refs import ContentRef, RawRefBody
 from protocol.store import ImageSource
 from protocol.structs import RawMMRef, TrainingSample
 from protocol.videos import frame_limits
@@ -101,17 +100,17 @@ def materialize_videos(
     if not isinstance(adapter, VideoMixin):
         raise UnsupportedFamily(f"the {adapter.family} adapter has no video path (a video ref in the batch)")
     per_sample = [video_refs(s) for s in samples]
-    grids = _checked(per_sample, adapter)
+    checked = _checked(per_sample, adapter)
     resolved = {} if resolved is None else resolved
-    todo = [(ref, CheckedRef(body, grid)) for ref, (body, grid) in grids.items() if ref not in resolved]
+    todo = [(ref, c) for ref, c in checked.items() if ref not in resolved]
     resolve = functools.partial(_resolve, adapter=adapter, source=source, options=options)
     done = dict(zip((ref for ref, _ in todo), run_on_pool(resolve, todo, options.max_workers), strict=True))
     resolved.update(done)
-    results = {ref: resolved[ref] for ref in grids}
+    results = {ref: resolved[ref] for ref in checked}
     out = VideoFeatures(features={}, videos_per_sample=[len(refs) for refs in per_sample])
     out.processed = sum(1 for r in done.values() if not isinstance(r, MMRefError))
     stand_ins = {
-        ref: _zeros(adapter, grids[ref][1]) for ref, r in results.items() if isinstance(r, MMRefError)
+        ref: _zeros(adapter, checked[ref].grid) for ref, r in results.items() if isinstance(r, MMRefError)
     }
     for r in results.values():
         if isinstance(r, MMRefError):
@@ -157,18 +156,17 @@ def add_videos(batch: Any, videos: VideoFeatures) -> None:
             batch.samples[i] = msgspec.structs.replace(sample, loss_mask=[False] * len(sample.loss_mask))
 
 
-def _checked(
-    per_sample: list[list[RawMMRef]], adapter: VideoMixin
-) -> dict[str, tuple[RawRefBody | ContentRef, tuple[int, ...]]]:
-    """Every distinct video ref's parsed body and checked grid (first-seen order); each slot's
-    ``RawMMRef`` grid and count checked against them."""
-    out: dict[str, tuple[RawRefBody | ContentRef, tuple[int, ...]]] = {}
+def _checked(per_sample: list[list[RawMMRef]], adapter: VideoMixin) -> dict[str, CheckedRef]:
+    """Every distinct video ref checked once (first-seen order: its parsed body and grid, what
+    ``resolve_video`` takes without checking again); each slot's ``RawMMRef`` grid and count
+    checked against them."""
+    out: dict[str, CheckedRef] = {}
     for i, refs in enumerate(per_sample):
         for r in refs:
             if r.ref not in out:
                 body = raw_body(r.ref)
-                out[r.ref] = (body, adapter.check_video_ref(body, ref=r.ref))
-            grid = out[r.ref][1]
+                out[r.ref] = CheckedRef(body, adapter.check_video_ref(body, ref=r.ref))
+            grid = out[r.ref].grid
             if tuple(r.grid) != grid:
                 raise GridMismatch(
                     f"sample {i}: RawMMRef grid {r.grid} != its video ref's {list(grid)}", ref=r.ref
