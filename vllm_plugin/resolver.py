@@ -33,7 +33,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
@@ -191,7 +190,7 @@ class MMRefResolver:
         source = ExtRecorder(self.store)
         limit = self.config.max_image_bytes
         processed = self._pixels(self.adapter.resolve_raw, checked, source, ref=ref, max_bytes=limit)
-        return dataclasses.replace(self._raw_item(processed, source.ext), body=checked.body)
+        return self._raw_item(processed, source.ext, checked.body)
 
     def _video_adapter(self, ref: str) -> VideoMixin:
         """The adapter, where it serves videos (Qwen2.5-VL, Qwen3-VL: ``VideoMixin.attach_video``).
@@ -240,8 +239,11 @@ class MMRefResolver:
                 **kwargs,
             )
 
-    def _raw_item(self, processed: ProcessedImage, ext: str) -> ResolvedItem:
-        """vLLM's item for a processed image whose bytes are stored as ``images/<sha256[:16]><ext>``."""
+    def _raw_item(
+        self, processed: ProcessedImage, ext: str, body: RawRefBody | ContentRef | None = None
+    ) -> ResolvedItem:
+        """vLLM's item for a processed image whose bytes are stored as ``images/<sha256[:16]><ext>``
+        (``body``: the ref it was read for, parsed once; None for a content-named handle)."""
         from transformers import BatchFeature
 
         hf_inputs = BatchFeature(dict(processed.tensors))
@@ -253,6 +255,7 @@ class MMRefResolver:
             item=item,
             grid=processed.grid,
             num_placeholders=processed.num_placeholders,
+            body=body,
         )
 
     def _resolve_file_sync(self, ref_ids: FileRef, ref: str) -> ResolvedItem:
